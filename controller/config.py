@@ -1,0 +1,206 @@
+"""config.toml -> frozen dataclasses, validated once (STYLE.md practice 7).
+
+One dataclass per table. Every field documents itself (``doc``) and its bounds; errors name the key,
+the value and the fix. ``load_config`` collects every error before raising, so an operator fixes the
+file in one pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_CONFIG = Path("config.toml")
+
+
+class ConfigError(Exception):
+    """The config file is invalid; ``errors`` lists every problem found."""
+
+    def __init__(self, errors: list[str]) -> None:
+        super().__init__("\n".join(errors))
+        self.errors = errors
+
+
+def _f(default: Any, doc: str, lo: float | None = None, hi: float | None = None) -> Any:
+    return field(default=default, metadata={"doc": doc, "lo": lo, "hi": hi})
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """[server]: the data plane (vLLM's OpenAI-compatible app)."""
+
+    host: str = _f("127.0.0.1", "Address the OpenAI-compatible API listens on.")
+    port: int = _f(8000, "Port of the OpenAI-compatible API.", 1, 65535)
+    shutdown_timeout_s: float = _f(
+        30.0, "On SIGTERM/SIGINT, how long in-flight requests may run before they are aborted.", 0, 3600
+    )
+    vllm: dict[str, Any] = field(
+        default_factory=dict,
+        metadata={"doc": "Any other key of [server] is a `vllm serve` front-end option (api_key, "
+                  "served_model_name, chat_template, ...), passed through."},
+    )
+
+
+@dataclass(frozen=True)
+class AdminConfig:
+    """[admin]: the control plane (/metrics, /state, /healthz)."""
+
+    host: str = _f("127.0.0.1", "Address of the control plane. Keep it on loopback unless firewalled.")
+    port: int = _f(9400, "Port of the control plane.", 1, 65535)
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """[admission]: the gate in front of the engine."""
+
+    limit: int = _f(64, "Initial admission limit: requests allowed inside the engine at once.", 1, 100_000)
+    max_queue: int = _f(
+        1024, "Requests that may wait in the gate beyond the limit; more are refused with 429.", 0, 1_000_000
+    )
+
+
+@dataclass(frozen=True)
+class ControlConfig:
+    """[control]: the loop that moves the admission limit and the batch cap."""
+
+    tick_seconds: float = _f(1.0, "Seconds between two control-loop ticks.", 0.05, 3600)
+    policy: str = _f("static", "A registered policy name, or 'module:Class' for a plug-in.")
+    window_seconds: float = _f(10.0, "Length of the engine-stats window the loop observes.", 0.5, 3600)
+    history: int = _f(50, "How many recent decisions /state shows.", 1, 10_000)
+    params: dict[str, Any] = field(
+        default_factory=dict, metadata={"doc": "[control.params]: the policy's own parameters."}
+    )
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole file. ``engine`` holds vLLM engine arguments, passed through unchanged."""
+
+    engine: dict[str, Any]
+    server: ServerConfig
+    admin: AdminConfig
+    admission: AdmissionConfig
+    control: ControlConfig
+    path: Path
+
+    @property
+    def max_num_seqs(self) -> int:
+        return int(self.engine["max_num_seqs"])
+
+
+_TABLES: dict[str, type[Any]] = {
+    "server": ServerConfig,
+    "admin": AdminConfig,
+    "admission": AdmissionConfig,
+    "control": ControlConfig,
+}
+_DICT_FIELDS = {"vllm", "params"}
+"""Fields that hold a table of free-form keys rather than one typed value."""
+
+
+def _suggest(key: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(key, known, n=1)
+    return f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(sorted(known))}"
+
+
+_TYPES: dict[str, type] = {"int": int, "float": float, "str": str}
+
+
+def _check_value(table: str, f: dataclasses.Field[Any], value: Any) -> list[str]:
+    want = _TYPES[str(f.type)]
+    where = f"[{table}] {f.name} = {value!r}"
+    ok = isinstance(value, want) or (want is float and isinstance(value, int))
+    if not ok or isinstance(value, bool):
+        return [f"{where}: must be {want.__name__}. {f.metadata['doc']}"]
+    lo, hi = f.metadata["lo"], f.metadata["hi"]
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        return [f"{where}: out of range; use a value in [{lo}, {hi}]. {f.metadata['doc']}"]
+    return []
+
+
+def _build_table(name: str, raw: dict[str, Any], errors: list[str]) -> Any:
+    cls = _TABLES[name]
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in _DICT_FIELDS}
+    kwargs: dict[str, Any] = {}
+    free: dict[str, Any] = {}
+    for key, value in raw.items():
+        if name == "control" and key == "params":
+            if isinstance(value, dict):
+                kwargs["params"] = dict(value)
+            else:
+                errors.append("[control] params must be a table: write [control.params]")
+        elif key in fields:
+            problems = _check_value(name, fields[key], value)
+            errors.extend(problems)
+            if not problems:
+                kwargs[key] = float(value) if fields[key].type == "float" else value
+        elif name == "server":
+            free[key] = value  # a vLLM front-end option, checked against vLLM's parser below
+        else:
+            errors.append(f"[{name}] unknown key '{key}': {_suggest(key, list(fields))}")
+    if name == "server":
+        kwargs["vllm"] = free
+    return cls(**kwargs)
+
+
+def parse_config(data: dict[str, Any], path: Path) -> Config:
+    """Validate a parsed TOML document; raise ``ConfigError`` with every problem found."""
+    errors: list[str] = []
+    known = ["engine", *_TABLES]
+    for key in data:
+        if key not in known:
+            errors.append(f"unknown table [{key}]: {_suggest(key, known)}")
+    engine = dict(data.get("engine", {}))
+    if "model" not in engine:
+        errors.append("[engine] model is missing: set it to a model path or Hugging Face name")
+    elif isinstance(engine["model"], str) and not Path(engine["model"]).is_absolute():
+        local = path.parent / engine["model"]
+        if local.exists() or engine["model"].startswith((".", "models/")):
+            engine["model"] = str(local.resolve())
+    engine.setdefault("max_num_seqs", 256)
+    tables = {name: _build_table(name, dict(data.get(name, {})), errors) for name in _TABLES}
+    from controller.engine.args import engine_table_errors  # vLLM's own argument names
+
+    errors.extend(engine_table_errors(engine, tables["server"].vllm))
+    if not errors:
+        errors.extend(_cross_check(engine, tables))
+    if errors:
+        raise ConfigError(errors)
+    return Config(engine=engine, path=path, **tables)
+
+
+def _cross_check(engine: dict[str, Any], tables: dict[str, Any]) -> list[str]:
+    errors = []
+    if tables["server"].port == tables["admin"].port and tables["server"].host == tables["admin"].host:
+        errors.append(
+            f"[admin] port = {tables['admin'].port}: same as [server] port; give the control plane its own port"
+        )
+    seqs = engine["max_num_seqs"]
+    if not isinstance(seqs, int) or seqs < 1:
+        errors.append(f"[engine] max_num_seqs = {seqs!r}: must be an integer >= 1 (it caps the batch)")
+    return errors
+
+
+def load_config(path: Path = DEFAULT_CONFIG) -> Config:
+    """Read and validate ``path``."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError([f"cannot read config file {path}: {exc.strerror}; pass --config PATH"]) from exc
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([f"{path}: not valid TOML ({exc}); fix the syntax at that line"]) from exc
+    return parse_config(data, path)
+
+
+def describe(config: Config) -> dict[str, Any]:
+    """The effective config as plain data (check-config, /state)."""
+    out: dict[str, Any] = {"engine": dict(config.engine)}
+    for name in _TABLES:
+        out[name] = dataclasses.asdict(getattr(config, name))
+    return out

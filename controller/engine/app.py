@@ -1,0 +1,74 @@
+"""The data plane: vLLM's own OpenAI-compatible app over the governed client, served by uvicorn in
+the daemon's event loop. vLLM's handlers are used unchanged."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+from vllm.entrypoints.launchers.app import build_app
+
+from controller.engine.client import GovernedEngineClient
+
+ASGIApp = Callable[..., Any]
+
+
+class RetryAfterMiddleware:
+    """Adds ``Retry-After`` to 429/503 answers; vLLM's error responses carry none."""
+
+    def __init__(self, app: ASGIApp, retry_after_s: Callable[[], int]) -> None:
+        self.app = app
+        self.retry_after_s = retry_after_s
+
+    async def __call__(self, scope: dict[str, Any], receive: ASGIApp, send: ASGIApp) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_retry_after(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start" and message["status"] in (429, 503):
+                headers = list(message.get("headers", []))
+                headers.append((b"retry-after", str(self.retry_after_s()).encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_retry_after)
+
+
+async def build_data_plane(client: GovernedEngineClient, args: argparse.Namespace) -> FastAPI:
+    supported_tasks = await client.get_supported_tasks()
+    app = build_app(args, supported_tasks, client.model_config)
+    await init_app_state(client, app.state, args, supported_tasks)
+    return app
+
+
+class DataPlaneServer(uvicorn.Server):
+    """uvicorn without its signal handlers: the daemon owns SIGTERM/SIGINT/SIGHUP."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def make_server(
+    app: FastAPI, args: argparse.Namespace, shutdown_timeout_s: float, retry_after_s: Callable[[], int]
+) -> DataPlaneServer:
+    # Wrapped outside the app: vLLM's app has built its middleware stack by now.
+    config = uvicorn.Config(
+        RetryAfterMiddleware(app, retry_after_s),
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log,
+        timeout_keep_alive=5,
+        timeout_graceful_shutdown=int(max(1, shutdown_timeout_s)),
+        log_config=None,
+    )
+    server = DataPlaneServer(config)
+    app.state.server = server  # vLLM's error handler reads it
+    return server

@@ -1,0 +1,105 @@
+"""The control loop: observe -> decide -> normalize -> apply, one function each (STYLE.md 4).
+
+Only ``apply`` touches the engine. Every change carries the policy's reason, or the normalize
+stage's own ("clamped_max", ...), and is logged, counted and kept in a short history for /state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+import structlog
+
+from policies.base import Decision, Observation, Policy
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Change:
+    """One knob moving from ``old`` to ``new``, and why."""
+
+    knob: str
+    """"admission_limit" or "batch_cap"."""
+    old: int
+    new: int
+    reason: str
+    t_mono: float
+    t_wall: float
+
+
+class Actuator(Protocol):
+    def set_admission_limit(self, limit: int) -> None: ...
+
+    def set_batch_cap(self, cap: int) -> Awaitable[int]: ...
+
+
+def normalize(decision: Decision, obs: Observation) -> list[tuple[str, int, int, str]]:
+    """Clamp each knob to its bounds; keep only real changes. Returns (knob, old, new, reason)."""
+    out = []
+    wanted = {
+        "admission_limit": (decision.admission_limit, obs.admission_limit, None),
+        "batch_cap": (decision.batch_cap, obs.batch_cap, obs.max_num_seqs),
+    }
+    for knob, (want, current, ceiling) in wanted.items():
+        if want is None:
+            continue
+        reason = decision.reason
+        if want < 1:
+            want, reason = 1, f"{reason}:clamped_min"
+        if ceiling is not None and want > ceiling:
+            want, reason = ceiling, f"{reason}:clamped_max"
+        if want != current:
+            out.append((knob, current, want, reason))
+    return out
+
+
+class ControlLoop:
+    """Runs one tick at a time; the scheduler calls ``tick`` every ``[control] tick_seconds``."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        observe: Callable[[], Observation],
+        actuator: Actuator,
+        on_change: Callable[[Change], None],
+        history: int = 50,
+    ) -> None:
+        self.policy = policy
+        self._observe = observe
+        self._actuator = actuator
+        self._on_change = on_change
+        self.history: deque[Change] = deque(maxlen=history)
+        self.last_reason = "not_started"
+        self._lock = asyncio.Lock()
+
+    async def tick(self) -> list[Change]:
+        if self._lock.locked():  # never overlap the previous tick
+            return []
+        async with self._lock:
+            obs = self._observe()
+            decision = self.policy.decide(obs, obs.now_mono)
+            self.last_reason = decision.reason
+            return await self._apply(normalize(decision, obs), obs)
+
+    async def _apply(self, moves: list[tuple[str, int, int, str]], obs: Observation) -> list[Change]:
+        changes = []
+        for knob, old, new, reason in moves:
+            if knob == "admission_limit":
+                self._actuator.set_admission_limit(new)
+            else:
+                new = await self._actuator.set_batch_cap(new)
+            change = Change(knob, old, new, reason, obs.now_mono, time.time())
+            self.history.append(change)
+            self._on_change(change)
+            log.info("knob_changed", **asdict(change))
+            changes.append(change)
+        return changes
+
+    def recent(self) -> list[dict[str, Any]]:
+        return [asdict(c) for c in self.history]

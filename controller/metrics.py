@@ -1,0 +1,45 @@
+"""Prometheus definitions. The registry is passed in (each test has a fresh one); vLLM's own
+``vllm:*`` metrics live in prometheus_client's default registry and are exposed beside ours."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.admission_limit = Gauge(
+            "autopilot_admission_limit", "Requests allowed inside the engine at once.", registry=registry
+        )
+        self.batch_cap = Gauge(
+            "autopilot_batch_cap", "Active-request cap of the engine's scheduler.", registry=registry
+        )
+        self.max_num_seqs = Gauge(
+            "autopilot_max_num_seqs", "Hard ceiling of the batch cap (engine max_num_seqs).", registry=registry
+        )
+        self.in_flight = Gauge(
+            "autopilot_in_flight_requests", "Requests holding an admission slot.", registry=registry
+        )
+        self.queue_depth = Gauge(
+            "autopilot_queue_depth",
+            "Requests waiting in the admission gate, by priority class.",
+            ["priority_class"],
+            registry=registry,
+        )
+        self.rejected = Counter(
+            "autopilot_rejected_requests",
+            "Requests refused before they started, by reason and priority class.",
+            ["reason", "priority_class"],
+            registry=registry,
+        )
+        self.decisions = Counter(
+            "autopilot_decisions",
+            "Knob changes applied by the control loop, by knob and reason.",
+            ["knob", "reason"],
+            registry=registry,
+        )
+        self.engine_generation = Gauge(
+            "autopilot_engine_generation", "How many engines this daemon has started.", registry=registry
+        )
+        self.engine_up = Gauge("autopilot_engine_up", "1 when the engine serves, else 0.", registry=registry)

@@ -1,0 +1,138 @@
+"""The engine-stats window: what the engine reported over the last seconds.
+
+vLLM calls our stat logger once per engine step that produced output (never when idle), on the event
+loop. Each call becomes a ``StepSample``; ``TelemetryWindow.snapshot`` summarises the window. Time
+arrives as an argument or from the injected clock, never from a hidden read.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from controller.clock import Clock, monotonic
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One engine step as reported by vLLM's stat-logger hook."""
+
+    t_mono: float
+    """When the step was recorded (monotonic clock of the daemon)."""
+    running: int
+    """Requests in the scheduler's RUNNING set after the step."""
+    waiting: int
+    """Requests waiting inside the engine (not in our gate)."""
+    kv_usage: float
+    """Fraction of KV-cache blocks in use, 0..1."""
+    preempted: int
+    """Requests preempted during the step."""
+    generated_tokens: int
+    """Tokens generated during the step."""
+    ttft_s: tuple[float, ...]
+    """Time to first token of the requests that got it in this step (seconds)."""
+    itl_s: tuple[float, ...]
+    """Inter-token latencies observed in this step (seconds)."""
+    finished: int
+    """Requests that finished in this step."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Summary of the window; what policies and /state read."""
+
+    now_mono: float
+    window_s: float
+    steps: int
+    """Engine steps recorded inside the window."""
+    running: int
+    waiting: int
+    kv_usage: float
+    kv_usage_mean: float
+    kv_usage_max: float
+    preemptions: int
+    preemptions_per_s: float
+    generated_tokens_per_s: float
+    finished_per_s: float
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    itl_p50_s: float | None
+    itl_p99_s: float | None
+    last_step_age_s: float | None
+    """Seconds since the engine last reported a step; None before the first one. A large age with
+    nothing running means idle, not stalled."""
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0..100) of ``values``; None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+class TelemetryWindow:
+    """A rolling window of engine steps."""
+
+    def __init__(self, window_s: float = 10.0, clock: Clock = monotonic, max_steps: int = 20_000) -> None:
+        self.window_s = window_s
+        self._clock = clock
+        self._steps: deque[StepSample] = deque(maxlen=max_steps)
+        self.total_steps = 0
+        self.total_preemptions = 0
+        self.total_generated_tokens = 0
+
+    def now(self) -> float:
+        return self._clock()
+
+    def record(self, sample: StepSample) -> None:
+        self._steps.append(sample)
+        self.total_steps += 1
+        self.total_preemptions += sample.preempted
+        self.total_generated_tokens += sample.generated_tokens
+
+    def reset(self) -> None:
+        """Forget the window (a new engine starts from nothing)."""
+        self._steps.clear()
+
+    def _trim(self, now: float) -> None:
+        horizon = now - self.window_s
+        while self._steps and self._steps[0].t_mono < horizon:
+            self._steps.popleft()
+
+    def snapshot(self) -> EngineStats:
+        now = self._clock()
+        self._trim(now)
+        steps = list(self._steps)
+        last = steps[-1] if steps else None
+        span = self.window_s
+        kv = [s.kv_usage for s in steps]
+        ttft = [v for s in steps for v in s.ttft_s]
+        itl = [v for s in steps for v in s.itl_s]
+        preempted = sum(s.preempted for s in steps)
+        return EngineStats(
+            now_mono=now,
+            window_s=span,
+            steps=len(steps),
+            running=last.running if last else 0,
+            waiting=last.waiting if last else 0,
+            kv_usage=last.kv_usage if last else 0.0,
+            kv_usage_mean=sum(kv) / len(kv) if kv else 0.0,
+            kv_usage_max=max(kv) if kv else 0.0,
+            preemptions=preempted,
+            preemptions_per_s=preempted / span,
+            generated_tokens_per_s=sum(s.generated_tokens for s in steps) / span,
+            finished_per_s=sum(s.finished for s in steps) / span,
+            ttft_p50_s=percentile(ttft, 50),
+            ttft_p99_s=percentile(ttft, 99),
+            itl_p50_s=percentile(itl, 50),
+            itl_p99_s=percentile(itl, 99),
+            last_step_age_s=(now - last.t_mono) if last else None,
+        )
+
+    def max_running_since(self, t_mono: float) -> int:
+        """Largest RUNNING count reported at or after ``t_mono`` (0 when none)."""
+        return max((s.running for s in self._steps if s.t_mono >= t_mono), default=0)

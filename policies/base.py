@@ -1,0 +1,126 @@
+"""What a policy sees, what it says, and how policies are found by name.
+
+A policy is pure (STYLE.md practice 1): ``decide(observation, now_mono) -> Decision``. No I/O, no clock
+reads, no engine handle. Clamping, tolerance and "apply only on change" belong to the loop's
+normalize stage, not to policies.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One tick's view of the system, built by the samplers, only read by policies."""
+
+    now_mono: float
+    """Monotonic time of the observation (seconds)."""
+    admission_limit: int
+    """Admission limit in force."""
+    batch_cap: int
+    """Batch cap in force inside the engine."""
+    max_num_seqs: int
+    """Hard ceiling of the batch cap (the engine's max_num_seqs)."""
+    in_flight: int
+    """Requests holding a gate slot."""
+    queued: int
+    """Requests waiting in the gate."""
+    running: int
+    """Requests RUNNING in the engine at its last step."""
+    waiting: int
+    """Requests waiting inside the engine at its last step."""
+    kv_usage: float
+    """KV-cache usage at the last step, 0..1."""
+    kv_usage_mean: float
+    """Mean KV-cache usage over the window."""
+    kv_usage_max: float
+    """Max KV-cache usage over the window."""
+    preemptions_per_s: float
+    """Preemptions per second over the window."""
+    generated_tokens_per_s: float
+    """Generated tokens per second over the window."""
+    ttft_p99_s: float | None
+    """p99 time to first token over the window; None without samples."""
+    itl_p99_s: float | None
+    """p99 inter-token latency over the window; None without samples."""
+    stats_age_s: float | None
+    """Seconds since the engine last reported a step; None before the first step."""
+
+    @property
+    def idle(self) -> bool:
+        """Nothing in flight or queued: old engine stats mean idle, not stalled."""
+        return self.in_flight == 0 and self.queued == 0
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a policy wants. ``None`` for a knob means "leave it as it is"."""
+
+    admission_limit: int | None
+    batch_cap: int | None
+    reason: str
+    """A short stable string: logged, exported as a metric label, shown in /state."""
+
+
+class Policy(ABC):
+    """Base class of all policies. Subclasses document their formula, parameters and states."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def decide(self, obs: Observation, now_mono: float) -> Decision: ...
+
+    def params(self) -> dict[str, Any]:
+        """The effective parameters, for /state."""
+        return {}
+
+    def terms(self) -> dict[str, float]:
+        """Internal terms (error, integral, baseline, ...) exported as gauges."""
+        return {}
+
+
+class PolicyError(ValueError):
+    """A policy name or parameter is invalid; the message names it and the fix."""
+
+
+REGISTRY: dict[str, type[Policy]] = {}
+
+
+def register(cls: type[Policy]) -> type[Policy]:
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def resolve(name: str) -> type[Policy]:
+    """A registered name, or ``"module:Class"`` for an outside plug-in."""
+    import policies.static  # noqa: F401  (registers the built-in policies)
+
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as exc:
+            raise PolicyError(f"policy '{name}': cannot import it ({exc}); check the module path") from exc
+        if not (isinstance(cls, type) and issubclass(cls, Policy)):
+            raise PolicyError(f"policy '{name}' is not a subclass of policies.base.Policy")
+        return cls
+    if name not in REGISTRY:
+        raise PolicyError(
+            f"unknown policy '{name}': use one of {', '.join(sorted(REGISTRY))} or 'module:Class'"
+        )
+    return REGISTRY[name]
+
+
+def build_policy(name: str, params: Mapping[str, Any], *, max_num_seqs: int, initial_limit: int) -> Policy:
+    """Instantiate a policy; every policy takes its params plus the engine's ceiling and the
+    initial admission limit as keyword arguments."""
+    cls = resolve(name)
+    try:
+        return cls(max_num_seqs=max_num_seqs, initial_limit=initial_limit, **dict(params))  # type: ignore[call-arg]
+    except TypeError as exc:
+        raise PolicyError(f"[control.params] for policy '{name}': {exc}") from exc
