@@ -8,9 +8,13 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 
-STATE: web.AppKey[Callable[[], dict[str, Any]]] = web.AppKey("state", Callable[[], dict[str, Any]])
-HEALTH: web.AppKey[Callable[[], tuple[bool, str]]] = web.AppKey("health", Callable[[], tuple[bool, str]])
-REFRESH: web.AppKey[Callable[[], None]] = web.AppKey("refresh", Callable[[], None])
+StateFn = Callable[[], dict[str, Any]]
+HealthFn = Callable[[], tuple[bool, str]]
+RefreshFn = Callable[[], None]
+
+STATE: web.AppKey[StateFn] = web.AppKey("state")
+HEALTH: web.AppKey[HealthFn] = web.AppKey("health")
+REFRESH: web.AppKey[RefreshFn] = web.AppKey("refresh")
 OUR_REGISTRY: web.AppKey[CollectorRegistry] = web.AppKey("registry", CollectorRegistry)
 
 

@@ -40,8 +40,10 @@ class ServerConfig:
     )
     vllm: dict[str, Any] = field(
         default_factory=dict,
-        metadata={"doc": "Any other key of [server] is a `vllm serve` front-end option (api_key, "
-                  "served_model_name, chat_template, ...), passed through."},
+        metadata={
+            "doc": "Any other key of [server] is a `vllm serve` front-end option (api_key, "
+            "served_model_name, chat_template, ...), passed through."
+        },
     )
 
 
@@ -168,6 +170,8 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
     errors.extend(engine_table_errors(engine, tables["server"].vllm))
     if not errors:
         errors.extend(_cross_check(engine, tables))
+    if not errors:
+        errors.extend(_policy_errors(engine, tables))
     if errors:
         raise ConfigError(errors)
     return Config(engine=engine, path=path, **tables)
@@ -177,12 +181,28 @@ def _cross_check(engine: dict[str, Any], tables: dict[str, Any]) -> list[str]:
     errors = []
     if tables["server"].port == tables["admin"].port and tables["server"].host == tables["admin"].host:
         errors.append(
-            f"[admin] port = {tables['admin'].port}: same as [server] port; give the control plane its own port"
+            f"[admin] port = {tables['admin'].port}: same as [server] port; "
+            "give the control plane its own port"
         )
     seqs = engine["max_num_seqs"]
     if not isinstance(seqs, int) or seqs < 1:
         errors.append(f"[engine] max_num_seqs = {seqs!r}: must be an integer >= 1 (it caps the batch)")
     return errors
+
+
+def _policy_errors(engine: dict[str, Any], tables: dict[str, Any]) -> list[str]:
+    from policies.base import PolicyError, build_policy
+
+    try:
+        build_policy(
+            tables["control"].policy,
+            tables["control"].params,
+            max_num_seqs=engine["max_num_seqs"],
+            initial_limit=tables["admission"].limit,
+        )
+    except PolicyError as exc:
+        return [f"[control] policy = {tables['control'].policy!r}: {exc}"]
+    return []
 
 
 def load_config(path: Path = DEFAULT_CONFIG) -> Config:

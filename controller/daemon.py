@@ -32,11 +32,12 @@ def priority_class(priority: int) -> str:
 
 
 class Daemon:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, install_signals: bool = True) -> None:
         from controller.engine.args import serve_namespace
         from controller.engine.host import EngineHost
 
         self.config = config
+        self._install_signals = install_signals
         self.registry = CollectorRegistry()
         self.metrics = Metrics(self.registry)
         self.window = TelemetryWindow(config.control.window_seconds)
@@ -152,9 +153,10 @@ class Daemon:
         from controller.engine.app import build_data_plane, make_server
         from controller.engine.client import GovernedEngineClient
 
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._signals.put_nowait, sig)
+        if self._install_signals:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self._signals.put_nowait, sig)
         admin_app = make_admin_app(self.registry, self.refresh_metrics, self.state, self.health)
         self._admin = await start_admin(admin_app, self.config.admin.host, self.config.admin.port)
         log.info("control_plane_listening", host=self.config.admin.host, port=self.config.admin.port)
@@ -170,8 +172,13 @@ class Daemon:
             await asyncio.sleep(0.05)
         self._scheduler = AsyncIOScheduler()
         self._scheduler.add_job(
-            self.loop.tick, "interval", seconds=self.config.control.tick_seconds,
-            max_instances=1, coalesce=True, misfire_grace_time=None, id="control_tick",
+            self.loop.tick,
+            "interval",
+            seconds=self.config.control.tick_seconds,
+            max_instances=1,
+            coalesce=True,
+            misfire_grace_time=None,
+            id="control_tick",
         )
         self._scheduler.start()
         log.info("serving", host=self.config.server.host, port=self.config.server.port)

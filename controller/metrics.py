@@ -16,7 +16,9 @@ class Metrics:
             "autopilot_batch_cap", "Active-request cap of the engine's scheduler.", registry=registry
         )
         self.max_num_seqs = Gauge(
-            "autopilot_max_num_seqs", "Hard ceiling of the batch cap (engine max_num_seqs).", registry=registry
+            "autopilot_max_num_seqs",
+            "Hard ceiling of the batch cap (engine max_num_seqs).",
+            registry=registry,
         )
         self.in_flight = Gauge(
             "autopilot_in_flight_requests", "Requests holding an admission slot.", registry=registry

@@ -44,7 +44,8 @@ def _frontend_keys() -> frozenset[str]:
 def _unknown(table: str, key: str, known: frozenset[str]) -> str:
     close = difflib.get_close_matches(key, sorted(known), n=1)
     hint = f"did you mean '{close[0]}'?" if close else "see `vllm serve --help` for the names"
-    return f"[{table}] unknown key '{key}': not a vLLM {'engine' if table == 'engine' else 'server'} option; {hint}"
+    kind = "engine argument" if table == "engine" else "server option"
+    return f"[{table}] unknown key '{key}': not a vLLM {kind}; {hint}"
 
 
 def engine_table_errors(engine: dict[str, Any], server_extra: dict[str, Any]) -> list[str]:

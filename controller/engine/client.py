@@ -32,19 +32,19 @@ class GovernedEngineClient(EngineClient):
         self._gate = gate
 
     # -- attributes the OpenAI app reads (always the current engine's) ------------------------------
-    @property  # type: ignore[override]
+    @property  # type: ignore[override,misc]
     def vllm_config(self) -> Any:
         return self._host.llm.vllm_config
 
-    @property  # type: ignore[override]
+    @property  # type: ignore[override,misc]
     def model_config(self) -> Any:
         return self._host.llm.model_config
 
-    @property  # type: ignore[override]
+    @property  # type: ignore[override,misc]
     def renderer(self) -> Any:
         return self._host.llm.renderer
 
-    @property  # type: ignore[override]
+    @property  # type: ignore[override,misc]
     def input_processor(self) -> Any:
         return self._host.llm.input_processor
 
@@ -86,9 +86,7 @@ class GovernedEngineClient(EngineClient):
         except GateRejected as exc:
             raise _http_error(exc) from None
         try:
-            stream = self._host.llm.generate(
-                prompt, sampling_params, request_id, priority=priority, **kwargs
-            )
+            stream = self._host.llm.generate(prompt, sampling_params, request_id, priority=priority, **kwargs)
             # aclosing: a disconnect closes us, and must close vLLM's generator now so it aborts
             # the request in the engine, not whenever the garbage collector gets to it.
             async with contextlib.aclosing(stream):
@@ -138,7 +136,9 @@ class GovernedEngineClient(EngineClient):
     async def reset_encoder_cache(self) -> None:
         await self._host.llm.reset_encoder_cache()
 
-    async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+    async def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
         return await self._host.llm.reset_prefix_cache(reset_running_requests, reset_connector)
 
     async def sleep(self, level: int = 1, mode: Any = "abort") -> None:
@@ -166,7 +166,11 @@ class GovernedEngineClient(EngineClient):
         return await self._host.llm.is_paused()
 
     async def collective_rpc(
-        self, method: str, timeout: float | None = None, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+        self,
+        method: str,
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
     ) -> Any:
         return await self._host.llm.collective_rpc(method, timeout, args, kwargs)
 

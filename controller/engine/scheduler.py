@@ -51,8 +51,8 @@ def _get_batch_cap(self: Any) -> int:
 
 
 # EngineCore looks utility methods up by name with getattr (EngineCore._handle_client_request).
-setattr(EngineCore, UTILITY_SET, _set_batch_cap)  # noqa: B010
-setattr(EngineCore, UTILITY_GET, _get_batch_cap)  # noqa: B010
+setattr(EngineCore, UTILITY_SET, _set_batch_cap)
+setattr(EngineCore, UTILITY_GET, _get_batch_cap)
 
 
 def scheduler_path(async_scheduling: bool) -> str:

@@ -1,0 +1,432 @@
+"""Benchmark: the vllm-autopilot daemon against plain ``vllm serve`` with the same engine settings.
+
+Run from the repository root:
+
+    .venv/bin/python bench/serve_vs_daemon.py
+
+Each round starts the daemon (a temporary config.toml copied from the default one, on its own ports,
+with ``[admission] limit = max_num_seqs`` so that nothing queues in the gate), measures it, stops it,
+then does the same for plain ``vllm serve`` (through ``bench/vllm_serve_launcher.py``). The servers
+never run at the same time; rounds alternate A, B, A, B. Each server is warmed up, then measured in two
+phases over streaming ``/v1/completions``:
+
+- heavy: ``--concurrency`` concurrent requests, ``--requests`` in all, ``--max-tokens`` each
+  (``ignore_eos``): output tokens/s and p50/p99 TTFT;
+- light: one request at a time, ``--light-requests`` of them, 16 tokens each: p50/p99 TTFT when
+  nothing queues.
+
+Targets: the daemon adds < 5 ms p99 TTFT in the light phase and keeps >= 0.98x the throughput of
+``vllm serve``. Results go to ``--out`` as JSON; server logs go next to it, under ``logs/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.loadgen import PhaseStats, run_phase  # noqa: E402  (needs ROOT on sys.path when run as a script)
+
+DAEMON = "daemon"
+VLLM_SERVE = "vllm-serve"
+HOST = "127.0.0.1"
+LIGHT_MAX_TOKENS = 16
+TTFT_TARGET_MS = 5.0
+THROUGHPUT_TARGET = 0.98
+
+
+@dataclass(frozen=True)
+class Server:
+    """How to start one server and where to reach it."""
+
+    name: str
+    argv: list[str]
+    base_url: str
+    health_url: str
+    extra_checks: tuple[str, ...] = ()
+
+
+# -- configuration ---------------------------------------------------------------------------------
+
+
+def load_base_config(path: Path) -> dict[str, Any]:
+    """The default config as plain data, with a relative model path made absolute (as the daemon does)."""
+    data = tomllib.loads(path.read_text())
+    engine = dict(data["engine"])
+    model = Path(engine["model"])
+    if not model.is_absolute() and (path.parent / model).exists():
+        engine["model"] = str((path.parent / model).resolve())
+    data["engine"] = engine
+    return data
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a TOML basic string uses the same escapes
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def _toml_table(name: str, table: dict[str, Any]) -> list[str]:
+    lines = [f"[{name}]"]
+    lines += [f"{k} = {_toml_value(v)}" for k, v in table.items() if not isinstance(v, dict)]
+    for key, sub in table.items():
+        if isinstance(sub, dict):
+            lines += ["", *_toml_table(f"{name}.{key}", sub)]
+    return [*lines, ""]
+
+
+def to_toml(data: dict[str, dict[str, Any]]) -> str:
+    """Serialize a document of tables (scalars, lists and nested tables only)."""
+    lines: list[str] = []
+    for name, table in data.items():
+        lines += _toml_table(name, table)
+    return "\n".join(lines)
+
+
+def daemon_config(base: dict[str, Any], data_port: int, admin_port: int) -> dict[str, Any]:
+    """The default config on other ports, with an admission limit that never queues."""
+    data = {name: dict(table) for name, table in base.items()}
+    data["server"] = {**data.get("server", {}), "host": HOST, "port": data_port}
+    data["admin"] = {**data.get("admin", {}), "host": HOST, "port": admin_port}
+    data["admission"] = {**data.get("admission", {}), "limit": int(data["engine"]["max_num_seqs"])}
+    return data
+
+
+def engine_flags(engine: dict[str, Any]) -> list[str]:
+    """The ``vllm serve`` flags for an [engine] table (the model is the positional argument)."""
+    flags: list[str] = [engine["model"]]
+    for key, value in engine.items():
+        if key == "model":
+            continue
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + key.replace("_", "-"))
+        elif isinstance(value, list):
+            flags += [flag, *(str(v) for v in value)]
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def served_model(engine: dict[str, Any]) -> str:
+    names = engine.get("served_model_name")
+    if isinstance(names, list) and names:
+        return str(names[0])
+    return str(names or engine["model"])
+
+
+def make_servers(args: argparse.Namespace, base: dict[str, Any], workdir: Path) -> dict[str, Server]:
+    config_path = workdir / "daemon.toml"
+    config_path.write_text(to_toml(daemon_config(base, args.daemon_port, args.admin_port)))
+    launcher = str(ROOT / "bench" / "vllm_serve_launcher.py")
+    serve_args = ["serve", *engine_flags(base["engine"]), "--host", HOST, "--port", str(args.serve_port)]
+    daemon_url = f"http://{HOST}:{args.daemon_port}"
+    serve_url = f"http://{HOST}:{args.serve_port}"
+    return {
+        DAEMON: Server(
+            DAEMON,
+            [args.python, "-m", "controller", "serve", "--config", str(config_path)],
+            daemon_url,
+            f"http://{HOST}:{args.admin_port}/healthz",
+            (f"{daemon_url}/health",),
+        ),
+        VLLM_SERVE: Server(
+            VLLM_SERVE, [args.python, launcher, *serve_args], serve_url, f"{serve_url}/health"
+        ),
+    }
+
+
+# -- processes -------------------------------------------------------------------------------------
+
+
+def port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((HOST, port))
+        except OSError:
+            return False
+    return True
+
+
+def http_status(url: str, timeout: float = 2.0) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+def log_tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def wait_healthy(proc: subprocess.Popen[bytes], url: str, timeout_s: float, log: Path) -> float:
+    """Seconds until ``url`` answers 200; raises if the process exits or the timeout passes."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"server exited with {proc.returncode} before {url} was healthy:\n{log_tail(log)}"
+            )
+        if http_status(url) == 200:
+            return time.monotonic() - start
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} not healthy after {timeout_s:.0f} s:\n{log_tail(log)}")
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop_group(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """SIGTERM the server (it shuts its engine down itself), then SIGKILL whatever is left of its group."""
+    pgid = proc.pid  # start_new_session=True: the server leads its own process group
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            print(f"  pid {proc.pid} ignored SIGTERM for {timeout_s:.0f} s: killing its group", flush=True)
+    deadline = time.monotonic() + 10.0
+    while _group_alive(pgid) and time.monotonic() < deadline and proc.poll() is not None:
+        time.sleep(0.2)  # children (EngineCore, resource tracker) finish their own shutdown
+    if _group_alive(pgid):
+        os.killpg(pgid, signal.SIGKILL)
+    proc.wait()
+
+
+@contextmanager
+def running(server: Server, log: Path, startup_timeout_s: float, stop_timeout_s: float) -> Iterator[float]:
+    """Start ``server`` in its own process group, yield its startup time, always stop it."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            server.argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    try:
+        yield wait_healthy(proc, server.health_url, startup_timeout_s, log)
+    finally:
+        stop_group(proc, stop_timeout_s)
+
+
+def check_serving(server: Server, model: str) -> None:
+    """The OpenAI API answers: /v1/models lists the model, and the health endpoints return 200."""
+    with urllib.request.urlopen(f"{server.base_url}/v1/models", timeout=10) as resp:
+        ids = [m["id"] for m in json.load(resp)["data"]]
+    if model not in ids:
+        raise RuntimeError(f"{server.name}: /v1/models lists {ids}, not {model!r}")
+    for url in (server.health_url, *server.extra_checks):
+        status = http_status(url)
+        if status != 200:
+            raise RuntimeError(f"{server.name}: GET {url} -> {status}")
+
+
+# -- measurement -----------------------------------------------------------------------------------
+
+
+async def measure(server: Server, model: str, args: argparse.Namespace) -> dict[str, PhaseStats]:
+    """Warm up, then the heavy and the light phase."""
+    warm = await run_phase(server.base_url, model, concurrency=8, requests=16, max_tokens=32)
+    if warm.failed:
+        raise RuntimeError(f"{server.name}: {warm.failed} warm-up request(s) failed: {warm.first_error}")
+    await run_phase(server.base_url, model, concurrency=1, requests=3, max_tokens=LIGHT_MAX_TOKENS)
+    heavy = await run_phase(
+        server.base_url, model,
+        concurrency=args.concurrency, requests=args.requests, max_tokens=args.max_tokens,
+    )
+    light = await run_phase(
+        server.base_url, model, concurrency=1, requests=args.light_requests, max_tokens=LIGHT_MAX_TOKENS
+    )
+    return {"heavy": heavy, "light": light}
+
+
+def run_one(
+    server: Server, model: str, round_no: int, args: argparse.Namespace, logs: Path
+) -> dict[str, Any]:
+    log = logs / f"{server.name}-r{round_no}.log"
+    print(f"round {round_no}: starting {server.name} (log: {log})", flush=True)
+    with running(server, log, args.startup_timeout, args.stop_timeout) as startup_s:
+        check_serving(server, model)
+        print(f"  healthy after {startup_s:.1f} s; measuring", flush=True)
+        phases = asyncio.run(measure(server, model, args))
+    for name, stats in phases.items():
+        if stats.failed:
+            print(f"  WARNING: {stats.failed} {name} request(s) failed: {stats.first_error}", flush=True)
+    print(f"  {server.name}: {phases['heavy'].tokens_per_s:.0f} tok/s", flush=True)
+    return {
+        "server": server.name,
+        "round": round_no,
+        "startup_s": startup_s,
+        **{name: stats.as_dict() for name, stats in phases.items()},
+    }
+
+
+# -- report ----------------------------------------------------------------------------------------
+
+_METRICS = (
+    ("tok/s", "heavy", "tokens_per_s"),
+    ("heavy p50 ms", "heavy", "ttft_p50_ms"),
+    ("heavy p99 ms", "heavy", "ttft_p99_ms"),
+    ("light p50 ms", "light", "ttft_p50_ms"),
+    ("light p99 ms", "light", "ttft_p99_ms"),
+)
+
+
+def _mean(values: list[float]) -> float:
+    return statistics.fmean(values) if values else math.nan
+
+
+def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-server means of every metric, and the daemon-vs-vllm-serve ratio and deltas."""
+    means = {
+        name: {
+            f"{phase}_{key}": _mean([r[phase][key] for r in runs if r["server"] == name])
+            for _, phase, key in _METRICS
+        }
+        for name in (DAEMON, VLLM_SERVE)
+    }
+    d, v = means[DAEMON], means[VLLM_SERVE]
+    ratio = d["heavy_tokens_per_s"] / v["heavy_tokens_per_s"] if v["heavy_tokens_per_s"] else math.nan
+    deltas = {f"{p}_{k}_delta_ms": d[f"{p}_{k}"] - v[f"{p}_{k}"] for _, p, k in _METRICS[1:]}
+    return {
+        "means": means,
+        "throughput_ratio": ratio,
+        **deltas,
+        "meets_throughput_target": ratio >= THROUGHPUT_TARGET,
+        "meets_ttft_target": deltas["light_ttft_p99_ms_delta_ms"] < TTFT_TARGET_MS,
+    }
+
+
+def _row(label: str, values: list[float], failed: str = "") -> str:
+    return f"{label:<18}" + "".join(f"{v:>14.1f}" for v in values) + f"{failed:>9}"
+
+
+def format_table(runs: list[dict[str, Any]], summary: dict[str, Any]) -> str:
+    header = f"{'run':<18}" + "".join(f"{label:>14}" for label, _, _ in _METRICS) + f"{'failed':>9}"
+    lines = [header, "-" * len(header)]
+    for r in runs:
+        failed = str(r["heavy"]["failed"] + r["light"]["failed"])
+        lines.append(_row(f"{r['server']} r{r['round']}", [r[p][k] for _, p, k in _METRICS], failed))
+    lines.append("-" * len(header))
+    for name in (DAEMON, VLLM_SERVE):
+        lines.append(_row(f"mean {name}", [summary["means"][name][f"{p}_{k}"] for _, p, k in _METRICS]))
+    ok = {True: "ok", False: "MISSED"}
+    lines += [
+        "",
+        f"daemon / vllm-serve throughput: {summary['throughput_ratio']:.3f}x "
+        f"(target >= {THROUGHPUT_TARGET}: {ok[summary['meets_throughput_target']]})",
+        f"daemon - vllm-serve light p99 TTFT: {summary['light_ttft_p99_ms_delta_ms']:+.2f} ms "
+        f"(target < {TTFT_TARGET_MS} ms: {ok[summary['meets_ttft_target']]}); "
+        f"light p50 {summary['light_ttft_p50_ms_delta_ms']:+.2f} ms",
+        f"daemon - vllm-serve heavy TTFT: p50 {summary['heavy_ttft_p50_ms_delta_ms']:+.1f} ms, "
+        f"p99 {summary['heavy_ttft_p99_ms_delta_ms']:+.1f} ms",
+    ]
+    return "\n".join(lines)
+
+
+# -- main ------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--concurrency", type=int, default=32, help="concurrent requests in the heavy phase")
+    p.add_argument("--requests", type=int, default=128, help="requests in the heavy phase")
+    p.add_argument("--max-tokens", type=int, default=256, help="output tokens per heavy request")
+    p.add_argument("--light-requests", type=int, default=20, help="sequential requests in the light phase")
+    p.add_argument("--rounds", type=int, default=2, help="rounds; each runs the daemon, then vllm serve")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "serve_vs_daemon.json")
+    p.add_argument("--python", default=sys.executable, help="interpreter that runs both servers")
+    p.add_argument("--config", type=Path, default=ROOT / "config.toml", help="config to copy the engine from")
+    p.add_argument("--daemon-port", type=int, default=8100)
+    p.add_argument("--admin-port", type=int, default=9500)
+    p.add_argument("--serve-port", type=int, default=8200)
+    p.add_argument("--startup-timeout", type=float, default=180.0, help="seconds to wait for health")
+    p.add_argument("--stop-timeout", type=float, default=60.0, help="seconds after SIGTERM before SIGKILL")
+    return p.parse_args(argv)
+
+
+def ensure_model(args: argparse.Namespace, engine: dict[str, Any]) -> None:
+    model = Path(engine["model"])
+    if model.is_absolute() and not model.exists():
+        cmd = [args.python, "-m", "controller", "make-tiny-model", str(model), "--if-missing"]
+        subprocess.run(cmd, cwd=ROOT, check=True)
+
+
+def _raise_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds through every ``running`` block, which stops its server
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    busy = [p for p in (args.daemon_port, args.admin_port, args.serve_port) if not port_free(p)]
+    if busy:
+        print(f"ports already in use: {busy}; pick others with --daemon-port/--admin-port/--serve-port")
+        return 2
+    base = load_base_config(args.config)
+    ensure_model(args, base["engine"])
+    model = served_model(base["engine"])
+    logs = args.out.parent / "logs"
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="serve_vs_daemon-") as tmp:
+        servers = make_servers(args, base, Path(tmp))
+        for round_no in range(1, args.rounds + 1):
+            for name in (DAEMON, VLLM_SERVE):
+                runs.append(run_one(servers[name], model, round_no, args, logs))
+    summary = summarize_runs(runs)
+    print("\n" + format_table(runs, summary))
+    result = {
+        "argv": sys.argv,
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "engine": base["engine"],
+        "runs": runs,
+        "summary": summary,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nresults: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
