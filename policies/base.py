@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 
@@ -50,6 +50,26 @@ class Observation:
     """p99 inter-token latency over the window; None without samples."""
     stats_age_s: float | None
     """Seconds since the engine last reported a step; None before the first step."""
+    ttft_p50_s: float | None = None
+    """p50 time to first token over the window; None without samples."""
+    itl_p50_s: float | None = None
+    """p50 inter-token latency over the window; None without samples."""
+    finished_per_s: float = 0.0
+    """Requests finished per second over the window."""
+    queued_by_class: Mapping[str, int] = field(default_factory=dict)
+    """Requests waiting in the gate, by priority class."""
+    gpu_memory_used_bytes: int | None = None
+    """NVML: memory used on the engine's GPUs (sum); None without a GPU."""
+    gpu_memory_total_bytes: int | None = None
+    """NVML: memory of the engine's GPUs (sum); None without a GPU."""
+    gpu_memory_free_bytes: int | None = None
+    """NVML: free memory on the engine's GPUs (sum); None without a GPU."""
+    gpu_utilization: float | None = None
+    """NVML: mean GPU utilisation, 0..1; None without a GPU."""
+    host_memory_available_bytes: int | None = None
+    """psutil: host memory available."""
+    daemon_cpu_percent: float | None = None
+    """psutil: CPU use of the daemon's own process (front end), percent of one core."""
 
     @property
     def idle(self) -> bool:

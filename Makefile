@@ -1,0 +1,49 @@
+# Two commands do all the set-up on a fresh machine (see README.md):
+#   make run    install everything, build the tiny model if missing, run the daemon on config.toml
+#   make test   install everything, build the tiny model if missing, run lint, types and all tests
+#
+# Outside a machine whose pip already finds a `+cpu` torch, point pip at PyTorch's CPU wheels:
+#   make run PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
+# On a GPU host: make run EXTRAS=gpu CONFIG=/etc/vllm-autopilot/config.toml
+
+PYTHON ?= python3
+VENV ?= .venv
+EXTRAS ?= cpu,test
+CONFIG ?= config.toml
+MODEL_DIR ?= models/tiny
+PYTEST_ARGS ?=
+export PIP_EXTRA_INDEX_URL
+
+comma := ,
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
+
+.PHONY: run test install model lint clean
+
+run: install model
+	$(BIN)/vllm-autopilot serve --config $(CONFIG)
+
+test: install model lint
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check controller policies tests bench
+	$(BIN)/ruff format --check controller policies tests bench
+	$(BIN)/mypy
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --upgrade pip
+	$(BIN)/python -m pip install -e '.[$(EXTRAS)]'
+	# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm` beside a
+	# CPU torch (DESIGN.md); vLLM does not need them to serve text models.
+	case "$(EXTRAS)" in *cpu*) $(BIN)/python -m pip uninstall -y torchvision torchaudio torchcodec ;; esac
+	touch $@
+
+model: install
+	$(BIN)/vllm-autopilot make-tiny-model $(MODEL_DIR) --if-missing
+
+clean:
+	rm -rf $(VENV) $(MODEL_DIR)
