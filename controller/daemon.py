@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import signal
 from typing import Any
 
@@ -18,9 +19,11 @@ from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from prometheus_client import CollectorRegistry
 
 from controller.config import Config, describe
+from controller.diagnosis import Diagnoser, Diagnosis
 from controller.gate import AdmissionGate
 from controller.loop import Change, ControlLoop
 from controller.metrics import Metrics
+from controller.samplers import GpuSource, HostSource, NvmlSource
 from controller.telemetry import TelemetryWindow
 from policies.base import Observation, build_policy
 
@@ -32,7 +35,9 @@ def priority_class(priority: int) -> str:
 
 
 class Daemon:
-    def __init__(self, config: Config, install_signals: bool = True) -> None:
+    def __init__(
+        self, config: Config, install_signals: bool = True, gpu_source: GpuSource | None = None
+    ) -> None:
         from controller.engine.args import serve_namespace
         from controller.engine.host import EngineHost
 
@@ -50,6 +55,10 @@ class Daemon:
             config.engine, {"host": config.server.host, "port": config.server.port, **config.server.vllm}
         )
         self.host = EngineHost(self.args, self.window)
+        self.gpu_source: GpuSource = gpu_source or NvmlSource()
+        self.host_source = HostSource()
+        self.diagnoser = Diagnoser()
+        self.diagnosis: Diagnosis | None = None
         self.policy = build_policy(
             config.control.policy,
             config.control.params,
@@ -75,10 +84,18 @@ class Daemon:
         self.metrics.decisions.labels(change.knob, change.reason).inc()
 
     # -- observation, state, health -----------------------------------------------------------------
+    def queued_by_class(self) -> dict[str, int]:
+        depth = {"interactive": 0, "batch": 0}
+        for p in self.gate.queued_priorities():
+            depth[priority_class(p)] += 1
+        return depth
+
     def observe(self) -> Observation:
         eng = self.window.snapshot()
         g = self.gate.stats()
-        return Observation(
+        gpu = self.gpu_source.read()
+        hostr = self.host_source.read()
+        obs = Observation(
             now_mono=eng.now_mono,
             admission_limit=g.limit,
             batch_cap=self.host.batch_cap,
@@ -95,7 +112,19 @@ class Daemon:
             ttft_p99_s=eng.ttft_p99_s,
             itl_p99_s=eng.itl_p99_s,
             stats_age_s=eng.last_step_age_s,
+            ttft_p50_s=eng.ttft_p50_s,
+            itl_p50_s=eng.itl_p50_s,
+            finished_per_s=eng.finished_per_s,
+            queued_by_class=self.queued_by_class(),
+            gpu_memory_used_bytes=gpu.used_bytes if gpu else None,
+            gpu_memory_total_bytes=gpu.total_bytes if gpu else None,
+            gpu_memory_free_bytes=gpu.free_bytes if gpu else None,
+            gpu_utilization=gpu.utilization if gpu else None,
+            host_memory_available_bytes=hostr.memory_available_bytes,
+            daemon_cpu_percent=hostr.daemon_cpu_percent,
         )
+        self.diagnosis = self.diagnoser.observe(obs)
+        return obs
 
     def health(self) -> tuple[bool, str]:
         if self._draining:
@@ -110,13 +139,12 @@ class Daemon:
         m.batch_cap.set(self.host.batch_cap)
         m.max_num_seqs.set(self.host.max_num_seqs)
         m.in_flight.set(g.in_flight)
-        depth = {"interactive": 0, "batch": 0}
-        for p in self.gate.queued_priorities():
-            depth[priority_class(p)] += 1
-        for cls, n in depth.items():
+        for cls, n in self.queued_by_class().items():
             m.queue_depth.labels(cls).set(n)
         m.engine_generation.set(self.host.generation)
         m.engine_up.set(1 if self.host.ready else 0)
+        for term, value in self.policy.terms().items():
+            m.policy_term.labels(self.policy.name, term).set(value)
 
     def state(self) -> dict[str, Any]:
         g = self.gate.stats()
@@ -144,6 +172,7 @@ class Daemon:
             },
             "engine_stats": eng.__dict__,
             "decisions": self.loop.recent(),
+            "diagnosis": dataclasses.asdict(self.diagnosis) if self.diagnosis else None,
             "config": describe(self.config),
         }
 

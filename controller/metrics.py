@@ -44,4 +44,10 @@ class Metrics:
         self.engine_generation = Gauge(
             "autopilot_engine_generation", "How many engines this daemon has started.", registry=registry
         )
+        self.policy_term = Gauge(
+            "autopilot_policy_term",
+            "Internal terms of the active policy (error, integral, gradient, baseline, ...).",
+            ["policy", "term"],
+            registry=registry,
+        )
         self.engine_up = Gauge("autopilot_engine_up", "1 when the engine serves, else 0.", registry=registry)
