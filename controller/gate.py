@@ -151,7 +151,9 @@ class AdmissionGate:
         except BaseException:
             if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
                 self.release()  # granted and cancelled in the same instant: give the slot back
-            elif not waiter.future.done():
+            elif waiter.future.cancelled() or not waiter.future.done():
+                # Task.cancel() cancels the future we await, so a cancelled future is the usual case
+                # here; only _wake (result) and close (exception) uncount a waiter themselves.
                 waiter.future.cancel()
                 self._queued -= 1
             raise

@@ -50,4 +50,10 @@ class Metrics:
             ["policy", "term"],
             registry=registry,
         )
+        self.config_reloads = Counter(
+            "autopilot_config_reloads",
+            "Config reloads (SIGHUP or POST /reload), by result: ok, error, pending_engine_restart.",
+            ["result"],
+            registry=registry,
+        )
         self.engine_up = Gauge("autopilot_engine_up", "1 when the engine serves, else 0.", registry=registry)

@@ -81,6 +81,8 @@ class TelemetryWindow:
         self.window_s = window_s
         self._clock = clock
         self._steps: deque[StepSample] = deque(maxlen=max_steps)
+        self._last_t_mono: float | None = None
+        """Time of the latest step, kept after it leaves the window (an idle engine reports nothing)."""
         self.total_steps = 0
         self.total_preemptions = 0
         self.total_generated_tokens = 0
@@ -90,6 +92,7 @@ class TelemetryWindow:
 
     def record(self, sample: StepSample) -> None:
         self._steps.append(sample)
+        self._last_t_mono = sample.t_mono
         self.total_steps += 1
         self.total_preemptions += sample.preempted
         self.total_generated_tokens += sample.generated_tokens
@@ -97,6 +100,7 @@ class TelemetryWindow:
     def reset(self) -> None:
         """Forget the window (a new engine starts from nothing)."""
         self._steps.clear()
+        self._last_t_mono = None
 
     def _trim(self, now: float) -> None:
         horizon = now - self.window_s
@@ -130,7 +134,7 @@ class TelemetryWindow:
             ttft_p99_s=percentile(ttft, 99),
             itl_p50_s=percentile(itl, 50),
             itl_p99_s=percentile(itl, 99),
-            last_step_age_s=(now - last.t_mono) if last else None,
+            last_step_age_s=(now - self._last_t_mono) if self._last_t_mono is not None else None,
         )
 
     def max_running_since(self, t_mono: float) -> int:

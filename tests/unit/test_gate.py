@@ -1,0 +1,408 @@
+"""controller/gate.py: the admission gate's limit, strict priority, cancellation, admission and drain.
+
+No real time passes: ``await asyncio.sleep(0)`` only lets the tasks we created run; every timestamp
+comes from a ``FakeClock``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from controller.clock import FakeClock
+from controller.gate import AdmissionGate, GateRejected, GateStats
+
+
+async def settle() -> None:
+    """Let every ready task run until it blocks again (a few loop iterations, no real time)."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+class Waiters:
+    """Tasks that each acquire a slot and record, in order, the label of who got one."""
+
+    def __init__(self, gate: AdmissionGate) -> None:
+        self.gate = gate
+        self.granted: list[str] = []
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+
+    async def _wait(self, label: str, priority: int) -> None:
+        await self.gate.acquire(priority)
+        self.granted.append(label)
+
+    async def add(self, label: str, priority: int = 0) -> asyncio.Task[None]:
+        task = asyncio.create_task(self._wait(label, priority))
+        self.tasks[label] = task
+        await settle()
+        return task
+
+
+def make_gate(limit: int = 1, max_queue: int = 100) -> tuple[AdmissionGate, FakeClock, list[str]]:
+    clock = FakeClock()
+    reasons: list[str] = []
+    gate = AdmissionGate(limit, max_queue, clock=clock, on_reject=reasons.append)
+    return gate, clock, reasons
+
+
+# -- limit ----------------------------------------------------------------------------------------
+
+
+async def test_limit_admits_up_to_limit_and_queues_the_rest() -> None:
+    gate, _, _ = make_gate(limit=2)
+    waiters = Waiters(gate)
+    for label in ("a", "b", "c"):
+        await waiters.add(label)
+    assert waiters.granted == ["a", "b"]
+    assert gate.stats() == GateStats(
+        limit=2,
+        in_flight=2,
+        queued=1,
+        pending=0,
+        admitted_total=2,
+        rejected_total=0,
+        completed_total=0,
+        closed=False,
+    )
+    gate.release()
+    await settle()
+    assert waiters.granted == ["a", "b", "c"]
+    assert (gate.stats().in_flight, gate.stats().queued, gate.stats().completed_total) == (2, 0, 1)
+
+
+@pytest.mark.parametrize("limit", [0, -1])
+def test_limit_below_one_is_refused(limit: int) -> None:
+    with pytest.raises(ValueError, match="admission limit must be >= 1"):
+        AdmissionGate(limit, 10)
+    gate = AdmissionGate(1, 10)
+    with pytest.raises(ValueError, match="admission limit must be >= 1"):
+        gate.set_limit(limit)
+    assert gate.limit == 1
+
+
+@pytest.mark.parametrize(
+    ("arrivals", "expected_order"),
+    [
+        # (label, priority) in arrival order -> order of release: lower value first, FIFO among equals
+        ([("a", 5), ("b", 1), ("c", 5), ("d", 0), ("e", 1)], ["d", "b", "e", "a", "c"]),
+        ([("a", 0), ("b", 0), ("c", 0)], ["a", "b", "c"]),
+        ([("a", 3), ("b", 2), ("c", 1)], ["c", "b", "a"]),
+        ([("a", -1), ("b", 10), ("c", -1)], ["a", "c", "b"]),
+    ],
+)
+async def test_release_order_is_strict_priority_then_fifo(
+    arrivals: list[tuple[str, int]], expected_order: list[str]
+) -> None:
+    gate, _, _ = make_gate(limit=1)
+    await gate.acquire()  # hold the only slot so that everyone queues
+    waiters = Waiters(gate)
+    for label, priority in arrivals:
+        await waiters.add(label, priority)
+    assert waiters.granted == []
+    assert sorted(gate.queued_priorities()) == sorted(p for _, p in arrivals)
+    for _ in arrivals:
+        gate.release()
+        await settle()
+    assert waiters.granted == expected_order
+    assert gate.stats().in_flight == 1  # the last one still holds its slot
+
+
+async def test_raising_the_limit_admits_waiters_at_once() -> None:
+    gate, _, _ = make_gate(limit=1)
+    waiters = Waiters(gate)
+    for label in ("a", "b", "c", "d"):
+        await waiters.add(label)
+    assert (gate.stats().in_flight, gate.stats().queued) == (1, 3)
+    gate.set_limit(3)
+    # granted synchronously inside set_limit, before any task runs
+    assert (gate.limit, gate.stats().in_flight, gate.stats().queued) == (3, 3, 1)
+    await settle()
+    assert waiters.granted == ["a", "b", "c"]
+
+
+async def test_lowering_the_limit_never_evicts() -> None:
+    gate, _, _ = make_gate(limit=3)
+    waiters = Waiters(gate)
+    for label in ("a", "b", "c", "d"):
+        await waiters.add(label)
+    gate.set_limit(1)
+    assert (gate.stats().in_flight, gate.stats().queued) == (3, 1)
+    gate.release()
+    gate.release()
+    await settle()
+    assert (gate.stats().in_flight, gate.stats().queued) == (1, 1)  # still above the new limit: d waits
+    gate.release()
+    await settle()
+    assert (gate.stats().in_flight, gate.stats().queued) == (1, 0)
+    assert waiters.granted == ["a", "b", "c", "d"]
+
+
+async def test_slot_releases_on_error() -> None:
+    gate, _, _ = make_gate(limit=1)
+    with pytest.raises(RuntimeError):
+        async with gate.slot(priority=2):
+            assert gate.stats().in_flight == 1
+            raise RuntimeError("request failed")
+    assert (gate.stats().in_flight, gate.stats().completed_total) == (0, 1)
+
+
+# -- cancellation ---------------------------------------------------------------------------------
+
+
+async def test_cancelled_waiter_leaves_the_queue() -> None:
+    gate, _, _ = make_gate(limit=1)
+    await gate.acquire()
+    waiters = Waiters(gate)
+    await waiters.add("a", priority=1)
+    cancelled = await waiters.add("b", priority=0)
+    await waiters.add("c", priority=2)
+    assert gate.stats().queued == 3
+    cancelled.cancel()
+    await settle()
+    assert cancelled.cancelled()
+    assert gate.stats().queued == 2
+    assert sorted(gate.queued_priorities()) == [1, 2]
+    gate.release()
+    await settle()
+    assert waiters.granted == ["a"]  # b's place is skipped, not granted
+    assert (gate.stats().in_flight, gate.stats().queued) == (1, 1)
+
+
+async def test_cancelling_the_only_waiter_does_not_block_later_requests() -> None:
+    gate, _, _ = make_gate(limit=1)
+    await gate.acquire()
+    waiters = Waiters(gate)
+    task = await waiters.add("a")
+    task.cancel()
+    await settle()
+    assert gate.stats().queued == 0
+    gate.release()
+    assert gate.stats().in_flight == 0
+    # the queue is empty, so a new request takes the free slot without waiting
+    await asyncio.wait_for(gate.acquire(), timeout=1.0)
+    assert gate.stats() == GateStats(
+        limit=1,
+        in_flight=1,
+        queued=0,
+        pending=0,
+        admitted_total=2,
+        rejected_total=0,
+        completed_total=1,
+        closed=False,
+    )
+
+
+async def test_cancel_racing_with_grant_gives_the_slot_back() -> None:
+    gate, _, _ = make_gate(limit=1)
+    await gate.acquire()
+    waiters = Waiters(gate)
+    first = await waiters.add("a", priority=0)
+    await waiters.add("b", priority=1)
+    gate.release()  # grants a's future ...
+    assert (gate.stats().in_flight, gate.stats().queued) == (1, 1)
+    first.cancel()  # ... and a is cancelled before it could run
+    await settle()
+    assert first.cancelled()
+    assert waiters.granted == ["b"]  # a's slot went back and on to b
+    assert (gate.stats().in_flight, gate.stats().queued) == (1, 0)
+    gate.release()
+    assert gate.stats().in_flight == 0
+
+
+# -- check_admission ------------------------------------------------------------------------------
+
+
+async def test_check_admission_refuses_beyond_limit_plus_queue_and_counts_pending() -> None:
+    gate, _, reasons = make_gate(limit=1, max_queue=2)
+    for _ in range(3):
+        gate.check_admission()
+    assert gate.stats().pending == 3
+    with pytest.raises(GateRejected) as exc:
+        gate.check_admission()
+    assert exc.value.status == 429
+    assert "queue limit 2" in exc.value.message
+    assert reasons == ["queue_full"]
+    assert (gate.stats().pending, gate.stats().rejected_total) == (3, 1)
+
+    await gate.acquire()  # the first request reaches the gate: pending -> in flight
+    waiters = Waiters(gate)
+    await waiters.add("b")
+    await waiters.add("c")
+    assert (gate.stats().in_flight, gate.stats().queued, gate.stats().pending) == (1, 2, 0)
+    with pytest.raises(GateRejected):
+        gate.check_admission()  # 1 in flight + 2 queued = limit + max_queue
+    gate.release()
+    await settle()
+    assert (gate.stats().in_flight, gate.stats().queued) == (1, 1)
+    gate.check_admission()  # room for one again
+    assert gate.stats().pending == 1
+    assert reasons == ["queue_full", "queue_full"]
+
+
+def test_check_admission_counts_n_requests_against_the_capacity() -> None:
+    gate, _, reasons = make_gate(limit=2, max_queue=1)
+    with pytest.raises(GateRejected) as exc:
+        gate.check_admission(n=4)
+    assert exc.value.status == 429
+    assert gate.stats().rejected_total == 4
+    gate.check_admission(n=3)
+    assert gate.stats().pending == 1  # one generate() call follows, whatever n is
+    assert reasons == ["queue_full"]
+
+
+@pytest.mark.parametrize(
+    ("elapsed_s", "pending"),
+    [(0.0, 1), (29.9, 1), (AdmissionGate.PENDING_TTL_S, 1), (30.1, 0), (3600.0, 0)],
+)
+def test_pending_admission_expires_after_ttl(elapsed_s: float, pending: int) -> None:
+    gate, clock, _ = make_gate(limit=1, max_queue=0)
+    gate.check_admission()
+    clock.advance(elapsed_s)
+    assert gate.stats().pending == pending
+
+
+def test_expired_pending_frees_capacity() -> None:
+    gate, clock, reasons = make_gate(limit=1, max_queue=0)
+    gate.check_admission()  # never reaches the gate (say, it failed validation)
+    with pytest.raises(GateRejected):
+        gate.check_admission()
+    clock.advance(30.5)
+    gate.check_admission()
+    assert gate.stats().pending == 1
+    assert reasons == ["queue_full"]
+
+
+# -- retry_after_s --------------------------------------------------------------------------------
+
+
+async def complete_at(gate: AdmissionGate, clock: FakeClock, times: list[float]) -> None:
+    """One request acquires and completes at each clock time in ``times``."""
+    for t in times:
+        clock.advance(t - clock.now)
+        await gate.acquire()
+        gate.release()
+
+
+@pytest.mark.parametrize(
+    ("completions", "now", "pending", "expected"),
+    [
+        ([], 1010.0, 0, 1),  # no data: 1 s
+        ([1000.0], 1010.0, 0, 1),  # one completion is no rate
+        # 5 completions in 1000..1010 s -> 0.5/s; backlog = pending + 1
+        ([1000.0, 1002.0, 1004.0, 1006.0, 1008.0], 1010.0, 0, 2),  # 1 / 0.5
+        ([1000.0, 1002.0, 1004.0, 1006.0, 1008.0], 1010.0, 3, 8),  # 4 / 0.5
+        ([1000.0, 1002.0, 1004.0, 1006.0, 1008.0], 1010.0, 39, 60),  # 40 / 0.5 = 80, capped at 60
+        # 10 completions in 1 s -> 10/s: 2 / 10 = 0.2 rounds to 0, floored at 1
+        ([1000.0 + i / 10 for i in range(10)], 1001.0, 1, 1),
+        # only completions of the last 30 s count: 1006 and 1008 -> 2 / 30 s; 1 / (1/15) = 15
+        ([1000.0, 1002.0, 1004.0, 1006.0, 1008.0], 1036.0, 0, 15),
+        # all completions at the same instant as now: no measurable span
+        ([1000.0, 1000.0], 1000.0, 0, 1),
+    ],
+)
+async def test_retry_after_from_completion_rate(
+    completions: list[float], now: float, pending: int, expected: int
+) -> None:
+    gate, clock, _ = make_gate(limit=1, max_queue=1000)
+    await complete_at(gate, clock, completions)
+    clock.advance(now - clock.now)
+    for _ in range(pending):
+        gate.check_admission()
+    assert gate.retry_after_s() == expected
+
+
+async def test_429_carries_retry_after() -> None:
+    gate, clock, _ = make_gate(limit=1, max_queue=2)
+    await complete_at(gate, clock, [1000.0, 1002.0, 1004.0, 1006.0, 1008.0])  # 0.5/s at t=1010
+    clock.advance(1010.0 - clock.now)
+    await gate.acquire()
+    gate.check_admission()
+    gate.check_admission()
+    with pytest.raises(GateRejected) as exc:
+        gate.check_admission()
+    assert (exc.value.status, exc.value.retry_after_s) == (429, 6)  # backlog 2 pending + 1 -> 3 / 0.5
+
+
+# -- drain ----------------------------------------------------------------------------------------
+
+
+async def test_stop_admitting_refuses_new_but_queued_ones_proceed() -> None:
+    gate, _, reasons = make_gate(limit=1)
+    await gate.acquire()
+    waiters = Waiters(gate)
+    await waiters.add("a")
+    gate.stop_admitting()
+    with pytest.raises(GateRejected) as exc:
+        gate.check_admission()
+    assert (exc.value.status, exc.value.retry_after_s) == (503, 1)
+    assert reasons == ["shutting_down"]
+    assert gate.stats().closed is True
+    gate.release()
+    await settle()
+    assert waiters.granted == ["a"]
+    assert (gate.stats().in_flight, gate.stats().queued) == (1, 0)
+
+
+async def test_close_fails_queued_waiters_and_keeps_in_flight() -> None:
+    gate, _, reasons = make_gate(limit=1)
+    await gate.acquire()
+    waiters = Waiters(gate)
+    a = await waiters.add("a", priority=0)
+    b = await waiters.add("b", priority=1)
+    gate.close()
+    await settle()
+    for task in (a, b):
+        assert isinstance(task.exception(), GateRejected)
+        assert task.exception().status == 503  # type: ignore[union-attr]
+    assert waiters.granted == []
+    assert (gate.stats().in_flight, gate.stats().queued, gate.stats().closed) == (1, 0, True)
+    assert gate.queued_priorities() == []
+    with pytest.raises(GateRejected) as exc:
+        await gate.acquire()
+    assert exc.value.status == 503
+    with pytest.raises(GateRejected):
+        gate.check_admission()
+    assert reasons == ["shutting_down"]
+    gate.release()
+    assert gate.stats().in_flight == 0
+
+
+async def test_wait_idle_without_waiting() -> None:
+    gate, _, _ = make_gate(limit=1)
+    assert await gate.wait_idle(0.0) is True
+    await gate.acquire()
+    assert await gate.wait_idle(0.0) is False
+
+
+# -- stats ----------------------------------------------------------------------------------------
+
+
+async def test_stats_and_queued_priorities() -> None:
+    gate, clock, _ = make_gate(limit=2, max_queue=10)
+    gate.check_admission()
+    gate.check_admission()
+    await gate.acquire()  # consumes one pending
+    await gate.acquire()  # consumes the other
+    waiters = Waiters(gate)
+    for label, priority in (("a", 3), ("b", 1), ("c", 2), ("d", 1)):
+        await waiters.add(label, priority)
+    gate.check_admission()
+    waiters.tasks["c"].cancel()
+    await settle()
+    gate.release()
+    await settle()
+    assert waiters.granted == ["b"]
+    assert sorted(gate.queued_priorities()) == [1, 3]
+    assert gate.stats() == GateStats(
+        limit=2,
+        in_flight=2,
+        queued=2,
+        pending=1,
+        admitted_total=3,
+        rejected_total=0,
+        completed_total=1,
+        closed=False,
+    )
+    clock.advance(31.0)
+    assert gate.stats().pending == 0
