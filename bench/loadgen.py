@@ -18,9 +18,11 @@ from typing import Any
 
 import aiohttp
 
+# Common English words; also the vocabulary of the tiny CPU model, so there one word is about one token.
 _WORDS = (
-    "the quick brown fox jumps over a lazy dog while seven tired engineers measure latency "
-    "and throughput of a tiny language model running on two small cores"
+    "the engine serves requests while the controller measures cache usage queue depth latency and "
+    "throughput then moves the admission limit and batch cap so that operators sleep at night a "
+    "policy decides and the loop applies each change with a reason every token costs memory and time"
 ).split()
 
 

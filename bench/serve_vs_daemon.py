@@ -56,6 +56,15 @@ TTFT_TARGET_MS = 5.0
 THROUGHPUT_TARGET = 0.98
 
 
+@dataclass
+class Run:
+    """One server's lifetime: filled in as it starts and stops."""
+
+    startup_s: float = math.nan
+    exit_code: int | None = None
+    killed: bool = False
+
+
 @dataclass(frozen=True)
 class Server:
     """How to start one server and where to reach it."""
@@ -147,6 +156,7 @@ def make_servers(args: argparse.Namespace, base: dict[str, Any], workdir: Path) 
     config_path.write_text(to_toml(daemon_config(base, args.daemon_port, args.admin_port)))
     launcher = str(ROOT / "bench" / "vllm_serve_launcher.py")
     serve_args = ["serve", *engine_flags(base["engine"]), "--host", HOST, "--port", str(args.serve_port)]
+    serve_args += args.serve_arg
     daemon_url = f"http://{HOST}:{args.daemon_port}"
     serve_url = f"http://{HOST}:{args.serve_port}"
     return {
@@ -217,8 +227,11 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def stop_group(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
-    """SIGTERM the server (it shuts its engine down itself), then SIGKILL whatever is left of its group."""
+def stop_group(proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
+    """SIGTERM the server (it shuts its engine down itself), then SIGKILL whatever is left of its group.
+
+    Returns whether anything had to be killed.
+    """
     pgid = proc.pid  # start_new_session=True: the server leads its own process group
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -229,24 +242,30 @@ def stop_group(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
     deadline = time.monotonic() + 10.0
     while _group_alive(pgid) and time.monotonic() < deadline and proc.poll() is not None:
         time.sleep(0.2)  # children (EngineCore, resource tracker) finish their own shutdown
-    if _group_alive(pgid):
+    killed = _group_alive(pgid)
+    if killed:
+        print(f"  process group {pgid} still alive: SIGKILL", flush=True)
         os.killpg(pgid, signal.SIGKILL)
     proc.wait()
+    return killed
 
 
 @contextmanager
-def running(server: Server, log: Path, startup_timeout_s: float, stop_timeout_s: float) -> Iterator[float]:
-    """Start ``server`` in its own process group, yield its startup time, always stop it."""
+def running(server: Server, log: Path, startup_timeout_s: float, stop_timeout_s: float) -> Iterator[Run]:
+    """Start ``server`` in its own process group, yield once healthy, always stop it."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("wb") as out:
         proc = subprocess.Popen(
             server.argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
+    run = Run()
     try:
-        yield wait_healthy(proc, server.health_url, startup_timeout_s, log)
+        run.startup_s = wait_healthy(proc, server.health_url, startup_timeout_s, log)
+        yield run
     finally:
-        stop_group(proc, stop_timeout_s)
+        run.killed = stop_group(proc, stop_timeout_s)
+        run.exit_code = proc.returncode
 
 
 def check_serving(server: Server, model: str) -> None:
@@ -271,11 +290,12 @@ async def measure(server: Server, model: str, args: argparse.Namespace) -> dict[
         raise RuntimeError(f"{server.name}: {warm.failed} warm-up request(s) failed: {warm.first_error}")
     await run_phase(server.base_url, model, concurrency=1, requests=3, max_tokens=LIGHT_MAX_TOKENS)
     heavy = await run_phase(
-        server.base_url, model,
-        concurrency=args.concurrency, requests=args.requests, max_tokens=args.max_tokens,
+        server.base_url, model, concurrency=args.concurrency, requests=args.requests,
+        max_tokens=args.max_tokens, prompt_words=args.prompt_words,
     )
     light = await run_phase(
-        server.base_url, model, concurrency=1, requests=args.light_requests, max_tokens=LIGHT_MAX_TOKENS
+        server.base_url, model, concurrency=1, requests=args.light_requests,
+        max_tokens=LIGHT_MAX_TOKENS, prompt_words=args.prompt_words,
     )
     return {"heavy": heavy, "light": light}
 
@@ -285,18 +305,24 @@ def run_one(
 ) -> dict[str, Any]:
     log = logs / f"{server.name}-r{round_no}.log"
     print(f"round {round_no}: starting {server.name} (log: {log})", flush=True)
-    with running(server, log, args.startup_timeout, args.stop_timeout) as startup_s:
+    with running(server, log, args.startup_timeout, args.stop_timeout) as run:
         check_serving(server, model)
-        print(f"  healthy after {startup_s:.1f} s; measuring", flush=True)
+        print(f"  healthy after {run.startup_s:.1f} s; measuring", flush=True)
         phases = asyncio.run(measure(server, model, args))
     for name, stats in phases.items():
         if stats.failed:
             print(f"  WARNING: {stats.failed} {name} request(s) failed: {stats.first_error}", flush=True)
-    print(f"  {server.name}: {phases['heavy'].tokens_per_s:.0f} tok/s", flush=True)
+    print(
+        f"  {server.name}: {phases['heavy'].tokens_per_s:.0f} tok/s; stopped with exit code {run.exit_code}"
+        + (" (killed)" if run.killed else ""),
+        flush=True,
+    )
     return {
         "server": server.name,
         "round": round_no,
-        "startup_s": startup_s,
+        "startup_s": run.startup_s,
+        "exit_code": run.exit_code,
+        "killed": run.killed,
         **{name: stats.as_dict() for name, stats in phases.items()},
     }
 
@@ -341,6 +367,16 @@ def _row(label: str, values: list[float], failed: str = "") -> str:
     return f"{label:<18}" + "".join(f"{v:>14.1f}" for v in values) + f"{failed:>9}"
 
 
+def describe_workload(args: argparse.Namespace, runs: list[dict[str, Any]]) -> str:
+    prompt = _mean([r["heavy"]["mean_prompt_tokens"] for r in runs])
+    return (
+        f"heavy: {args.requests} streaming requests, {args.concurrency} concurrent, "
+        f"prompt {prompt:.0f} tokens, {args.max_tokens} output tokens (ignore_eos); "
+        f"light: {args.light_requests} requests one at a time, "
+        f"{LIGHT_MAX_TOKENS} output tokens. TTFT in ms."
+    )
+
+
 def format_table(runs: list[dict[str, Any]], summary: dict[str, Any]) -> str:
     header = f"{'run':<18}" + "".join(f"{label:>14}" for label, _, _ in _METRICS) + f"{'failed':>9}"
     lines = [header, "-" * len(header)]
@@ -372,9 +408,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=32, help="concurrent requests in the heavy phase")
     p.add_argument("--requests", type=int, default=128, help="requests in the heavy phase")
     p.add_argument("--max-tokens", type=int, default=256, help="output tokens per heavy request")
-    p.add_argument("--light-requests", type=int, default=20, help="sequential requests in the light phase")
+    p.add_argument("--light-requests", type=int, default=100, help="sequential requests in the light phase")
     p.add_argument("--rounds", type=int, default=2, help="rounds; each runs the daemon, then vllm serve")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "serve_vs_daemon.json")
+    p.add_argument("--prompt-words", type=int, default=40, help="prompt length (about 1 token per word)")
+    p.add_argument(
+        "--serve-arg", action="append", default=[], metavar="ARG",
+        help="extra argument for vllm serve (repeatable), e.g. --serve-arg=--disable-uvicorn-access-log",
+    )
     p.add_argument("--python", default=sys.executable, help="interpreter that runs both servers")
     p.add_argument("--config", type=Path, default=ROOT / "config.toml", help="config to copy the engine from")
     p.add_argument("--daemon-port", type=int, default=8100)
@@ -414,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
             for name in (DAEMON, VLLM_SERVE):
                 runs.append(run_one(servers[name], model, round_no, args, logs))
     summary = summarize_runs(runs)
-    print("\n" + format_table(runs, summary))
+    print("\n" + describe_workload(args, runs) + "\n\n" + format_table(runs, summary))
     result = {
         "argv": sys.argv,
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},

@@ -1,8 +1,13 @@
-"""The control plane (aiohttp): /metrics, /state, /healthz."""
+"""The control plane (aiohttp): /metrics, /state, /healthz, /reload.
+
+An optional bearer token (``[admin] token``) guards /state and /reload; /metrics and /healthz stay
+open for scrapers and probes.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import hmac
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -11,11 +16,30 @@ from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 StateFn = Callable[[], dict[str, Any]]
 HealthFn = Callable[[], tuple[bool, str]]
 RefreshFn = Callable[[], None]
+ReloadFn = Callable[[], Awaitable[dict[str, Any]]]
 
 STATE: web.AppKey[StateFn] = web.AppKey("state")
 HEALTH: web.AppKey[HealthFn] = web.AppKey("health")
 REFRESH: web.AppKey[RefreshFn] = web.AppKey("refresh")
-OUR_REGISTRY: web.AppKey[CollectorRegistry] = web.AppKey("registry", CollectorRegistry)
+RELOAD: web.AppKey[ReloadFn] = web.AppKey("reload")
+TOKEN: web.AppKey[str] = web.AppKey("token")
+OUR_REGISTRY: web.AppKey[CollectorRegistry] = web.AppKey("registry")
+
+
+def _authorized(request: web.Request) -> bool:
+    token = request.app[TOKEN]
+    if not token:
+        return True
+    given = request.headers.get("Authorization", "")
+    return hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
+
+
+def _unauthorized() -> web.Response:
+    return web.json_response(
+        {"error": "missing or wrong bearer token; send 'Authorization: Bearer <[admin] token>'"},
+        status=401,
+        headers={"WWW-Authenticate": "Bearer"},
+    )
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -25,6 +49,8 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def state(request: web.Request) -> web.Response:
+    if not _authorized(request):
+        return _unauthorized()
     return web.json_response(request.app[STATE]())
 
 
@@ -33,20 +59,32 @@ async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"ok": ok, "reason": reason}, status=200 if ok else 503)
 
 
+async def reload(request: web.Request) -> web.Response:
+    if not _authorized(request):
+        return _unauthorized()
+    result = await request.app[RELOAD]()
+    return web.json_response(result, status=200 if result["ok"] else 400)
+
+
 def make_admin_app(
     registry: CollectorRegistry,
-    refresh: Callable[[], None],
-    state_fn: Callable[[], dict[str, Any]],
-    health_fn: Callable[[], tuple[bool, str]],
+    refresh: RefreshFn,
+    state_fn: StateFn,
+    health_fn: HealthFn,
+    reload_fn: ReloadFn,
+    token: str = "",
 ) -> web.Application:
     app = web.Application()
     app[OUR_REGISTRY] = registry
     app[REFRESH] = refresh
     app[STATE] = state_fn
     app[HEALTH] = health_fn
+    app[RELOAD] = reload_fn
+    app[TOKEN] = token
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/state", state)
     app.router.add_get("/healthz", healthz)
+    app.router.add_post("/reload", reload)
     return app
 
 

@@ -53,6 +53,7 @@ class AdminConfig:
 
     host: str = _f("127.0.0.1", "Address of the control plane. Keep it on loopback unless firewalled.")
     port: int = _f(9400, "Port of the control plane.", 1, 65535)
+    token: str = _f("", "When set, /state and /reload require the header 'Authorization: Bearer <token>'.")
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,9 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
     for key in data:
         if key not in known:
             errors.append(f"unknown table [{key}]: {_suggest(key, known)}")
-    engine = dict(data.get("engine", {}))
+        elif not isinstance(data[key], dict):
+            errors.append(f"{key} = {data[key]!r}: must be a table; write [{key}] on a line of its own")
+    engine = _table(data, "engine")
     if "model" not in engine:
         errors.append("[engine] model is missing: set it to a model path or Hugging Face name")
     elif isinstance(engine["model"], str) and not Path(engine["model"]).is_absolute():
@@ -164,10 +167,11 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
         if local.exists() or engine["model"].startswith((".", "models/")):
             engine["model"] = str(local.resolve())
     engine.setdefault("max_num_seqs", 256)
-    tables = {name: _build_table(name, dict(data.get(name, {})), errors) for name in _TABLES}
+    tables = {name: _build_table(name, _table(data, name), errors) for name in _TABLES}
     from controller.engine.args import engine_table_errors  # vLLM's own argument names
 
-    errors.extend(engine_table_errors(engine, tables["server"].vllm))
+    errors.extend(engine_table_errors(engine, {}))
+    errors.extend(_server_option_errors(tables["server"].vllm))
     if not errors:
         errors.extend(_cross_check(engine, tables))
     if not errors:
@@ -175,6 +179,25 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
     if errors:
         raise ConfigError(errors)
     return Config(engine=engine, path=path, **tables)
+
+
+def _table(data: dict[str, Any], name: str) -> dict[str, Any]:
+    value = data.get(name, {})
+    return dict(value) if isinstance(value, dict) else {}  # not a table: reported in parse_config
+
+
+def _server_option_errors(extra: dict[str, Any]) -> list[str]:
+    """vLLM checks the free [server] keys; a near miss of our own keys (prot -> port) says so too,
+    since vLLM's parser does not know them."""
+    from controller.engine.args import engine_table_errors
+
+    own = [f.name for f in dataclasses.fields(ServerConfig) if f.name not in _DICT_FIELDS]
+    errors = []
+    for key, value in extra.items():
+        close = difflib.get_close_matches(key, own, n=1)
+        hint = f"; or did you mean '{close[0]}'?" if close else ""
+        errors.extend(problem + hint for problem in engine_table_errors({}, {key: value}))
+    return errors
 
 
 def _cross_check(engine: dict[str, Any], tables: dict[str, Any]) -> list[str]:

@@ -18,14 +18,15 @@ import structlog
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from prometheus_client import CollectorRegistry
 
-from controller.config import Config, describe
+from controller.config import Config, ConfigError, describe, load_config
 from controller.diagnosis import Diagnoser, Diagnosis
 from controller.gate import AdmissionGate
 from controller.loop import Change, ControlLoop
 from controller.metrics import Metrics
+from controller.reload import ConfigDiff, diff_config, merge_live
 from controller.samplers import GpuSource, HostSource, NvmlSource
 from controller.telemetry import TelemetryWindow
-from policies.base import Observation, build_policy
+from policies.base import Observation, Policy, build_policy
 
 log = structlog.get_logger(__name__)
 
@@ -59,19 +60,66 @@ class Daemon:
         self.host_source = HostSource()
         self.diagnoser = Diagnoser()
         self.diagnosis: Diagnosis | None = None
-        self.policy = build_policy(
-            config.control.policy,
-            config.control.params,
-            max_num_seqs=config.max_num_seqs,
-            initial_limit=config.admission.limit,
-        )
+        self.policy = self._build_policy(config)
         self.loop = ControlLoop(self.policy, self.observe, self, self._on_change, config.control.history)
+        self.pending_changes: dict[str, list[str]] = {}
         self._signals: asyncio.Queue[int] = asyncio.Queue()
+        self._hup = asyncio.Event()
+        self._reload_lock = asyncio.Lock()
+        self._tasks: list[asyncio.Task[None]] = []
         self._draining = False
         self._server: Any = None
         self._server_task: asyncio.Task[None] | None = None
         self._admin: Any = None
         self._scheduler: AsyncIOScheduler | None = None
+
+    @staticmethod
+    def _build_policy(config: Config) -> Policy:
+        return build_policy(
+            config.control.policy,
+            config.control.params,
+            max_num_seqs=config.max_num_seqs,
+            initial_limit=config.admission.limit,
+        )
+
+    # -- reload -------------------------------------------------------------------------------------
+    async def reload(self) -> dict[str, Any]:
+        """Re-read the config file; apply what can change live. On any error the old config stays."""
+        async with self._reload_lock:
+            try:
+                new = load_config(self.config.path)
+            except ConfigError as exc:
+                self.metrics.config_reloads.labels("error").inc()
+                log.error("reload_rejected", path=str(self.config.path), errors=exc.errors)
+                return {"ok": False, "errors": exc.errors}
+            diff = diff_config(self.config, new)
+            self._apply_live(new, diff)
+            self.pending_changes = diff.pending
+            result = "pending_engine_restart" if diff.pending else "ok"
+            self.metrics.config_reloads.labels(result).inc()
+            log.info("reloaded", live=diff.live, pending=diff.pending)
+            await self.loop.tick()  # the new policy acts now, not at the next tick
+            return {"ok": True, "changed": diff.live, "pending": diff.pending}
+
+    def _apply_live(self, new: Config, diff: ConfigDiff) -> None:
+        old = self.config
+        self.config = merge_live(old, new)
+        self.gate.max_queue = new.admission.max_queue
+        if new.admission.limit != old.admission.limit:
+            self.gate.set_limit(new.admission.limit)
+        self.window.window_s = new.control.window_seconds
+        if "control" in diff.live or new.admission.limit != old.admission.limit:
+            self.policy = self.loop.policy = self._build_policy(self.config)
+        self.loop.resize_history(new.control.history)
+        if self._scheduler is not None and new.control.tick_seconds != old.control.tick_seconds:
+            tick = new.control.tick_seconds
+            self._scheduler.reschedule_job("control_tick", trigger="interval", seconds=tick)
+
+    async def _reload_on_hup(self) -> None:
+        while True:
+            await self._hup.wait()
+            self._hup.clear()
+            await self.reload()
 
     # -- actuator (the loop's apply stage calls these) ----------------------------------------------
     def set_admission_limit(self, limit: int) -> None:
@@ -174,6 +222,7 @@ class Daemon:
             "decisions": self.loop.recent(),
             "diagnosis": dataclasses.asdict(self.diagnosis) if self.diagnosis else None,
             "config": describe(self.config),
+            "pending_config_changes": self.pending_changes,
         }
 
     # -- lifecycle ----------------------------------------------------------------------------------
@@ -186,7 +235,10 @@ class Daemon:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self._signals.put_nowait, sig)
-        admin_app = make_admin_app(self.registry, self.refresh_metrics, self.state, self.health)
+            loop.add_signal_handler(signal.SIGHUP, self._hup.set)
+        admin_app = make_admin_app(
+            self.registry, self.refresh_metrics, self.state, self.health, self.reload, self.config.admin.token
+        )
         self._admin = await start_admin(admin_app, self.config.admin.host, self.config.admin.port)
         log.info("control_plane_listening", host=self.config.admin.host, port=self.config.admin.port)
         await self.host.start()
@@ -210,6 +262,7 @@ class Daemon:
             id="control_tick",
         )
         self._scheduler.start()
+        self._tasks.append(asyncio.create_task(self._reload_on_hup()))
         log.info("serving", host=self.config.server.host, port=self.config.server.port)
 
     async def run(self) -> int:
@@ -230,6 +283,10 @@ class Daemon:
         self.gate.stop_admitting()
         if self._scheduler is not None:
             self._scheduler.shutdown(wait=False)
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         if self._server is not None and self._server_task is not None:
             self._server.should_exit = True  # stop listening; uvicorn waits for in-flight requests
             force = asyncio.create_task(self._force_on_second_signal())

@@ -101,5 +101,9 @@ class ControlLoop:
             changes.append(change)
         return changes
 
+    def resize_history(self, n: int) -> None:
+        if n != self.history.maxlen:
+            self.history = deque(self.history, maxlen=n)
+
     def recent(self) -> list[dict[str, Any]]:
         return [asdict(c) for c in self.history]

@@ -118,7 +118,7 @@ def register(cls: type[Policy]) -> type[Policy]:
 
 def resolve(name: str) -> type[Policy]:
     """A registered name, or ``"module:Class"`` for an outside plug-in."""
-    import policies.static  # noqa: F401  (registers the built-in policies)
+    from policies import aimd, gradient, hysteresis, pid, static  # noqa: F401  (registers the built-ins)
 
     if ":" in name:
         module, _, attr = name.partition(":")

@@ -9,11 +9,9 @@ only when a test says so.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
@@ -22,6 +20,7 @@ import pytest_asyncio
 from controller.config import load_config
 from controller.daemon import Daemon
 from tests.conftest import write_config
+from tests.integration.client import stream_completion
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -47,30 +46,6 @@ def admin_url(d: Daemon, path: str) -> str:
     return f"http://{d.config.admin.host}:{d.config.admin.port}{path}"
 
 
-async def stream_completion(
-    session: aiohttp.ClientSession, d: Daemon, max_tokens: int, priority: int = 0
-) -> dict[str, Any]:
-    body = {
-        "model": "tiny",
-        "prompt": "the engine serves requests",
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-        "stream": True,
-        "priority": priority,
-    }
-    chunks = 0
-    async with session.post(url(d, "/v1/completions"), json=body) as resp:
-        status = resp.status
-        async for line in resp.content:
-            text = line.decode().strip()
-            if text.startswith("data: ") and text != "data: [DONE]":
-                payload = json.loads(text[6:])
-                if "error" in payload:
-                    return {"status": 500, "chunks": chunks, "error": payload}
-                chunks += 1
-    return {"status": status, "chunks": chunks, "done_mono": time.monotonic()}
-
-
 async def test_api_and_control_plane_answer(daemon: Daemon) -> None:
     async with aiohttp.ClientSession() as s:
         async with s.get(url(daemon, "/v1/models")) as r:
@@ -80,7 +55,7 @@ async def test_api_and_control_plane_answer(daemon: Daemon) -> None:
         async with s.post(url(daemon, "/v1/chat/completions"), json=chat) as r:
             assert r.status == 200
             assert (await r.json())["usage"]["completion_tokens"] == 8
-        assert (await stream_completion(s, daemon, 5))["chunks"] == 5
+        assert (await stream_completion(s, url(daemon, ""), 5))["tokens"] == 5
         async with s.get(admin_url(daemon, "/metrics")) as r:
             text = await r.text()
         for name in ("autopilot_admission_limit 4.0", "autopilot_batch_cap 16.0", "vllm:kv_cache_usage_perc"):
@@ -105,9 +80,9 @@ async def test_gate_bounds_the_engine_under_40_streams(daemon: Daemon) -> None:
 
     watcher = asyncio.create_task(watch())
     async with aiohttp.ClientSession() as s:
-        results = await asyncio.gather(*(stream_completion(s, daemon, 64) for _ in range(40)))
+        results = await asyncio.gather(*(stream_completion(s, url(daemon, ""), 64) for _ in range(40)))
     watcher.cancel()
-    assert all(r["status"] == 200 and r["chunks"] == 64 for r in results), results
+    assert all(r["status"] == 200 and r["tokens"] == 64 for r in results), results
     assert peak == 4
     running = daemon.window.max_running_since(t0)
     assert 1 <= running <= 4, running
@@ -120,8 +95,10 @@ async def test_runtime_batch_cap_changes_running_requests(daemon: Daemon) -> Non
             for cap in (2, 6):
                 assert await daemon.set_batch_cap(cap) == cap
                 t0 = time.monotonic()
-                results = await asyncio.gather(*(stream_completion(s, daemon, 48) for _ in range(12)))
-                assert all(r["chunks"] == 48 for r in results)
+                results = await asyncio.gather(
+                    *(stream_completion(s, url(daemon, ""), 48) for _ in range(12))
+                )
+                assert all(r["tokens"] == 48 for r in results)
                 assert daemon.window.max_running_since(t0) == cap
         assert await daemon.set_batch_cap(1000) == 16  # clamped to max_num_seqs
     finally:
@@ -145,7 +122,7 @@ async def test_disconnect_frees_slot_and_aborts_in_engine(daemon: Daemon) -> Non
     assert daemon.host.llm.get_num_unfinished_requests() == 0  # aborted in the front end
     t0 = time.monotonic()
     async with aiohttp.ClientSession() as s:
-        assert (await stream_completion(s, daemon, 16))["chunks"] == 16
+        assert (await stream_completion(s, url(daemon, ""), 16))["tokens"] == 16
     assert daemon.window.max_running_since(t0) == 1  # the aborted one is gone from the engine
 
 
@@ -153,13 +130,13 @@ async def test_queued_requests_leave_in_priority_order(daemon: Daemon) -> None:
     daemon.set_admission_limit(1)
     try:
         async with aiohttp.ClientSession() as s:
-            blocker = asyncio.create_task(stream_completion(s, daemon, 400))
+            blocker = asyncio.create_task(stream_completion(s, url(daemon, ""), 400))
             while daemon.gate.stats().in_flight < 1:
                 await asyncio.sleep(0.01)
             priorities = [5, 3, 9, 0, 7, 1]
             tasks = []
             for p in priorities:  # queue them one by one, in this (unsorted) arrival order
-                tasks.append(asyncio.create_task(stream_completion(s, daemon, 4, priority=p)))
+                tasks.append(asyncio.create_task(stream_completion(s, url(daemon, ""), 4, priority=p)))
                 want = len(tasks)
                 while daemon.gate.stats().queued < want:
                     await asyncio.sleep(0.01)

@@ -1,0 +1,84 @@
+"""Small pieces the built-in policies share: parameter checks, staleness, demand, the cap -> limit map.
+
+Parameters arrive from ``[control.params]`` in config.toml, so they may be any TOML value: every check
+names the key, the value and what would be accepted (STYLE.md practice 7).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from policies.base import Observation, PolicyError
+
+LATENCIES = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")
+"""Latency signals a policy may follow; each is a window percentile of the Observation."""
+
+
+def check_float(name: str, value: object, lo: float, hi: float = math.inf, *, lo_open: bool = False) -> float:
+    """A number in [lo, hi] (or (lo, hi] with ``lo_open``); TOML integers are accepted."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+        raise PolicyError(f"{name} = {value!r}: must be a number")
+    if value > hi or value < lo or (lo_open and value == lo):
+        low = f"> {lo}" if lo_open else f">= {lo}"
+        high = "" if hi == math.inf else f" and <= {hi}"
+        raise PolicyError(f"{name} = {value!r}: must be {low}{high}")
+    return float(value)
+
+
+def check_int(name: str, value: object, lo: int, hi: int | None = None) -> int:
+    """An integer in [lo, hi]."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PolicyError(f"{name} = {value!r}: must be an integer")
+    if value < lo or (hi is not None and value > hi):
+        high = "" if hi is None else f" and <= {hi}"
+        raise PolicyError(f"{name} = {value!r}: must be >= {lo}{high}")
+    return value
+
+
+def check_choice(name: str, value: object, choices: Sequence[str]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise PolicyError(f"{name} = {value!r}: use one of {', '.join(repr(c) for c in choices)}")
+    return value
+
+
+def check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise PolicyError(f"{name} = {value!r}: must be true or false")
+    return value
+
+
+def is_stale(obs: Observation, stale_after_s: float) -> bool:
+    """Requests are in flight but the engine has not reported a step for too long (or ever).
+
+    An idle engine reports nothing, so old stats with nothing in flight are not stale."""
+    if obs.in_flight == 0:
+        return False
+    return obs.stats_age_s is None or obs.stats_age_s > stale_after_s
+
+
+def has_demand(obs: Observation, used: int, ceiling: int, fraction: float) -> bool:
+    """Raising a knob helps only if requests wait in the gate or ``used`` is close to ``ceiling``."""
+    return obs.queued > 0 or used >= fraction * ceiling
+
+
+def latency_sample(obs: Observation, which: str) -> float | None:
+    """The window percentile named by ``which`` (one of LATENCIES)."""
+    samples = {
+        "ttft_p50": obs.ttft_p50_s,
+        "ttft_p99": obs.ttft_p99_s,
+        "itl_p50": obs.itl_p50_s,
+        "itl_p99": obs.itl_p99_s,
+    }
+    return samples[which]
+
+
+def limit_for_cap(cap: int, factor: float, headroom: int) -> int:
+    """The admission limit that goes with a batch cap: ``ceil(cap * factor) + headroom``.
+
+    The rounding to 9 places keeps ``ceil(10 * 1.1)`` at 11, not 12."""
+    return max(1, math.ceil(round(cap * factor, 9)) + headroom)
+
+
+def clamp(value: float, lo: float, hi: float) -> float:
+    return max(lo, min(hi, value))

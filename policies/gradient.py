@@ -1,0 +1,162 @@
+"""The gradient policy: adaptive concurrency for the admission limit (Envoy / Netflix Gradient2 style)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from policies.base import Decision, Observation, Policy, PolicyError, register
+from policies.common import (
+    LATENCIES,
+    check_bool,
+    check_choice,
+    check_float,
+    check_int,
+    clamp,
+    has_demand,
+    is_stale,
+    latency_sample,
+)
+
+MEASURING, NORMAL = "measuring", "normal"
+
+
+@register
+class GradientPolicy(Policy):
+    """Grows the admission limit while latency stays near its unloaded baseline, shrinks it when not.
+
+    Formula (state "normal"), with ``L`` the limit estimate (a float), ``s`` the latency sample and
+    ``b`` the baseline latency::
+
+        gradient = clamp(b * (1 + tolerance) / s, 0.5, 1.0)
+        L' = L * gradient + sqrt(L)                  # sqrt(L): queue headroom, lets the limit probe up
+        L  = clamp((1 - smoothing) * L + smoothing * L', min_limit, max_limit)
+        admission_limit = floor(L)
+
+    ``L`` follows the applied limit: when the limit in force is not ``floor(L)`` (the normalize stage
+    clamped or rate-limited it, or a reload changed it), ``L`` restarts from the limit in force.
+    A growth of ``L`` needs demand (requests queued in the gate, or ``in_flight >= demand_fraction *
+    limit``), else hold, "no_demand" (Gradient2's "app limited"). Reasons: "latency_high" (gradient
+    < 1), "latency_ok" (gradient = 1), "no_measurement" (no sample in the window: hold), "stale_stats".
+
+    States: "measuring" -> "normal" -> (every ``baseline_interval_s``) "measuring" -> ... The first
+    tick enters "measuring": the limit is pinned to ``baseline_limit`` ("measuring_baseline") for at
+    least ``baseline_window_s`` and until one sample came; the baseline is the smallest sample seen
+    in that window (Envoy's minRTT). The limit then goes back to the estimate it had before the
+    window ("baseline_measured"). Pinning the limit only stops new admissions: requests already in the
+    engine finish at their pace, so make the window at least as long as the telemetry window.
+    No jitter: one daemon drives one engine, there is no fleet to de-synchronise.
+
+    The batch cap is left alone (None) unless ``cap_follows_limit``: then ``batch_cap = clamp(limit,
+    1, max_num_seqs)``.
+
+    Parameters (defaults): ``latency`` "ttft_p50" (or "ttft_p99", "itl_p50", "itl_p99");
+    ``tolerance`` 0.5; ``smoothing`` 0.2; ``min_limit`` 1; ``max_limit`` 2 * max_num_seqs;
+    ``baseline_interval_s`` 300.0; ``baseline_window_s`` 10.0; ``baseline_limit`` 4;
+    ``demand_fraction`` 0.9; ``cap_follows_limit`` false; ``stale_after_s`` 5.0.
+    """
+
+    name = "gradient"
+
+    def __init__(
+        self,
+        *,
+        max_num_seqs: int,
+        initial_limit: int,
+        latency: str = "ttft_p50",
+        tolerance: float = 0.5,
+        smoothing: float = 0.2,
+        min_limit: int = 1,
+        max_limit: int | None = None,
+        baseline_interval_s: float = 300.0,
+        baseline_window_s: float = 10.0,
+        baseline_limit: int = 4,
+        demand_fraction: float = 0.9,
+        cap_follows_limit: bool = False,
+        stale_after_s: float = 5.0,
+    ) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.latency = check_choice("latency", latency, LATENCIES)
+        self.tolerance = check_float("tolerance", tolerance, 0.0)
+        self.smoothing = check_float("smoothing", smoothing, 0.0, 1.0, lo_open=True)
+        self.min_limit = check_int("min_limit", min_limit, 1)
+        limit_max = 2 * max_num_seqs if max_limit is None else max_limit
+        self.max_limit = check_int("max_limit", limit_max, self.min_limit)
+        self.baseline_window_s = check_float("baseline_window_s", baseline_window_s, 0.0)
+        self.baseline_interval_s = check_float("baseline_interval_s", baseline_interval_s, 0.0, lo_open=True)
+        if self.baseline_interval_s <= self.baseline_window_s:
+            raise PolicyError(
+                f"baseline_interval_s = {baseline_interval_s}: must be longer than "
+                f"baseline_window_s = {baseline_window_s}"
+            )
+        self.baseline_limit = check_int("baseline_limit", baseline_limit, 1, self.max_limit)
+        self.demand_fraction = check_float("demand_fraction", demand_fraction, 0.0, 1.0, lo_open=True)
+        self.cap_follows_limit = check_bool("cap_follows_limit", cap_follows_limit)
+        self.stale_after_s = check_float("stale_after_s", stale_after_s, 0.0, lo_open=True)
+        self.state = MEASURING
+        self._estimate = clamp(float(initial_limit), self.min_limit, self.max_limit)
+        self._deferred = self._estimate  # the estimate to go back to after a measuring window
+        self._window_start: float | None = None
+        self._best: float | None = None  # smallest sample in the current measuring window
+        self._baseline: float | None = None
+        self._baseline_mono = 0.0
+        self._sample: float | None = None
+        self._gradient = math.nan
+
+    def decide(self, obs: Observation, now_mono: float) -> Decision:
+        if is_stale(obs, self.stale_after_s):
+            return Decision(None, None, "stale_stats")
+        self._sample = latency_sample(obs, self.latency)
+        if self.state == NORMAL and now_mono - self._baseline_mono >= self.baseline_interval_s:
+            self.state, self._window_start = MEASURING, None
+        if self.state == MEASURING:
+            return self._measure(now_mono)
+        if self._sample is None:
+            return Decision(None, None, "no_measurement")
+        return self._update(obs, self._sample)
+
+    def _measure(self, now_mono: float) -> Decision:
+        if self._window_start is None:
+            self._window_start, self._best, self._deferred = now_mono, None, self._estimate
+        if self._sample is not None:
+            self._best = self._sample if self._best is None else min(self._best, self._sample)
+        if now_mono - self._window_start < self.baseline_window_s or self._best is None:
+            return self._decision(self.baseline_limit, "measuring_baseline")
+        self.state, self._baseline, self._baseline_mono = NORMAL, self._best, now_mono
+        self._estimate = self._deferred
+        return self._decision(math.floor(self._estimate), "baseline_measured")
+
+    def _update(self, obs: Observation, sample: float) -> Decision:
+        if math.floor(self._estimate) != obs.admission_limit:
+            self._estimate = float(obs.admission_limit)
+        estimate = self._estimate
+        baseline = self._baseline if self._baseline is not None else sample
+        self._gradient = 1.0 if sample <= 0 else clamp(baseline * (1 + self.tolerance) / sample, 0.5, 1.0)
+        target = estimate * self._gradient + math.sqrt(estimate)
+        new = (1 - self.smoothing) * estimate + self.smoothing * target
+        new = clamp(new, self.min_limit, self.max_limit)
+        if new > estimate and not has_demand(obs, obs.in_flight, obs.admission_limit, self.demand_fraction):
+            return Decision(None, None, "no_demand")
+        self._estimate = new
+        return self._decision(math.floor(new), "latency_high" if self._gradient < 1.0 else "latency_ok")
+
+    def _decision(self, limit: int, reason: str) -> Decision:
+        cap = max(1, min(self.max_num_seqs, limit)) if self.cap_follows_limit else None
+        return Decision(limit, cap, reason)
+
+    def params(self) -> dict[str, Any]:
+        keys = (
+            "latency tolerance smoothing min_limit max_limit baseline_interval_s baseline_window_s "
+            "baseline_limit demand_fraction cap_follows_limit stale_after_s"
+        )
+        return {key: getattr(self, key) for key in keys.split()}
+
+    def terms(self) -> dict[str, float]:
+        """Limit estimate, last gradient, baseline and sample latencies (s), 1.0 while measuring."""
+        return {
+            "limit_estimate": self._estimate,
+            "gradient": self._gradient,
+            "baseline_s": math.nan if self._baseline is None else self._baseline,
+            "sample_s": math.nan if self._sample is None else self._sample,
+            "measuring": 1.0 if self.state == MEASURING else 0.0,
+        }

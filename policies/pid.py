@@ -1,0 +1,172 @@
+"""The PID policy: drive the batch cap so a measured signal (KV usage or a latency) sits at a setpoint."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from policies.base import Decision, Observation, Policy, PolicyError, register
+from policies.common import (
+    check_choice,
+    check_float,
+    check_int,
+    clamp,
+    has_demand,
+    is_stale,
+    limit_for_cap,
+)
+
+TARGETS = ("kv_usage", "ttft_p99", "itl_p99")
+DEFAULT_SETPOINTS = {"kv_usage": 0.85}
+
+
+@register
+class PidPolicy(Policy):
+    """A positional PID on a relative error; its output in [0, 1] spans the batch cap's range.
+
+    Formula, with ``m`` the measurement (window mean KV usage, or the window's p99 TTFT / ITL in
+    seconds), ``sp`` the setpoint and ``dt`` the time since the previous tick with a measurement::
+
+        e = clamp((sp - m) / sp, -1, 1)            # > 0: room to spare, raise the cap
+        I = clamp(I + ki * e * dt, -kp, 1 + kp)    # skipped while saturated (below)
+        D = -kd * ((m - m_prev) / sp) / dt         # derivative on measurement, not on error
+        u = clamp(kp * e + I + D, 0, 1)
+        batch_cap = min_cap + round(u * (max_num_seqs - min_cap))
+        admission_limit = ceil(batch_cap * limit_factor) + limit_headroom
+
+    The error is relative, so the same gains suit KV usage and latencies. The first tick starts
+    bumpless: ``I = u(current cap) - kp * e``, no integration, no D. Anti-windup: ``I`` is clamped to
+    [-kp, 1 + kp] (just enough to hold any output against the largest P term), and it is not
+    integrated while the error pushes an output that cannot follow: ``kp*e + I + D`` beyond [0, 1],
+    the loop's normalize stage having applied less than asked (the cap in force is below/above the
+    previous request), or a raise held for lack of demand.
+
+    Holds (both knobs None): "stale_stats"; "no_measurement" (no latency samples in the window; the
+    next measurement starts a fresh dt and D); "no_demand" (a raise without requests queued in the gate
+    and with ``running < demand_fraction * cap``). Otherwise the decision carries both knobs and the
+    reason says why the cap moves: "below_setpoint" (up), "above_setpoint" (down), "measurement_rising"
+    (down although e >= 0: the D term), "measurement_falling" (up although e <= 0), "steady" (unchanged).
+
+    Parameters (defaults): ``target`` "kv_usage" (or "ttft_p99", "itl_p99"); ``setpoint`` 0.85 for
+    kv_usage, required (seconds) for latencies; ``kp`` 0.3, ``ki`` 0.1 (per second), ``kd`` 0.0
+    (seconds); ``min_cap`` 1; ``demand_fraction`` 0.9; ``limit_factor`` 1.0; ``limit_headroom`` 2;
+    ``stale_after_s`` 5.0.
+
+    States: integral ``I`` (None until the first measurement), previous measurement and its time,
+    the cap asked for at the previous tick.
+    """
+
+    name = "pid"
+
+    def __init__(
+        self,
+        *,
+        max_num_seqs: int,
+        initial_limit: int,
+        target: str = "kv_usage",
+        setpoint: float | None = None,
+        kp: float = 0.3,
+        ki: float = 0.1,
+        kd: float = 0.0,
+        min_cap: int = 1,
+        demand_fraction: float = 0.9,
+        limit_factor: float = 1.0,
+        limit_headroom: int = 2,
+        stale_after_s: float = 5.0,
+    ) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.target = check_choice("target", target, TARGETS)
+        if setpoint is None and target not in DEFAULT_SETPOINTS:
+            raise PolicyError(f"target = {target!r} needs a setpoint (seconds), e.g. 0.5")
+        sp = DEFAULT_SETPOINTS[target] if setpoint is None else setpoint
+        top = 1.0 if target == "kv_usage" else math.inf
+        self.setpoint = check_float("setpoint", sp, 0.0, top, lo_open=True)
+        self.kp = check_float("kp", kp, 0.0)
+        self.ki = check_float("ki", ki, 0.0)
+        self.kd = check_float("kd", kd, 0.0)
+        self.min_cap = check_int("min_cap", min_cap, 1, max_num_seqs)
+        self.demand_fraction = check_float("demand_fraction", demand_fraction, 0.0, 1.0, lo_open=True)
+        self.limit_factor = check_float("limit_factor", limit_factor, 0.0, lo_open=True)
+        self.limit_headroom = check_int("limit_headroom", limit_headroom, 0)
+        self.stale_after_s = check_float("stale_after_s", stale_after_s, 0.0, lo_open=True)
+        self._integral: float | None = None
+        self._prev: tuple[float, float] | None = None  # (now_mono, measurement)
+        self._asked: int | None = None
+        self._terms = {"measurement": math.nan, "error": math.nan, "derivative": math.nan, "output": math.nan}
+
+    def decide(self, obs: Observation, now_mono: float) -> Decision:
+        if is_stale(obs, self.stale_after_s):
+            return self._hold("stale_stats", forget=True)
+        m = self._measure(obs)
+        if m is None:
+            return self._hold("no_measurement", forget=True)
+        e = clamp((self.setpoint - m) / self.setpoint, -1.0, 1.0)
+        integral, dt = self._start_integral(obs, e), self._dt(now_mono)
+        d = self._derivative(m, dt)
+        self._prev = (now_mono, m)
+        if dt is not None and not self._saturated(obs, e, integral + self.kp * e + d):
+            integral = clamp(integral + self.ki * e * dt, -self.kp, 1.0 + self.kp)
+        u = clamp(self.kp * e + integral + d, 0.0, 1.0)
+        cap = self.min_cap + round(u * (self.max_num_seqs - self.min_cap))
+        self._terms = {"measurement": m, "error": e, "derivative": d, "output": u}
+        if cap > obs.batch_cap and not has_demand(obs, obs.running, obs.batch_cap, self.demand_fraction):
+            if e <= 0:  # a raise from D alone: the integral may still move down
+                self._integral = integral
+            return self._hold("no_demand", forget=False)
+        self._integral, self._asked = integral, cap
+        reason = _reason(cap, obs.batch_cap, e)
+        return Decision(limit_for_cap(cap, self.limit_factor, self.limit_headroom), cap, reason)
+
+    def _measure(self, obs: Observation) -> float | None:
+        if self.target == "kv_usage":
+            return obs.kv_usage_mean
+        return obs.ttft_p99_s if self.target == "ttft_p99" else obs.itl_p99_s
+
+    def _start_integral(self, obs: Observation, e: float) -> float:
+        """Bumpless start: the first output equals the cap in force."""
+        if self._integral is None:
+            span = self.max_num_seqs - self.min_cap
+            current = 0.0 if span == 0 else (obs.batch_cap - self.min_cap) / span
+            self._integral = clamp(current - self.kp * e, -self.kp, 1.0 + self.kp)
+        return self._integral
+
+    def _dt(self, now_mono: float) -> float | None:
+        if self._prev is None or now_mono <= self._prev[0]:
+            return None
+        return now_mono - self._prev[0]
+
+    def _derivative(self, m: float, dt: float | None) -> float:
+        if dt is None or self._prev is None:
+            return 0.0
+        return -self.kd * ((m - self._prev[1]) / self.setpoint) / dt
+
+    def _saturated(self, obs: Observation, e: float, u_raw: float) -> bool:
+        """The output cannot move further the way the error pushes it (conditional integration)."""
+        held_low = self._asked is not None and obs.batch_cap < self._asked
+        held_high = self._asked is not None and obs.batch_cap > self._asked
+        if e > 0:
+            return u_raw > 1.0 or held_low
+        return e < 0 and (u_raw < 0.0 or held_high)
+
+    def _hold(self, reason: str, *, forget: bool) -> Decision:
+        if forget:
+            self._prev = None
+        self._asked = None
+        return Decision(None, None, reason)
+
+    def params(self) -> dict[str, Any]:
+        keys = "target setpoint kp ki kd min_cap demand_fraction limit_factor limit_headroom stale_after_s"
+        return {key: getattr(self, key) for key in keys.split()}
+
+    def terms(self) -> dict[str, float]:
+        """Measurement, error, integral, derivative and output (0..1) of the last computed tick."""
+        integral = math.nan if self._integral is None else self._integral
+        return {**self._terms, "integral": integral, "setpoint": self.setpoint}
+
+
+def _reason(cap: int, current: int, e: float) -> str:
+    if cap > current:
+        return "below_setpoint" if e > 0 else "measurement_falling"
+    if cap < current:
+        return "above_setpoint" if e < 0 else "measurement_rising"
+    return "steady"

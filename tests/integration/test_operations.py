@@ -1,0 +1,158 @@
+"""The real daemon as a subprocess, driven by signals as systemd drives it: SIGHUP applies a new
+admission limit under load without failing a request, a broken file keeps the old config, and
+SIGTERM under load lets in-flight requests finish and exits 0 within the deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.conftest import ROOT, write_config
+from tests.integration.client import stream_completion
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+
+
+class Proc:
+    def __init__(self, path: Path, server_port: int, admin_port: int, popen: subprocess.Popen[bytes]) -> None:
+        self.path, self.popen = path, popen
+        self.base = f"http://127.0.0.1:{server_port}"
+        self.admin = f"http://127.0.0.1:{admin_port}"
+
+
+def _config(path: Path, ports: tuple[int, int], limit: int, extra: str = "") -> None:
+    write_config(
+        path,
+        server={"port": ports[0], "shutdown_timeout_s": 30.0},
+        admin={"port": ports[1]},
+        admission={"limit": limit, "max_queue": 256},
+        control={"tick_seconds": 0.5, "policy": "static"},
+    )
+    if extra:
+        path.write_text(path.read_text() + extra)
+
+
+def _wait_healthy(proc: Proc, timeout_s: float = 240.0) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.popen.poll() is None, "daemon exited during startup"
+        try:
+            with urllib.request.urlopen(proc.admin + "/healthz", timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError("daemon did not become healthy")
+
+
+@pytest.fixture(scope="module")
+def daemon_proc(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Proc]:
+    from tests.conftest import free_port
+
+    path = tmp_path_factory.mktemp("ops") / "config.toml"
+    ports = (free_port(), free_port())
+    _config(path, ports, limit=4)
+    log = open(path.parent / "daemon.log", "wb")  # noqa: SIM115
+    popen = subprocess.Popen(
+        [sys.executable, "-m", "controller", "serve", "--config", str(path)],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    proc = Proc(path, *ports, popen)
+    try:
+        _wait_healthy(proc)
+        yield proc
+    finally:
+        if popen.poll() is None:
+            os.killpg(popen.pid, signal.SIGKILL)
+            popen.wait()
+        log.close()
+
+
+async def _metric(session: aiohttp.ClientSession, proc: Proc, name: str) -> float | None:
+    async with session.get(proc.admin + "/metrics") as r:
+        text = await r.text()
+    m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
+    return float(m.group(1)) if m else None
+
+
+async def _load(session: aiohttp.ClientSession, proc: Proc, stop: asyncio.Event) -> list[dict[str, Any]]:
+    results: list[dict[str, Any]] = []
+
+    async def client() -> None:
+        while not stop.is_set():
+            results.append(await stream_completion(session, proc.base, 32))
+
+    await asyncio.gather(*(client() for _ in range(8)))
+    return results
+
+
+async def test_sighup_applies_new_limit_under_load_and_keeps_old_on_error(daemon_proc: Proc) -> None:
+    proc = daemon_proc
+    ports = (int(proc.base.rsplit(":", 1)[1]), int(proc.admin.rsplit(":", 1)[1]))
+    async with aiohttp.ClientSession() as s:
+        assert await _metric(s, proc, "autopilot_admission_limit") == 4
+        stop = asyncio.Event()
+        load = asyncio.create_task(_load(s, proc, stop))
+        await asyncio.sleep(1.0)
+        _config(proc.path, ports, limit=6)
+        t0 = time.monotonic()
+        proc.popen.send_signal(signal.SIGHUP)
+        while await _metric(s, proc, "autopilot_admission_limit") != 6:
+            assert time.monotonic() - t0 < 2.0, "new limit not visible within 2 s"
+            await asyncio.sleep(0.05)
+        print(f"limit visible after {time.monotonic() - t0:.2f} s")
+
+        _config(proc.path, ports, limit=9, extra="\n[admission.oops]\n")  # broken: unknown key
+        proc.popen.send_signal(signal.SIGHUP)
+        t0 = time.monotonic()
+        while await _metric(s, proc, 'autopilot_config_reloads_total{result="error"}') != 1:
+            assert time.monotonic() - t0 < 5.0, "reload error not counted"
+            await asyncio.sleep(0.05)
+        assert await _metric(s, proc, "autopilot_admission_limit") == 6  # the old config still serves
+        await asyncio.sleep(1.0)
+        stop.set()
+        results = await load
+        async with s.get(proc.admin + "/healthz") as r:
+            assert r.status == 200
+    assert len(results) > 8
+    failed = [r for r in results if r["status"] != 200 or r["tokens"] != 32]
+    assert failed == [], failed
+
+
+async def test_post_reload_reports_errors(daemon_proc: Proc) -> None:
+    async with aiohttp.ClientSession() as s, s.post(daemon_proc.admin + "/reload") as r:
+        body = await r.json()
+    assert r.status == 400 and not body["ok"]
+    assert any("oops" in e for e in body["errors"]), body
+
+
+async def test_sigterm_under_load_drains_and_exits_zero(daemon_proc: Proc) -> None:
+    proc = daemon_proc
+    async with aiohttp.ClientSession() as s:
+        streams = [asyncio.create_task(stream_completion(s, proc.base, 300)) for _ in range(6)]
+        await asyncio.sleep(0.5)
+        t0 = time.monotonic()
+        proc.popen.send_signal(signal.SIGTERM)
+        results = await asyncio.gather(*streams)
+    code = await asyncio.get_running_loop().run_in_executor(None, proc.popen.wait, 60)
+    elapsed = time.monotonic() - t0
+    assert code == 0
+    assert elapsed < 30.0 + 15.0, elapsed  # the drain deadline plus engine shutdown
+    assert all(r["status"] == 200 and r["tokens"] == 300 for r in results), results
