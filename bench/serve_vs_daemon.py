@@ -42,6 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -300,10 +302,16 @@ async def measure(server: Server, model: str, args: argparse.Namespace) -> dict[
     return {"heavy": heavy, "light": light}
 
 
+def background_cpu_percent(interval_s: float = 1.0) -> float:
+    """System-wide CPU use while none of our servers runs: other people's load on the machine."""
+    return float(psutil.cpu_percent(interval=interval_s))
+
+
 def run_one(
     server: Server, model: str, round_no: int, args: argparse.Namespace, logs: Path
 ) -> dict[str, Any]:
     log = logs / f"{server.name}-r{round_no}.log"
+    background = background_cpu_percent()
     print(f"round {round_no}: starting {server.name} (log: {log})", flush=True)
     with running(server, log, args.startup_timeout, args.stop_timeout) as run:
         check_serving(server, model)
@@ -323,6 +331,7 @@ def run_one(
         "startup_s": run.startup_s,
         "exit_code": run.exit_code,
         "killed": run.killed,
+        "background_cpu_percent": background,
         **{name: stats.as_dict() for name, stats in phases.items()},
     }
 
@@ -378,11 +387,13 @@ def describe_workload(args: argparse.Namespace, runs: list[dict[str, Any]]) -> s
 
 
 def format_table(runs: list[dict[str, Any]], summary: dict[str, Any]) -> str:
-    header = f"{'run':<18}" + "".join(f"{label:>14}" for label, _, _ in _METRICS) + f"{'failed':>9}"
+    labels = "".join(f"{label:>14}" for label, _, _ in _METRICS)
+    header = f"{'run':<18}{labels}{'failed':>9}{'bg cpu%':>9}"
     lines = [header, "-" * len(header)]
     for r in runs:
         failed = str(r["heavy"]["failed"] + r["light"]["failed"])
-        lines.append(_row(f"{r['server']} r{r['round']}", [r[p][k] for _, p, k in _METRICS], failed))
+        row = _row(f"{r['server']} r{r['round']}", [r[p][k] for _, p, k in _METRICS], failed)
+        lines.append(f"{row}{r['background_cpu_percent']:>9.0f}")
     lines.append("-" * len(header))
     for name in (DAEMON, VLLM_SERVE):
         lines.append(_row(f"mean {name}", [summary["means"][name][f"{p}_{k}"] for _, p, k in _METRICS]))
@@ -433,13 +444,13 @@ def ensure_model(args: argparse.Namespace, engine: dict[str, Any]) -> None:
         subprocess.run(cmd, cwd=ROOT, check=True)
 
 
-def _raise_on_sigterm(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)  # unwinds through every ``running`` block, which stops its server
+def _interrupt_on_sigterm(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # unwinds through the ``running`` block, which stops its server
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    signal.signal(signal.SIGTERM, _interrupt_on_sigterm)
     busy = [p for p in (args.daemon_port, args.admin_port, args.serve_port) if not port_free(p)]
     if busy:
         print(f"ports already in use: {busy}; pick others with --daemon-port/--admin-port/--serve-port")
@@ -449,11 +460,18 @@ def main(argv: list[str] | None = None) -> int:
     model = served_model(base["engine"])
     logs = args.out.parent / "logs"
     runs: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="serve_vs_daemon-") as tmp:
-        servers = make_servers(args, base, Path(tmp))
-        for round_no in range(1, args.rounds + 1):
-            for name in (DAEMON, VLLM_SERVE):
-                runs.append(run_one(servers[name], model, round_no, args, logs))
+    try:
+        with tempfile.TemporaryDirectory(prefix="serve_vs_daemon-") as tmp:
+            servers = make_servers(args, base, Path(tmp))
+            for round_no in range(1, args.rounds + 1):
+                for name in (DAEMON, VLLM_SERVE):
+                    runs.append(run_one(servers[name], model, round_no, args, logs))
+    except KeyboardInterrupt:
+        print("interrupted; the running server was stopped", file=sys.stderr)
+        return 130
+    except RuntimeError as exc:
+        print(f"benchmark failed: {exc}", file=sys.stderr)
+        return 1
     summary = summarize_runs(runs)
     print("\n" + describe_workload(args, runs) + "\n\n" + format_table(runs, summary))
     result = {

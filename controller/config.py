@@ -74,9 +74,64 @@ class ControlConfig:
     policy: str = _f("static", "A registered policy name, or 'module:Class' for a plug-in.")
     window_seconds: float = _f(10.0, "Length of the engine-stats window the loop observes.", 0.5, 3600)
     history: int = _f(50, "How many recent decisions /state shows.", 1, 10_000)
+    limit_max: int = _f(4096, "Ceiling of the admission limit any policy may set.", 1, 1_000_000)
+    tolerance: float = _f(
+        0.0, "Normalize: ignore changes of at most this fraction of the value in force (0 = off).", 0, 1
+    )
+    max_step_up: float = _f(
+        0.0,
+        "Normalize: most a knob rises per tick; < 1 is a fraction of its value, >= 1 absolute, 0 = no limit.",
+        0,
+        1_000_000,
+    )
+    max_step_down: float = _f(
+        0.0, "Normalize: most a knob falls per tick (as max_step_up); urgent cuts are exempt.", 0, 1_000_000
+    )
+    stabilization_s: float = _f(
+        0.0, "Normalize: a decrease goes only down to the highest recommendation of this window.", 0, 3600
+    )
     params: dict[str, Any] = field(
         default_factory=dict, metadata={"doc": "[control.params]: the policy's own parameters."}
     )
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """[guard]: memory guard and crash recovery (the only things that restart the engine)."""
+
+    consecutive_samples: int = _f(3, "Memory readings in a row below the margin before a restart.", 1, 1000)
+    gpu_free_margin_bytes: int = _f(
+        1 << 30, "GPU: restart when NVML free memory falls below this.", 0, 1 << 50
+    )
+    gpu_free_margin_fraction: float = _f(
+        0.03, "GPU: ... or below this fraction of the GPU's total memory.", 0, 0.5
+    )
+    host_available_margin_bytes: int = _f(
+        512 << 20, "CPU: restart when the host's available memory falls below this.", 0, 1 << 50
+    )
+    memory_step_fraction: float = _f(
+        0.10,
+        "Each memory restart shrinks the setting by the deficit, and by at least this fraction.",
+        0.01,
+        0.9,
+    )
+    min_gpu_memory_utilization: float = _f(0.30, "Floor of gpu_memory_utilization.", 0.05, 1.0)
+    min_kv_cache_memory_bytes: int = _f(16 << 20, "Floor of kv_cache_memory_bytes.", 1 << 20, 1 << 50)
+    drain_timeout_s: float = _f(
+        30.0,
+        "Before a memory restart, how long in-flight requests may finish; the rest are aborted.",
+        0,
+        3600,
+    )
+    max_restarts_per_hour: int = _f(
+        5, "Restart budget; once spent the daemon stays up and answers 503 until restarted.", 0, 1000
+    )
+    backoff_initial_s: float = _f(
+        1.0, "Delay before the first restart after a crash; doubles each time.", 0, 600
+    )
+    backoff_max_s: float = _f(60.0, "Longest delay between crash restarts.", 0, 3600)
+    check_interval_s: float = _f(0.5, "How often the guard checks that the engine is alive.", 0.05, 60)
+    cooldown_s: float = _f(30.0, "After a restart, memory readings are ignored this long.", 0, 3600)
 
 
 @dataclass(frozen=True)
@@ -88,6 +143,7 @@ class Config:
     admin: AdminConfig
     admission: AdmissionConfig
     control: ControlConfig
+    guard: GuardConfig
     path: Path
 
     @property
@@ -100,6 +156,7 @@ _TABLES: dict[str, type[Any]] = {
     "admin": AdminConfig,
     "admission": AdmissionConfig,
     "control": ControlConfig,
+    "guard": GuardConfig,
 }
 _DICT_FIELDS = {"vllm", "params"}
 """Fields that hold a table of free-form keys rather than one typed value."""
@@ -192,7 +249,7 @@ def _server_option_errors(extra: dict[str, Any]) -> list[str]:
     from controller.engine.args import engine_table_errors
 
     own = [f.name for f in dataclasses.fields(ServerConfig) if f.name not in _DICT_FIELDS]
-    errors = []
+    errors: list[str] = []
     for key, value in extra.items():
         close = difflib.get_close_matches(key, own, n=1)
         hint = f"; or did you mean '{close[0]}'?" if close else ""

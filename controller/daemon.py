@@ -1,16 +1,16 @@
 """The daemon: startup, run, shutdown (STYLE.md practice 9).
 
-Signal handlers only record the signal; ``run`` acts on it. SIGTERM/SIGINT drain: the data plane
-stops listening and refuses new requests, in-flight and queued ones finish up to
+Signal handlers only record the signal; the loop acts on it. SIGHUP reloads the config. SIGTERM/SIGINT
+drain: the data plane stops listening and refuses new requests, in-flight and queued ones finish up to
 ``[server] shutdown_timeout_s``, then the engine shuts down and the process exits 0. A second signal
-forces the exit.
+forces the exit. systemd hears READY=1 once the engine serves, RELOADING=1/READY=1 around a reload,
+STOPPING=1 on drain, and WATCHDOG=1 from this event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import signal
 from typing import Any
 
@@ -18,26 +18,50 @@ import structlog
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from prometheus_client import CollectorRegistry
 
-from controller.config import Config, ConfigError, describe, load_config
+from controller import status
+from controller.config import Config, ConfigError, load_config
 from controller.diagnosis import Diagnoser, Diagnosis
 from controller.gate import AdmissionGate
+from controller.guard import Guard
 from controller.loop import Change, ControlLoop
 from controller.metrics import Metrics
+from controller.normalize import Normalizer
 from controller.reload import ConfigDiff, diff_config, merge_live
 from controller.samplers import GpuSource, HostSource, NvmlSource
+from controller.sdnotify import Notifier, start_watchdog
 from controller.telemetry import TelemetryWindow
 from policies.base import Observation, Policy, build_policy
 
 log = structlog.get_logger(__name__)
 
 
-def priority_class(priority: int) -> str:
-    return "interactive" if priority <= 0 else "batch"
+def make_policy(config: Config) -> Policy:
+    return build_policy(
+        config.control.policy,
+        config.control.params,
+        max_num_seqs=config.max_num_seqs,
+        initial_limit=config.admission.limit,
+    )
+
+
+def make_normalizer(config: Config) -> Normalizer:
+    c = config.control
+    return Normalizer(
+        limit_max=c.limit_max,
+        tolerance=c.tolerance,
+        max_step_up=c.max_step_up,
+        max_step_down=c.max_step_down,
+        stabilization_s=c.stabilization_s,
+    )
 
 
 class Daemon:
     def __init__(
-        self, config: Config, install_signals: bool = True, gpu_source: GpuSource | None = None
+        self,
+        config: Config,
+        install_signals: bool = True,
+        gpu_source: GpuSource | None = None,
+        host_source: HostSource | None = None,
     ) -> None:
         from controller.engine.args import serve_namespace
         from controller.engine.host import EngineHost
@@ -56,42 +80,44 @@ class Daemon:
             config.engine, {"host": config.server.host, "port": config.server.port, **config.server.vllm}
         )
         self.host = EngineHost(self.args, self.window)
+        self.guard = Guard(config.guard, self.gate, self.host, self._on_restart)
         self.gpu_source: GpuSource = gpu_source or NvmlSource()
-        self.host_source = HostSource()
+        self.host_source = host_source or HostSource()
         self.diagnoser = Diagnoser()
         self.diagnosis: Diagnosis | None = None
-        self.policy = self._build_policy(config)
-        self.loop = ControlLoop(self.policy, self.observe, self, self._on_change, config.control.history)
+        self.loop = ControlLoop(
+            make_policy(config),
+            make_normalizer(config),
+            self.observe,
+            self,
+            self._on_change,
+            config.control.history,
+        )
+        self.notifier = Notifier()
         self.pending_changes: dict[str, list[str]] = {}
+        self.draining = False
         self._signals: asyncio.Queue[int] = asyncio.Queue()
         self._hup = asyncio.Event()
         self._reload_lock = asyncio.Lock()
-        self._tasks: list[asyncio.Task[None]] = []
-        self._draining = False
+        self._tasks: list[asyncio.Task[Any]] = []
         self._server: Any = None
         self._server_task: asyncio.Task[None] | None = None
         self._admin: Any = None
         self._scheduler: AsyncIOScheduler | None = None
 
-    @staticmethod
-    def _build_policy(config: Config) -> Policy:
-        return build_policy(
-            config.control.policy,
-            config.control.params,
-            max_num_seqs=config.max_num_seqs,
-            initial_limit=config.admission.limit,
-        )
-
     # -- reload -------------------------------------------------------------------------------------
     async def reload(self) -> dict[str, Any]:
         """Re-read the config file; apply what can change live. On any error the old config stays."""
         async with self._reload_lock:
+            self.notifier.reloading()
             try:
                 new = load_config(self.config.path)
             except ConfigError as exc:
                 self.metrics.config_reloads.labels("error").inc()
                 log.error("reload_rejected", path=str(self.config.path), errors=exc.errors)
                 return {"ok": False, "errors": exc.errors}
+            finally:
+                self.notifier.ready()
             diff = diff_config(self.config, new)
             self._apply_live(new, diff)
             self.pending_changes = diff.pending
@@ -109,8 +135,10 @@ class Daemon:
             self.gate.set_limit(new.admission.limit)
         self.window.window_s = new.control.window_seconds
         if "control" in diff.live or new.admission.limit != old.admission.limit:
-            self.policy = self.loop.policy = self._build_policy(self.config)
+            self.loop.policy = make_policy(self.config)
+            self.loop.normalizer = make_normalizer(self.config)
         self.loop.resize_history(new.control.history)
+        self.guard.s = self.guard.memory.s = new.guard
         if self._scheduler is not None and new.control.tick_seconds != old.control.tick_seconds:
             tick = new.control.tick_seconds
             self._scheduler.reschedule_job("control_tick", trigger="interval", seconds=tick)
@@ -131,14 +159,13 @@ class Daemon:
     def _on_change(self, change: Change) -> None:
         self.metrics.decisions.labels(change.knob, change.reason).inc()
 
-    # -- observation, state, health -----------------------------------------------------------------
-    def queued_by_class(self) -> dict[str, int]:
-        depth = {"interactive": 0, "batch": 0}
-        for p in self.gate.queued_priorities():
-            depth[priority_class(p)] += 1
-        return depth
+    def _on_restart(self, reason: str, duration_s: float) -> None:
+        self.metrics.engine_restarts.labels(reason).inc()
+        self.metrics.restart_duration.observe(duration_s)
 
+    # -- observation ----------------------------------------------------------------------------
     def observe(self) -> Observation:
+        """One tick's observation; the memory guard sees it too."""
         eng = self.window.snapshot()
         g = self.gate.stats()
         gpu = self.gpu_source.read()
@@ -163,7 +190,7 @@ class Daemon:
             ttft_p50_s=eng.ttft_p50_s,
             itl_p50_s=eng.itl_p50_s,
             finished_per_s=eng.finished_per_s,
-            queued_by_class=self.queued_by_class(),
+            queued_by_class=status.queued_by_class(self),
             gpu_memory_used_bytes=gpu.used_bytes if gpu else None,
             gpu_memory_total_bytes=gpu.total_bytes if gpu else None,
             gpu_memory_free_bytes=gpu.free_bytes if gpu else None,
@@ -172,97 +199,68 @@ class Daemon:
             daemon_cpu_percent=hostr.daemon_cpu_percent,
         )
         self.diagnosis = self.diagnoser.observe(obs)
+        task = self.guard.on_observation(obs)
+        if task is not None:
+            self._tasks.append(task)
         return obs
 
-    def health(self) -> tuple[bool, str]:
-        if self._draining:
-            return False, "draining"
-        if not self.host.ready:
-            return False, "engine_not_ready" if self.host.generation == 0 else "engine_dead"
-        return True, "serving"
-
-    def refresh_metrics(self) -> None:
-        m, g = self.metrics, self.gate.stats()
-        m.admission_limit.set(g.limit)
-        m.batch_cap.set(self.host.batch_cap)
-        m.max_num_seqs.set(self.host.max_num_seqs)
-        m.in_flight.set(g.in_flight)
-        for cls, n in self.queued_by_class().items():
-            m.queue_depth.labels(cls).set(n)
-        m.engine_generation.set(self.host.generation)
-        m.engine_up.set(1 if self.host.ready else 0)
-        for term, value in self.policy.terms().items():
-            m.policy_term.labels(self.policy.name, term).set(value)
-
-    def state(self) -> dict[str, Any]:
-        g = self.gate.stats()
-        eng = self.window.snapshot()
-        ok, reason = self.health()
-        return {
-            "healthy": ok,
-            "health_reason": reason,
-            "admission_limit": g.limit,
-            "batch_cap": self.host.batch_cap,
-            "policy": {
-                "name": self.config.control.policy,
-                "params": self.policy.params(),
-                "terms": self.policy.terms(),
-                "last_reason": self.loop.last_reason,
-            },
-            "engine": self.host.settings(),
-            "gate": {
-                "in_flight": g.in_flight,
-                "queue_depth": g.queued,
-                "pending": g.pending,
-                "admitted_total": g.admitted_total,
-                "rejected_total": g.rejected_total,
-                "completed_total": g.completed_total,
-            },
-            "engine_stats": eng.__dict__,
-            "decisions": self.loop.recent(),
-            "diagnosis": dataclasses.asdict(self.diagnosis) if self.diagnosis else None,
-            "config": describe(self.config),
-            "pending_config_changes": self.pending_changes,
-        }
-
     # -- lifecycle ----------------------------------------------------------------------------------
-    async def startup(self) -> None:
+    def _install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._signals.put_nowait, sig)
+        loop.add_signal_handler(signal.SIGHUP, self._hup.set)
+
+    async def _start_admin(self) -> None:
         from controller.admin import make_admin_app, start_admin
-        from controller.engine.app import build_data_plane, make_server
+
+        app = make_admin_app(
+            self.registry,
+            lambda: status.refresh_metrics(self),
+            lambda: status.state(self),
+            lambda: status.health(self),
+            self.reload,
+            self.config.admin.token,
+        )
+        self._admin = await start_admin(app, self.config.admin.host, self.config.admin.port)
+        log.info("control_plane_listening", host=self.config.admin.host, port=self.config.admin.port)
+
+    async def _start_data_plane(self) -> None:
+        from controller.engine.app import build_data_plane, make_server, refresh_app_state
         from controller.engine.client import GovernedEngineClient
 
-        if self._install_signals:
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, self._signals.put_nowait, sig)
-            loop.add_signal_handler(signal.SIGHUP, self._hup.set)
-        admin_app = make_admin_app(
-            self.registry, self.refresh_metrics, self.state, self.health, self.reload, self.config.admin.token
-        )
-        self._admin = await start_admin(admin_app, self.config.admin.host, self.config.admin.port)
-        log.info("control_plane_listening", host=self.config.admin.host, port=self.config.admin.port)
-        await self.host.start()
-        await self.loop.tick()  # the policy's initial values apply before the first request
-        client = GovernedEngineClient(self.host, self.gate)
+        client = GovernedEngineClient(self.host, self.gate, self.guard.notice_dead)
         app = await build_data_plane(client, self.args)
+        self.host.on_new_engine = lambda: refresh_app_state(app, client, self.host.args)
         self._server = make_server(
             app, self.args, self.config.server.shutdown_timeout_s, self.gate.retry_after_s
         )
         self._server_task = asyncio.create_task(self._server.serve())
         while not self._server.started and not self._server_task.done():
             await asyncio.sleep(0.05)
+
+    def _start_background(self) -> None:
         self._scheduler = AsyncIOScheduler()
         self._scheduler.add_job(
-            self.loop.tick,
-            "interval",
-            seconds=self.config.control.tick_seconds,
-            max_instances=1,
-            coalesce=True,
-            misfire_grace_time=None,
-            id="control_tick",
-        )
+            self.loop.tick, "interval", seconds=self.config.control.tick_seconds,
+            max_instances=1, coalesce=True, misfire_grace_time=None, id="control_tick",
+        )  # fmt: skip
         self._scheduler.start()
         self._tasks.append(asyncio.create_task(self._reload_on_hup()))
+        self._tasks.append(asyncio.create_task(self.guard.watch()))
+        watchdog = start_watchdog(self.notifier)
+        if watchdog is not None:
+            self._tasks.append(watchdog)
+
+    async def startup(self) -> None:
+        if self._install_signals:
+            self._install_signal_handlers()
+        await self._start_admin()
+        await self.host.start()
+        await self.loop.tick()  # the policy's initial values apply before the first request
+        await self._start_data_plane()
+        self._start_background()
+        self.notifier.ready(f"serving on {self.config.server.host}:{self.config.server.port}")
         log.info("serving", host=self.config.server.host, port=self.config.server.port)
 
     async def run(self) -> int:
@@ -279,7 +277,8 @@ class Daemon:
 
     async def shutdown(self) -> None:
         """Drain with a deadline, then stop the engine and the control plane."""
-        self._draining = True
+        self.draining = True
+        self.notifier.stopping()
         self.gate.stop_admitting()
         if self._scheduler is not None:
             self._scheduler.shutdown(wait=False)

@@ -18,6 +18,10 @@ from dataclasses import dataclass
 from controller.clock import Clock, monotonic
 
 
+def _shutting_down() -> GateRejected:
+    return GateRejected("the server is shutting down; retry on another instance", 503, 1)
+
+
 class GateRejected(Exception):
     """The request is refused before it starts (HTTP 429 or 503)."""
 
@@ -81,8 +85,11 @@ class AdmissionGate:
         self._seq = itertools.count()
         self._pending: deque[float] = deque()
         self._completions: deque[float] = deque(maxlen=256)
-        self._closed = False
-        self._admitting = True
+        self._paused = False
+        self._refuse_new: tuple[GateRejected, str] | None = None
+        """When set, check_admission raises this error, counted under this reason."""
+        self._refuse_queued: GateRejected | None = None
+        """When set, acquire raises it too: nobody else gets in."""
         self._on_reject = on_reject or (lambda reason: None)
         self.admitted_total = 0
         self.rejected_total = 0
@@ -108,9 +115,10 @@ class AdmissionGate:
 
     def check_admission(self, n: int = 1) -> None:
         """Refuse now (raise ``GateRejected``) or count ``n`` requests as pending."""
-        if not self._admitting:
-            self._on_reject("shutting_down")
-            raise GateRejected("the server is shutting down; retry on another instance", 503, 1)
+        if self._refuse_new is not None:
+            error, reason = self._refuse_new
+            self._on_reject(reason)
+            raise error
         self._expire_pending()
         demand = self._in_flight + self._queued + len(self._pending) + n
         if demand > self._limit + self.max_queue:
@@ -138,9 +146,9 @@ class AdmissionGate:
         """Wait for a slot. Strict priority: a lower value always goes first."""
         if self._pending:
             self._pending.popleft()
-        if self._closed:
-            raise GateRejected("the server is shutting down; retry on another instance", 503, 1)
-        if self._in_flight < self._limit and self._queued == 0:
+        if self._refuse_queued is not None:
+            raise self._refuse_queued
+        if not self._paused and self._in_flight < self._limit and self._queued == 0:
             self._take()
             return
         waiter = _Waiter(priority, asyncio.get_running_loop().create_future())
@@ -170,7 +178,7 @@ class AdmissionGate:
         self._wake()
 
     def _wake(self) -> None:
-        while self._heap and self._in_flight < self._limit:
+        while self._heap and not self._paused and self._in_flight < self._limit:
             _, _, waiter = heapq.heappop(self._heap)
             if waiter.future.done():  # cancelled while queued; already uncounted
                 continue
@@ -186,22 +194,41 @@ class AdmissionGate:
         finally:
             self.release()
 
-    # -- drain ------------------------------------------------------------------------------------
+    # -- drain, pause, refuse ---------------------------------------------------------------------
     def stop_admitting(self) -> None:
         """Refuse new requests (503); queued and in-flight ones go on (graceful drain)."""
-        self._admitting = False
+        self._refuse_new = (_shutting_down(), "shutting_down")
 
     def close(self) -> None:
         """Refuse new requests; those already queued are refused too (503), in-flight ones finish."""
-        self._admitting = False
-        self._closed = True
+        self.refuse_all(_shutting_down(), "shutting_down")
+
+    def refuse_all(self, error: GateRejected, reason: str) -> None:
+        """Refuse every request that has no slot yet with ``error``, until ``reopen``."""
+        self._refuse_new = (error, reason)
+        self._refuse_queued = error
         while self._heap:
             _, _, waiter = heapq.heappop(self._heap)
             if not waiter.future.done():
                 self._queued -= 1
-                waiter.future.set_exception(
-                    GateRejected("the server is shutting down; retry on another instance", 503, 1)
-                )
+                waiter.future.set_exception(error)
+
+    def reopen(self) -> None:
+        """Admit again after ``refuse_all`` (the engine is back)."""
+        self._refuse_new = None
+        self._refuse_queued = None
+
+    def pause(self) -> None:
+        """Hold every new slot: requests wait in the queue (not refused) until ``resume``."""
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+        self._wake()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait until nothing is in flight; False when the deadline passed first."""
@@ -225,5 +252,5 @@ class AdmissionGate:
             admitted_total=self.admitted_total,
             rejected_total=self.rejected_total,
             completed_total=self.completed_total,
-            closed=not self._admitting,
+            closed=self._refuse_new is not None,
         )

@@ -15,7 +15,8 @@ from typing import Any, Protocol
 
 import structlog
 
-from policies.base import Decision, Observation, Policy
+from controller.normalize import Move, Normalizer
+from policies.base import Observation, Policy
 
 log = structlog.get_logger(__name__)
 
@@ -39,38 +40,20 @@ class Actuator(Protocol):
     def set_batch_cap(self, cap: int) -> Awaitable[int]: ...
 
 
-def normalize(decision: Decision, obs: Observation) -> list[tuple[str, int, int, str]]:
-    """Clamp each knob to its bounds; keep only real changes. Returns (knob, old, new, reason)."""
-    out = []
-    wanted = {
-        "admission_limit": (decision.admission_limit, obs.admission_limit, None),
-        "batch_cap": (decision.batch_cap, obs.batch_cap, obs.max_num_seqs),
-    }
-    for knob, (want, current, ceiling) in wanted.items():
-        if want is None:
-            continue
-        reason = decision.reason
-        if want < 1:
-            want, reason = 1, f"{reason}:clamped_min"
-        if ceiling is not None and want > ceiling:
-            want, reason = ceiling, f"{reason}:clamped_max"
-        if want != current:
-            out.append((knob, current, want, reason))
-    return out
-
-
 class ControlLoop:
     """Runs one tick at a time; the scheduler calls ``tick`` every ``[control] tick_seconds``."""
 
     def __init__(
         self,
         policy: Policy,
+        normalizer: Normalizer,
         observe: Callable[[], Observation],
         actuator: Actuator,
         on_change: Callable[[Change], None],
         history: int = 50,
     ) -> None:
         self.policy = policy
+        self.normalizer = normalizer
         self._observe = observe
         self._actuator = actuator
         self._on_change = on_change
@@ -85,9 +68,9 @@ class ControlLoop:
             obs = self._observe()
             decision = self.policy.decide(obs, obs.now_mono)
             self.last_reason = decision.reason
-            return await self._apply(normalize(decision, obs), obs)
+            return await self._apply(self.normalizer.normalize(decision, obs, obs.now_mono), obs)
 
-    async def _apply(self, moves: list[tuple[str, int, int, str]], obs: Observation) -> list[Change]:
+    async def _apply(self, moves: list[Move], obs: Observation) -> list[Change]:
         changes = []
         for knob, old, new, reason in moves:
             if knob == "admission_limit":

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
 class Metrics:
@@ -54,6 +54,18 @@ class Metrics:
             "autopilot_config_reloads",
             "Config reloads (SIGHUP or POST /reload), by result: ok, error, pending_engine_restart.",
             ["result"],
+            registry=registry,
+        )
+        self.engine_restarts = Counter(
+            "autopilot_engine_restarts",
+            "Engine restarts by reason: gpu_memory_low, host_memory_low, oom_killed, engine_died.",
+            ["reason"],
+            registry=registry,
+        )
+        self.restart_duration = Histogram(
+            "autopilot_engine_restart_duration_seconds",
+            "Drain start to the new engine serving.",
+            buckets=(1, 2, 5, 10, 15, 20, 30, 45, 60, 90, 120, 300),
             registry=registry,
         )
         self.engine_up = Gauge("autopilot_engine_up", "1 when the engine serves, else 0.", registry=registry)

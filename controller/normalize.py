@@ -26,7 +26,8 @@ class Normalizer:
 
     1. clamp to ``[1, max_num_seqs]`` (batch cap; the ceiling is ``obs.max_num_seqs``) or ``[1, limit_max]``
        (admission limit): suffix ":clamped_min" / ":clamped_max". The clamped value is recorded as
-       this tick's recommendation for the stabilisation window.
+       this tick's recommendation for the stabilisation window (a knob the decision leaves None, a hold,
+       records nothing).
     2. tolerance: a change of at most ``tolerance * current`` is dropped (outcome ":within_tolerance").
     3. scale-down stabilisation: a decrease goes only down to the highest recommendation of the last
        ``stabilization_s`` seconds (Kubernetes' scale-down window): suffix ":stabilized".

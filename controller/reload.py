@@ -1,9 +1,9 @@
 """What a reload changes, and which of it can apply live.
 
 Reload parses and validates the whole new file first (``load_config``); only then is it compared with
-the config in force. ``[admission]`` and ``[control]`` apply at once, without failing any request in
-flight. ``[engine]``, ``[server]`` and ``[admin]`` need a new engine or new listeners: they are reported
-as pending and keep their old values until the daemon restarts.
+the config in force. ``[admission]``, ``[control]`` and ``[guard]`` apply at once, without failing
+any request in flight. ``[engine]``, ``[server]`` and ``[admin]`` need a new engine or new
+listeners: they are reported as pending and keep their old values until the daemon restarts.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from controller.config import Config, describe
 
-LIVE_TABLES = ("admission", "control")
+LIVE_TABLES = ("admission", "control", "guard")
 RESTART_TABLES = ("engine", "server", "admin")
 
 
@@ -45,4 +45,4 @@ def diff_config(old: Config, new: Config) -> ConfigDiff:
 
 def merge_live(current: Config, new: Config) -> Config:
     """The config in force after a reload: the new live tables, the current restart-only ones."""
-    return dataclasses.replace(current, admission=new.admission, control=new.control)
+    return dataclasses.replace(current, admission=new.admission, control=new.control, guard=new.guard)

@@ -39,7 +39,7 @@ class StaticPolicy(Policy):
     ) -> None:
         base: dict[str, int] = {"batch_cap": max_num_seqs, "admission_limit": initial_limit}
         if preset is not None:
-            if preset not in PRESETS:
+            if not isinstance(preset, str) or preset not in PRESETS:  # a TOML list is unhashable
                 raise PolicyError(f"preset = {preset!r}: use one of {', '.join(PRESETS)}")
             base = dict(PRESETS[preset])
         for key, value in (("batch_cap", batch_cap), ("admission_limit", admission_limit)):

@@ -47,6 +47,15 @@ async def build_data_plane(client: GovernedEngineClient, args: argparse.Namespac
     return app
 
 
+async def refresh_app_state(app: FastAPI, client: GovernedEngineClient, args: argparse.Namespace) -> None:
+    """After an engine swap: vLLM's serving objects hold the old engine's renderer and input
+    processor, so build them again over the (same) governed client."""
+    supported_tasks = await client.get_supported_tasks()
+    server = app.state.server
+    await init_app_state(client, app.state, args, supported_tasks)
+    app.state.server = server
+
+
 class DataPlaneServer(uvicorn.Server):
     """uvicorn without its signal handlers: the daemon owns SIGTERM/SIGINT/SIGHUP."""
 

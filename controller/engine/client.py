@@ -9,12 +9,13 @@ app uses is delegated explicitly.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from http import HTTPStatus
 from typing import Any
 
 from vllm.engine.protocol import EngineClient
-from vllm.exceptions import GracefulHTTPError
+from vllm.exceptions import GracefulHTTPError, RetryableRequestError
+from vllm.v1.engine.exceptions import EngineDeadError
 
 from controller.engine.host import EngineHost
 from controller.gate import AdmissionGate, GateRejected
@@ -27,9 +28,10 @@ def _http_error(exc: GateRejected) -> GracefulHTTPError:
 class GovernedEngineClient(EngineClient):
     """Delegates to ``host.llm``; ``generate`` waits for a gate slot first."""
 
-    def __init__(self, host: EngineHost, gate: AdmissionGate) -> None:
+    def __init__(self, host: EngineHost, gate: AdmissionGate, on_engine_dead: Callable[[], None]) -> None:
         self._host = host
         self._gate = gate
+        self._on_engine_dead = on_engine_dead
 
     # -- attributes the OpenAI app reads (always the current engine's) ------------------------------
     @property  # type: ignore[override,misc]
@@ -48,17 +50,20 @@ class GovernedEngineClient(EngineClient):
     def input_processor(self) -> Any:
         return self._host.llm.input_processor
 
+    # The guard owns recovery: vLLM's app must never see the engine as dead, or its watchdog stops
+    # the HTTP server (launcher.terminate_if_errored). Requests learn about a dead engine through
+    # the gate (they wait while it restarts, or get 503 once the restart budget is spent).
     @property
     def is_running(self) -> bool:
-        return self._host.llm.is_running
+        return True
 
     @property
     def is_stopped(self) -> bool:
-        return self._host.llm.is_stopped
+        return False
 
     @property
     def errored(self) -> bool:
-        return self._host.llm.errored
+        return False
 
     @property
     def dead_error(self) -> BaseException:
@@ -81,19 +86,37 @@ class GovernedEngineClient(EngineClient):
         priority: int = 0,
         **kwargs: Any,
     ) -> AsyncGenerator[Any, None]:
-        try:
-            await self._gate.acquire(priority)
-        except GateRejected as exc:
-            raise _http_error(exc) from None
-        try:
-            stream = self._host.llm.generate(prompt, sampling_params, request_id, priority=priority, **kwargs)
-            # aclosing: a disconnect closes us, and must close vLLM's generator now so it aborts
-            # the request in the engine, not whenever the garbage collector gets to it.
-            async with contextlib.aclosing(stream):
-                async for output in stream:
-                    yield output
-        finally:
-            self._gate.release()
+        """Wait for a slot, then stream from the engine. A request the engine died under before its
+        first output goes back to the gate and runs on the next engine; one that already streamed,
+        or that a restart had to abort, ends with a retryable error (503)."""
+        while True:
+            try:
+                await self._gate.acquire(priority)
+            except GateRejected as exc:
+                raise _http_error(exc) from None
+            produced = False
+            self._host.in_flight.add(request_id)
+            try:
+                llm = self._host.llm
+                stream = llm.generate(prompt, sampling_params, request_id, priority=priority, **kwargs)
+                # aclosing: a disconnect closes us, and must close vLLM's generator now so it aborts
+                # the request in the engine, not whenever the garbage collector gets to it.
+                async with contextlib.aclosing(stream):
+                    async for output in stream:
+                        produced = True
+                        yield output
+            except EngineDeadError:
+                self._on_engine_dead()
+                if produced:
+                    raise RetryableRequestError("the engine failed during this request; retry it") from None
+                continue  # nothing sent yet: wait for the next engine
+            finally:
+                self._host.in_flight.discard(request_id)
+                self._gate.release()
+            reason = self._host.aborted.pop(request_id, None)
+            if reason is not None:
+                raise RetryableRequestError(f"request aborted: {reason}; retry it")
+            return
 
     # -- plain delegation -----------------------------------------------------------------------
     def encode(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]

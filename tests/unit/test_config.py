@@ -105,7 +105,12 @@ def test_vllm_front_end_options_pass_through_server() -> None:
     ("table", "key", "value", "expected_start"),
     [
         ("admission", "limit", 0, "[admission] limit = 0: out of range; use a value in [1, 100000]."),
-        ("admission", "max_queue", -1, "[admission] max_queue = -1: out of range; use a value in [0, 1000000]."),
+        (
+            "admission",
+            "max_queue",
+            -1,
+            "[admission] max_queue = -1: out of range; use a value in [0, 1000000].",
+        ),
         ("server", "port", 70000, "[server] port = 70000: out of range; use a value in [1, 65535]."),
         ("admin", "port", 0, "[admin] port = 0: out of range; use a value in [1, 65535]."),
         (
@@ -114,12 +119,24 @@ def test_vllm_front_end_options_pass_through_server() -> None:
             3600.5,
             "[server] shutdown_timeout_s = 3600.5: out of range; use a value in [0, 3600].",
         ),
-        ("control", "tick_seconds", 0.01, "[control] tick_seconds = 0.01: out of range; use a value in [0.05, 3600]."),
-        ("control", "window_seconds", 0.1, "[control] window_seconds = 0.1: out of range; use a value in [0.5, 3600]."),
+        (
+            "control",
+            "tick_seconds",
+            0.01,
+            "[control] tick_seconds = 0.01: out of range; use a value in [0.05, 3600].",
+        ),
+        (
+            "control",
+            "window_seconds",
+            0.1,
+            "[control] window_seconds = 0.1: out of range; use a value in [0.5, 3600].",
+        ),
         ("control", "history", 0, "[control] history = 0: out of range; use a value in [1, 10000]."),
     ],
 )
-def test_out_of_range_names_key_value_and_range(table: str, key: str, value: Any, expected_start: str) -> None:
+def test_out_of_range_names_key_value_and_range(
+    table: str, key: str, value: Any, expected_start: str
+) -> None:
     errors = errors_of(with_changes(**{table: {key: value}}))
     assert len(errors) == 1
     assert errors[0].startswith(expected_start), errors[0]
@@ -169,7 +186,7 @@ def test_engine_that_is_not_a_table() -> None:
     ("table", "expected"),
     [
         ("contrl", "unknown table [contrl]: did you mean 'control'?"),
-        ("xyzzy", "unknown table [xyzzy]: known keys: admin, admission, control, engine, server"),
+        ("xyzzy", "unknown table [xyzzy]: known keys: admin, admission, control, engine, guard, server"),
     ],
 )
 def test_unknown_table(table: str, expected: str) -> None:

@@ -89,7 +89,7 @@ def test_cooldown_between_steps() -> None:
 
 def test_cut_skips_step_cooldown_but_waits_for_its_own() -> None:
     policy = make()
-    steps = [
+    steps: list[tuple[float, int, dict[str, Any], Decision]] = [
         (0.0, 32, {"queued": 1}, Decision(38, 36, "kv_low")),
         (1.0, 36, {"preemptions_per_s": 0.1}, Decision(20, 18, "preemptions")),
         # the same preemption is still in the window: no second cut, and no raise either
@@ -147,5 +147,5 @@ def test_bad_params(params: dict[str, Any], message: str) -> None:
 def test_built_by_name_with_unknown_param() -> None:
     policy = build_policy("hysteresis", {"low": 0.5}, max_num_seqs=64, initial_limit=64)
     assert isinstance(policy, HysteresisPolicy)
-    with pytest.raises(PolicyError, match="control.params.*'hysteresis'.*lo_w"):
+    with pytest.raises(PolicyError, match=r"control.params.*'hysteresis'.*lo_w"):
         build_policy("hysteresis", {"lo_w": 0.5}, max_num_seqs=64, initial_limit=64)

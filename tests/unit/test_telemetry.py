@@ -146,7 +146,11 @@ def test_window_trims_old_steps(now: float, steps_left: int, running: int) -> No
         window.record(step(1000.0 + i, running=i + 1, generated_tokens=8))
     clock.advance(now - clock.now)
     stats = window.snapshot()
-    assert (stats.steps, stats.running, stats.generated_tokens_per_s) == (steps_left, running, steps_left * 2.0)
+    assert (stats.steps, stats.running, stats.generated_tokens_per_s) == (
+        steps_left,
+        running,
+        steps_left * 2.0,
+    )
     assert window.total_steps == 3  # the totals never forget
 
 

@@ -1,0 +1,88 @@
+"""What the daemon shows: /state, /healthz and the gauges refreshed at each scrape."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from controller.config import describe
+
+if TYPE_CHECKING:
+    from controller.daemon import Daemon
+
+
+def priority_class(priority: int) -> str:
+    return "interactive" if priority <= 0 else "batch"
+
+
+def queued_by_class(d: Daemon) -> dict[str, int]:
+    depth = {"interactive": 0, "batch": 0}
+    for p in d.gate.queued_priorities():
+        depth[priority_class(p)] += 1
+    return depth
+
+
+def health(d: Daemon) -> tuple[bool, str]:
+    if d.draining:
+        return False, "draining"
+    if d.guard.unavailable_reason is not None:
+        return False, d.guard.unavailable_reason
+    if d.guard.restarting:
+        return False, "engine_restarting"
+    if not d.host.ready:
+        return False, "engine_not_ready" if d.host.generation == 0 else "engine_dead"
+    return True, "serving"
+
+
+def refresh_metrics(d: Daemon) -> None:
+    m, g = d.metrics, d.gate.stats()
+    m.admission_limit.set(g.limit)
+    m.batch_cap.set(d.host.batch_cap)
+    m.max_num_seqs.set(d.host.max_num_seqs)
+    m.in_flight.set(g.in_flight)
+    for cls, n in queued_by_class(d).items():
+        m.queue_depth.labels(cls).set(n)
+    m.engine_generation.set(d.host.generation)
+    m.engine_up.set(1 if d.host.ready else 0)
+    for term, value in d.loop.policy.terms().items():
+        m.policy_term.labels(d.loop.policy.name, term).set(value)
+
+
+def state(d: Daemon) -> dict[str, Any]:
+    g = d.gate.stats()
+    ok, reason = health(d)
+    return {
+        "healthy": ok,
+        "health_reason": reason,
+        "admission_limit": g.limit,
+        "batch_cap": d.host.batch_cap,
+        "policy": {
+            "name": d.config.control.policy,
+            "params": d.loop.policy.params(),
+            "terms": d.loop.policy.terms(),
+            "last_reason": d.loop.last_reason,
+            "normalize": d.loop.normalizer.params(),
+            "last_outcome": d.loop.normalizer.last_outcome,
+        },
+        "engine": d.host.settings(),
+        "guard": {
+            "restarting": d.guard.restarting,
+            "unavailable_reason": d.guard.unavailable_reason,
+            "last_restart": d.guard.last_restart,
+        },
+        "gate": {
+            "in_flight": g.in_flight,
+            "queue_depth": g.queued,
+            "queue_depth_by_class": queued_by_class(d),
+            "pending": g.pending,
+            "paused": d.gate.paused,
+            "admitted_total": g.admitted_total,
+            "rejected_total": g.rejected_total,
+            "completed_total": g.completed_total,
+        },
+        "engine_stats": dataclasses.asdict(d.window.snapshot()),
+        "decisions": d.loop.recent(),
+        "diagnosis": dataclasses.asdict(d.diagnosis) if d.diagnosis else None,
+        "config": describe(d.config),
+        "pending_config_changes": d.pending_changes,
+    }

@@ -1,0 +1,152 @@
+"""controller/normalize.py: clamp, tolerance, stabilisation, rate limit, apply only on change."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+
+from controller.normalize import Move, Normalizer
+from policies.base import Decision
+from tests.unit.obs import obs
+
+
+def cap(want: int | None, reason: str = "r") -> Decision:
+    return Decision(None, want, reason)
+
+
+C, L = "batch_cap", "admission_limit"
+CRIT, CRIT_RL = "kv_critical", "kv_critical:rate_limited"  # urgent by default
+
+CASES: list[tuple[str, dict[str, Any], Decision, dict[str, Any], list[Move]]] = [
+    # (name, normalizer params, decision, observation fields, moves); in force: limit 34, cap 32 of 64
+    ("hold", {}, Decision(None, None, "r"), {}, []),
+    ("unchanged", {}, Decision(34, 32, "r"), {}, []),
+    ("limit_first", {}, Decision(40, 38, "r"), {}, [(L, 34, 40, "r"), (C, 32, 38, "r")]),
+    ("clamped_max", {}, cap(100), {}, [(C, 32, 64, "r:clamped_max")]),
+    ("clamped_min", {}, cap(0), {}, [(C, 32, 1, "r:clamped_min")]),
+    ("limit_clamped_max", {}, Decision(500, None, "r"), {}, [(L, 34, 128, "r:clamped_max")]),
+    ("clamped_to_current", {}, cap(100), {"batch_cap": 64}, []),
+    ("within_tolerance", {"tolerance": 0.1}, cap(35), {}, []),  # |3| <= 3.2
+    ("tolerance_down", {"tolerance": 0.1}, cap(29), {}, []),
+    ("beyond_tolerance", {"tolerance": 0.1}, cap(36), {}, [(C, 32, 36, "r")]),
+    ("beyond_tolerance_down", {"tolerance": 0.1}, cap(28), {}, [(C, 32, 28, "r")]),
+    ("step_up_absolute", {"max_step_up": 4}, cap(40), {}, [(C, 32, 36, "r:rate_limited")]),
+    ("step_up_fraction", {"max_step_up": 0.25}, cap(64), {}, [(C, 32, 40, "r:rate_limited")]),
+    ("step_at_least_1", {"max_step_up": 0.1}, cap(5), {"batch_cap": 2}, [(C, 2, 3, "r:rate_limited")]),
+    ("step_down_fraction", {"max_step_down": 0.5}, cap(1), {}, [(C, 32, 16, "r:rate_limited")]),
+    ("step_up_not_down", {"max_step_up": 1}, cap(8), {}, [(C, 32, 8, "r")]),
+    ("within_step", {"max_step_down": 4}, cap(28), {}, [(C, 32, 28, "r")]),
+    ("clamp_and_step", {"max_step_up": 4}, cap(100), {}, [(C, 32, 36, "r:clamped_max:rate_limited")]),
+    ("urgent", {"max_step_down": 2, "tolerance": 0.9}, cap(16, CRIT), {}, [(C, 32, 16, CRIT)]),
+    ("custom_urgent", {"max_step_down": 2, "urgent_reasons": ["x"]}, cap(16, "x"), {}, [(C, 32, 16, "x")]),
+    ("no_urgent", {"max_step_down": 2, "urgent_reasons": []}, cap(16, CRIT), {}, [(C, 32, 30, CRIT_RL)]),
+    # a cap above a lowered max_num_seqs goes straight into bounds, whatever the step limit
+    ("out_of_bounds", {"max_step_down": 2}, cap(60), {"batch_cap": 70}, [(C, 70, 60, "r")]),
+]
+
+
+@pytest.mark.parametrize(
+    ("params", "decision", "fields", "expected"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_single_tick_table(
+    params: dict[str, Any], decision: Decision, fields: dict[str, Any], expected: list[Move]
+) -> None:
+    assert Normalizer(limit_max=128, **params).normalize(decision, obs(**fields), 0.0) == expected
+
+
+def test_last_outcome_explains_dropped_changes() -> None:
+    normalizer = Normalizer(limit_max=128, tolerance=0.1)
+    assert normalizer.normalize(Decision(None, 35, "kv_low"), obs(), 0.0) == []
+    assert normalizer.last_outcome == {L: "kv_low:hold", C: "kv_low:within_tolerance"}
+    assert normalizer.normalize(Decision(34, 100, "static"), obs(batch_cap=64), 1.0) == []
+    assert normalizer.last_outcome == {
+        "admission_limit": "static:unchanged",
+        "batch_cap": "static:clamped_max:unchanged",
+    }
+
+
+def test_scale_down_stabilisation_window() -> None:
+    normalizer = Normalizer(limit_max=128, stabilization_s=30.0)
+    steps = [
+        # (now, cap in force, wanted, moves)
+        (0.0, 32, 40, [("batch_cap", 32, 40, "kv_low")]),  # scaling up is never held
+        (10.0, 40, 20, []),  # the window still holds 40: stay
+        (20.0, 40, 24, []),
+        (30.0, 40, 16, [("batch_cap", 40, 24, "kv_high:stabilized")]),  # 40 (t = 0) is 30 s old: out
+        (50.0, 24, 16, [("batch_cap", 24, 16, "kv_high")]),  # 24 (t = 20) is out too
+    ]
+    for now, current, wanted, expected in steps:
+        reason = "kv_low" if wanted > current else "kv_high"
+        assert normalizer.normalize(cap(wanted, reason), obs(batch_cap=current), now) == expected, now
+    assert normalizer.last_outcome["batch_cap"] == "kv_high"
+
+
+def test_stabilised_outcome_without_a_move() -> None:
+    normalizer = Normalizer(limit_max=128, stabilization_s=30.0)
+    normalizer.normalize(cap(40, "kv_low"), obs(), 0.0)
+    assert normalizer.normalize(cap(20, "kv_high"), obs(batch_cap=40), 1.0) == []
+    assert normalizer.last_outcome["batch_cap"] == "kv_high:stabilized"
+
+
+def test_stabilised_then_rate_limited() -> None:
+    normalizer = Normalizer(limit_max=128, stabilization_s=30.0, max_step_down=2)
+    normalizer.normalize(cap(24), obs(batch_cap=40), 0.0)  # recorded, then cut to 38 by the rate limit
+    moves = normalizer.normalize(cap(16), obs(batch_cap=38), 1.0)
+    assert moves == [("batch_cap", 38, 36, "r:stabilized:rate_limited")]
+
+
+def test_holds_are_not_recommendations_and_knobs_are_separate() -> None:
+    normalizer = Normalizer(limit_max=128, stabilization_s=30.0)
+    normalizer.normalize(Decision(60, None, "up"), obs(), 0.0)
+    normalizer.normalize(Decision(None, None, "hold"), obs(admission_limit=60), 1.0)
+    # the cap has no recommendation in the window: it goes down at once; the limit is held at 60
+    moves = normalizer.normalize(Decision(40, 16, "down"), obs(admission_limit=60), 2.0)
+    assert moves == [("batch_cap", 32, 16, "down")]
+
+
+def test_reset_forgets_the_window() -> None:
+    normalizer = Normalizer(limit_max=128, stabilization_s=30.0)
+    normalizer.normalize(cap(40), obs(), 0.0)
+    normalizer.reset()
+    assert normalizer.last_outcome == {}
+    assert normalizer.normalize(cap(20), obs(batch_cap=40), 1.0) == [("batch_cap", 40, 20, "r")]
+
+
+def test_damps_the_chatter_of_a_limit_at_equilibrium() -> None:
+    """A policy alternating 55/56 (the gradient policy at equilibrium) moves once, then never."""
+    normalizer = Normalizer(limit_max=128, stabilization_s=10.0)
+    limit, moves = 64, []
+    for t in range(30):
+        want = 55 if t % 2 else 56
+        for _, old, new, _ in normalizer.normalize(Decision(want, None, "g"), obs(admission_limit=limit), t):
+            moves.append((old, new))
+            limit = new
+    assert moves == [(64, 56)]
+
+
+def test_params() -> None:
+    assert Normalizer(limit_max=10, max_step_up=0.5, urgent_reasons=("b", "a")).params() == {
+        "limit_max": 10,
+        "tolerance": 0.0,
+        "max_step_up": 0.5,
+        "max_step_down": 0.0,
+        "stabilization_s": 0.0,
+        "urgent_reasons": ["a", "b"],
+    }
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"limit_max": 0}, "limit_max = 0: must be an integer >= 1"),
+        ({"limit_max": 10, "tolerance": -0.1}, "tolerance = -0.1: must be a number >= 0"),
+        ({"limit_max": 10, "max_step_up": 2.5}, "max_step_up = 2.5: use a whole number"),
+        ({"limit_max": 10, "max_step_down": True}, "max_step_down = True: must be a number >= 0"),
+        ({"limit_max": 10, "stabilization_s": "30s"}, "stabilization_s = '30s': must be a number >= 0"),
+    ],
+)
+def test_bad_params(params: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Normalizer(**params)

@@ -1,0 +1,193 @@
+"""policies/pid.py: exact decisions over fake time; no wind-up; convergence on a toy engine."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+
+from policies.base import Decision, Observation, PolicyError
+from policies.pid import PidPolicy
+from tests.unit.obs import obs
+
+# max_num_seqs 65 and min_cap 1: the output u in [0, 1] spans 64 caps, cap = 1 + round(64 * u).
+
+
+def make(**params: Any) -> PidPolicy:
+    return PidPolicy(max_num_seqs=65, initial_limit=34, **{"setpoint": 0.8, **params})
+
+
+def at(now: float, **fields: Any) -> Observation:
+    return obs(now_mono=now, max_num_seqs=65, **{"batch_cap": 33, "kv_usage_mean": 0.4, **fields})
+
+
+def warmed(**params: Any) -> PidPolicy:
+    """After one tick at cap 33 (u = 0.5) and KV 0.4: e = 0.5, I = 0.5 - 0.3 * 0.5 = 0.35."""
+    policy = make(**params)
+    decision = policy.decide(at(0.0), 0.0)
+    assert (decision.batch_cap, decision.reason) == (33, "steady")
+    return policy
+
+
+CASES = [
+    # (name, params, second tick at t = 1, decision)
+    # u = 0.3 * 0.5 + (0.35 + 0.1 * 0.5) = 0.55 -> cap 36
+    ("below_setpoint", {}, {"queued": 1}, Decision(38, 36, "below_setpoint")),
+    ("running_near_cap_is_demand", {}, {"running": 30}, Decision(38, 36, "below_setpoint")),
+    ("no_demand", {}, {"running": 29}, Decision(None, None, "no_demand")),
+    # e = -0.25: I = 0.35 - 0.025 = 0.325, u = -0.075 + 0.325 = 0.25 -> cap 17
+    ("above_setpoint", {}, {"kv_usage_mean": 1.0}, Decision(19, 17, "above_setpoint")),
+    # e = 0: u = I = 0.35 -> cap 23; the measurement rose, so the P term fell
+    ("measurement_rising", {}, {"kv_usage_mean": 0.8}, Decision(25, 23, "measurement_rising")),
+    # e = 0.375, D = -2 * (0.1 / 0.8) / 1 = -0.25, I = 0.3875: u = 0.1125 + 0.3875 - 0.25 = 0.25 -> 17
+    (
+        "derivative_on_measurement",
+        {"kd": 2.0},
+        {"kv_usage_mean": 0.5},
+        Decision(19, 17, "measurement_rising"),
+    ),
+    (
+        "limit_mapping",
+        {"limit_factor": 2.0, "limit_headroom": 0},
+        {"queued": 1},
+        Decision(72, 36, "below_setpoint"),
+    ),
+    ("stale", {}, {"stats_age_s": 5.5}, Decision(None, None, "stale_stats")),
+]
+
+
+@pytest.mark.parametrize(("params", "fields", "expected"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_second_tick_table(params: dict[str, Any], fields: dict[str, Any], expected: Decision) -> None:
+    assert warmed(**params).decide(at(1.0, **fields), 1.0) == expected
+
+
+def test_terms_follow_the_formula() -> None:
+    policy = warmed()
+    policy.decide(at(1.0, kv_usage_mean=1.0), 1.0)
+    assert policy.terms() == pytest.approx(
+        {
+            "measurement": 1.0,
+            "error": -0.25,
+            "derivative": 0.0,
+            "output": 0.25,
+            "integral": 0.325,
+            "setpoint": 0.8,
+        }
+    )
+
+
+def test_sequence_up_down_and_no_demand_does_not_integrate() -> None:
+    policy = warmed()
+    steps: list[tuple[float, dict[str, Any], Decision, float]] = [
+        # (now, fields, decision, integral after)
+        (1.0, {"queued": 1}, Decision(38, 36, "below_setpoint"), 0.4),
+        # e = -0.25: I = 0.4 - 0.025 = 0.375, u = 0.3 -> 20
+        (2.0, {"batch_cap": 36, "kv_usage_mean": 1.0}, Decision(22, 20, "above_setpoint"), 0.375),
+        # a raise wanted but nothing waits: hold, and the integral does not grow
+        (3.0, {"batch_cap": 20, "running": 5}, Decision(None, None, "no_demand"), 0.375),
+        (9.0, {"batch_cap": 20, "running": 5}, Decision(None, None, "no_demand"), 0.375),
+        # demand is back: u = 0.15 + 0.375 + 0.1 * 0.5 * 1 = 0.575 -> 38
+        (10.0, {"batch_cap": 20, "queued": 4}, Decision(40, 38, "below_setpoint"), 0.425),
+    ]
+    for now, fields, expected, integral in steps:
+        assert policy.decide(at(now, **fields), now) == expected, now
+        assert policy.terms()["integral"] == pytest.approx(integral), now
+
+
+def test_no_wind_up_while_saturated() -> None:
+    policy = make()
+    # cap at its maximum (u = 1) and an empty KV cache for 100 s: e = 1, I = 1 - 0.3 = 0.7
+    for t in range(100):
+        assert (
+            policy.decide(at(float(t), batch_cap=65, kv_usage_mean=0.0, queued=1), float(t)).batch_cap == 65
+        )
+    # one integration (u_raw = 1.0 is not beyond 1), then none: u_raw = 1.1
+    assert policy.terms()["integral"] == pytest.approx(0.8)
+    # overload: e = -0.25, I = 0.775, u = -0.075 + 0.775 = 0.7 -> cap 46 at once
+    assert policy.decide(at(100.0, batch_cap=65, kv_usage_mean=1.0), 100.0) == Decision(
+        48, 46, "above_setpoint"
+    )
+
+
+def test_no_wind_up_while_the_normalize_stage_holds_the_cap() -> None:
+    policy = warmed()
+    assert policy.decide(at(1.0, queued=1), 1.0) == Decision(38, 36, "below_setpoint")
+    # asked for 36, the loop applied nothing (rate limit, tolerance): no integration
+    assert policy.decide(at(2.0, queued=1), 2.0) == Decision(38, 36, "below_setpoint")
+    assert policy.terms()["integral"] == pytest.approx(0.4)
+
+
+def test_latency_target_and_missing_measurement() -> None:
+    policy = make(target="ttft_p99", setpoint=0.5)
+    steps = [
+        (0.0, 0.25, Decision(35, 33, "steady")),  # e = 0.5, I = 0.35
+        (1.0, None, Decision(None, None, "no_measurement")),
+        # dt restarts after a gap: no integration, no D on this tick
+        (5.0, 0.25, Decision(35, 33, "steady")),
+        # e = clamp((0.5 - 1.5) / 0.5) = -1: I = 0.35 - 0.1 = 0.25, u = -0.3 + 0.25 < 0 -> cap 1
+        (6.0, 1.5, Decision(3, 1, "above_setpoint")),
+    ]
+    for now, ttft, expected in steps:
+        assert policy.decide(at(now, ttft_p99_s=ttft), now) == expected, now
+
+
+def test_itl_target_reads_itl_p99() -> None:
+    policy = make(target="itl_p99", setpoint=0.05)
+    assert policy.decide(at(0.0, itl_p99_s=None), 0.0) == Decision(None, None, "no_measurement")
+    assert policy.decide(at(1.0, itl_p99_s=0.025), 1.0) == Decision(35, 33, "steady")
+
+
+def test_min_cap_equal_to_max_pins_the_cap() -> None:
+    policy = make(min_cap=65)
+    assert policy.decide(at(0.0, batch_cap=65), 0.0) == Decision(67, 65, "steady")
+    assert policy.decide(at(1.0, batch_cap=65, kv_usage_mean=1.0), 1.0) == Decision(67, 65, "steady")
+
+
+def test_converges_on_a_toy_engine_without_overshoot() -> None:
+    """KV usage lags the cap (half of the gap per tick) and settles at cap / 100: setpoint 0.8 -> cap 80."""
+    policy = PidPolicy(max_num_seqs=128, initial_limit=16, setpoint=0.8)
+    cap, kv, caps = 16, 0.16, []
+    for t in range(60):
+        kv += 0.5 * (min(1.0, cap / 100) - kv)
+        decision = policy.decide(
+            obs(now_mono=t, batch_cap=cap, max_num_seqs=128, kv_usage_mean=kv, queued=1), t
+        )
+        cap = decision.batch_cap if decision.batch_cap is not None else cap
+        caps.append(cap)
+    assert caps[:6] == [16, 26, 33, 39, 43, 48]
+    assert max(caps) == 80
+    assert caps[-15:] == [80] * 15
+
+
+def test_params() -> None:
+    assert make().params() == {
+        "target": "kv_usage",
+        "setpoint": 0.8,
+        "kp": 0.3,
+        "ki": 0.1,
+        "kd": 0.0,
+        "min_cap": 1,
+        "demand_fraction": 0.9,
+        "limit_factor": 1.0,
+        "limit_headroom": 2,
+        "stale_after_s": 5.0,
+    }
+    assert PidPolicy(max_num_seqs=8, initial_limit=8).setpoint == 0.85
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"target": "ttft_p50"}, "target = 'ttft_p50': use one of 'kv_usage', 'ttft_p99', 'itl_p99'"),
+        ({"target": "ttft_p99", "setpoint": None}, "target = 'ttft_p99' needs a setpoint (seconds)"),
+        ({"setpoint": 1.5}, "setpoint = 1.5: must be > 0.0 and <= 1.0"),
+        ({"setpoint": 0}, "setpoint = 0: must be > 0.0"),
+        ({"kp": -1}, "kp = -1: must be >= 0.0"),
+        ({"min_cap": 0}, "min_cap = 0: must be >= 1 and <= 65"),
+        ({"limit_headroom": -1}, "limit_headroom = -1: must be >= 0"),
+    ],
+)
+def test_bad_params(params: dict[str, Any], message: str) -> None:
+    with pytest.raises(PolicyError, match=re.escape(message)):
+        make(**params)
