@@ -74,8 +74,7 @@ class Server:
     name: str
     argv: list[str]
     base_url: str
-    health_url: str
-    extra_checks: tuple[str, ...] = ()
+    health_urls: tuple[str, ...]  # all must answer 200 before the server counts as up
 
 
 # -- configuration ---------------------------------------------------------------------------------
@@ -166,11 +165,10 @@ def make_servers(args: argparse.Namespace, base: dict[str, Any], workdir: Path) 
             DAEMON,
             [args.python, "-m", "controller", "serve", "--config", str(config_path)],
             daemon_url,
-            f"http://{HOST}:{args.admin_port}/healthz",
-            (f"{daemon_url}/health",),
+            (f"http://{HOST}:{args.admin_port}/healthz", f"{daemon_url}/health"),
         ),
         VLLM_SERVE: Server(
-            VLLM_SERVE, [args.python, launcher, *serve_args], serve_url, f"{serve_url}/health"
+            VLLM_SERVE, [args.python, launcher, *serve_args], serve_url, (f"{serve_url}/health",)
         ),
     }
 
@@ -205,18 +203,16 @@ def log_tail(path: Path, lines: int = 25) -> str:
         return "(no log)"
 
 
-def wait_healthy(proc: subprocess.Popen[bytes], url: str, timeout_s: float, log: Path) -> float:
-    """Seconds until ``url`` answers 200; raises if the process exits or the timeout passes."""
+def wait_healthy(proc: subprocess.Popen[bytes], urls: tuple[str, ...], timeout_s: float, log: Path) -> float:
+    """Seconds until every URL answers 200; raises if the process exits or the timeout passes."""
     start = time.monotonic()
     while time.monotonic() - start < timeout_s:
         if proc.poll() is not None:
-            raise RuntimeError(
-                f"server exited with {proc.returncode} before {url} was healthy:\n{log_tail(log)}"
-            )
-        if http_status(url) == 200:
+            raise RuntimeError(f"server exited ({proc.returncode}) before it was healthy:\n{log_tail(log)}")
+        if all(http_status(url) == 200 for url in urls):
             return time.monotonic() - start
         time.sleep(0.5)
-    raise RuntimeError(f"{url} not healthy after {timeout_s:.0f} s:\n{log_tail(log)}")
+    raise RuntimeError(f"{urls} not healthy after {timeout_s:.0f} s:\n{log_tail(log)}")
 
 
 def _group_alive(pgid: int) -> bool:
@@ -263,7 +259,7 @@ def running(server: Server, log: Path, startup_timeout_s: float, stop_timeout_s:
         )
     run = Run()
     try:
-        run.startup_s = wait_healthy(proc, server.health_url, startup_timeout_s, log)
+        run.startup_s = wait_healthy(proc, server.health_urls, startup_timeout_s, log)
         yield run
     finally:
         run.killed = stop_group(proc, stop_timeout_s)
@@ -272,11 +268,14 @@ def running(server: Server, log: Path, startup_timeout_s: float, stop_timeout_s:
 
 def check_serving(server: Server, model: str) -> None:
     """The OpenAI API answers: /v1/models lists the model, and the health endpoints return 200."""
-    with urllib.request.urlopen(f"{server.base_url}/v1/models", timeout=10) as resp:
-        ids = [m["id"] for m in json.load(resp)["data"]]
+    try:
+        with urllib.request.urlopen(f"{server.base_url}/v1/models", timeout=10) as resp:
+            ids = [m["id"] for m in json.load(resp)["data"]]
+    except (urllib.error.URLError, OSError, ValueError, KeyError) as exc:
+        raise RuntimeError(f"{server.name}: GET /v1/models failed: {exc}") from exc
     if model not in ids:
         raise RuntimeError(f"{server.name}: /v1/models lists {ids}, not {model!r}")
-    for url in (server.health_url, *server.extra_checks):
+    for url in server.health_urls:
         status = http_status(url)
         if status != 200:
             raise RuntimeError(f"{server.name}: GET {url} -> {status}")

@@ -27,7 +27,7 @@ from controller.loop import Change, ControlLoop
 from controller.metrics import Metrics
 from controller.normalize import Normalizer
 from controller.reload import ConfigDiff, diff_config, merge_live
-from controller.samplers import GpuSource, HostSource, NvmlSource
+from controller.samplers import GpuSource, HostReadingSource, HostSource, NvmlSource
 from controller.sdnotify import Notifier, start_watchdog
 from controller.telemetry import TelemetryWindow
 from policies.base import Observation, Policy, build_policy
@@ -61,7 +61,7 @@ class Daemon:
         config: Config,
         install_signals: bool = True,
         gpu_source: GpuSource | None = None,
-        host_source: HostSource | None = None,
+        host_source: HostReadingSource | None = None,
     ) -> None:
         from controller.engine.args import serve_namespace
         from controller.engine.host import EngineHost
@@ -82,7 +82,7 @@ class Daemon:
         self.host = EngineHost(self.args, self.window)
         self.guard = Guard(config.guard, self.gate, self.host, self._on_restart)
         self.gpu_source: GpuSource = gpu_source or NvmlSource()
-        self.host_source = host_source or HostSource()
+        self.host_source: HostReadingSource = host_source or HostSource()
         self.diagnoser = Diagnoser()
         self.diagnosis: Diagnosis | None = None
         self.loop = ControlLoop(

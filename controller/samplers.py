@@ -102,6 +102,10 @@ class HostReading:
     """CPU use of this process since the previous reading, percent of one core."""
 
 
+class HostReadingSource(Protocol):
+    def read(self) -> HostReading: ...
+
+
 class HostSource:
     def __init__(self) -> None:
         self._proc = psutil.Process()
@@ -109,3 +113,13 @@ class HostSource:
 
     def read(self) -> HostReading:
         return HostReading(int(psutil.virtual_memory().available), float(self._proc.cpu_percent(None)))
+
+
+class FakeHostSource:
+    """A host whose reading the test sets."""
+
+    def __init__(self, memory_available_bytes: int = 16 << 30, daemon_cpu_percent: float = 0.0) -> None:
+        self.reading = HostReading(memory_available_bytes, daemon_cpu_percent)
+
+    def read(self) -> HostReading:
+        return self.reading

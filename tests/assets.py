@@ -28,7 +28,8 @@ PROMQL_WORDS = frozenset(
     by without on ignoring group_left group_right bool offset and or unless atan2 inf nan start end
     abs absent absent_over_time ceil changes clamp clamp_max clamp_min day_of_month day_of_week
     day_of_year days_in_month delta deriv exp floor histogram_avg histogram_count histogram_fraction
-    histogram_quantile histogram_stddev histogram_stdvar histogram_sum holt_winters double_exponential_smoothing
+    histogram_quantile histogram_stddev histogram_stdvar histogram_sum holt_winters
+    double_exponential_smoothing
     hour idelta increase irate label_join label_replace ln log2 log10 minute month predict_linear rate resets
     round scalar sgn sort sort_desc sort_by_label sort_by_label_desc sqrt time timestamp vector year
     avg_over_time min_over_time max_over_time sum_over_time count_over_time quantile_over_time
@@ -39,7 +40,7 @@ PROMQL_WORDS = frozenset(
 
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`')
 _GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
-_IDENT = re.compile(r"(?<![\w:.$])([A-Za-z_:][\w:]*)(?!\s*\()")
+_IDENT = re.compile(r"(?<![\w:.$])([A-Za-z_:][\w:]*+)(?!\s*\()")  # possessive: no shorter match
 
 
 def metric_names(expr: str) -> set[str]:

@@ -28,14 +28,19 @@ from tests.assets import (
     ("expr", "names"),
     [
         ("autopilot_engine_up == 0", {"autopilot_engine_up"}),
-        ('increase(autopilot_config_reloads_total{result="error"}[10m]) > 0', {"autopilot_config_reloads_total"}),
         (
-            'histogram_quantile(0.99, sum by (instance, le) (rate(vllm:time_to_first_token_seconds_bucket{instance=~"$instance"}[$__rate_interval])))',
+            'increase(autopilot_config_reloads_total{result="error"}[10m]) > 0',
+            {"autopilot_config_reloads_total"},
+        ),
+        (
+            "histogram_quantile(0.99, sum by (instance, le) "
+            '(rate(vllm:time_to_first_token_seconds_bucket{instance=~"$instance"}[$__rate_interval])))',
             {"vllm:time_to_first_token_seconds_bucket"},
         ),
         ("changes(autopilot_engine_generation[15m]) > 1", {"autopilot_engine_generation"}),
         (
-            "max by (instance) (vllm:kv_cache_usage_perc) > 0.95 and on (instance) rate(vllm:num_preemptions_total[5m]) > 0",
+            "max by (instance) (vllm:kv_cache_usage_perc) > 0.95"
+            " and on (instance) rate(vllm:num_preemptions_total[5m]) > 0",
             {"vllm:kv_cache_usage_perc", "vllm:num_preemptions_total"},
         ),
         ("sum(rate(a_total[5m] offset 1h)) by (job) / ignoring(x) group_left b", {"a_total", "b"}),
@@ -56,7 +61,7 @@ def test_dashboard_is_valid_grafana_json() -> None:
     cells: set[tuple[int, int]] = set()
     for p in panels:
         g = p["gridPos"]
-        assert 0 <= g["x"] and g["x"] + g["w"] <= 24, p["title"]
+        assert g["x"] >= 0 and g["x"] + g["w"] <= 24, p["title"]
         mine = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
         assert not cells & mine, f"{p['title']} overlaps another panel"
         cells |= mine
@@ -95,7 +100,9 @@ def test_alerts_are_well_formed() -> None:
     names = [r["alert"] for r in rules]
     assert len(names) == len(set(names))
     for rule in rules:
-        assert set(rule) <= {"alert", "expr", "for", "labels", "annotations", "keep_firing_for"}, rule["alert"]
+        assert set(rule) <= {"alert", "expr", "for", "labels", "annotations", "keep_firing_for"}, rule[
+            "alert"
+        ]
         assert rule["labels"]["severity"] in {"critical", "warning", "info"}
         assert rule["annotations"]["summary"].strip() and rule["annotations"]["description"].strip()
         assert metric_names(str(rule["expr"])), rule["alert"]
@@ -105,7 +112,7 @@ def test_alerts_cover_the_operations_issue() -> None:
     by_name = {r["alert"]: r for r in alert_rules()}
     assert by_name["AutopilotEngineDown"]["expr"] == "autopilot_engine_up == 0"
     assert by_name["AutopilotEngineDown"]["for"] == "1m"
-    assert "increase(autopilot_config_reloads_total{result=\"error\"}[10m]) > 0" in alert_exprs()
+    assert 'increase(autopilot_config_reloads_total{result="error"}[10m]) > 0' in alert_exprs()
     assert "changes(autopilot_engine_generation[15m]) > 1" in alert_exprs()
     kv = metric_names(by_name["AutopilotKVCacheFullWithPreemptions"]["expr"])
     assert kv == {"vllm:kv_cache_usage_perc", "vllm:num_preemptions_total"}
@@ -138,5 +145,7 @@ def test_promtool_accepts_the_rules() -> None:
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("promtool is not installed")
-    result = subprocess.run([promtool, "check", "rules", str(ALERTS)], capture_output=True, text=True, check=False)
+    result = subprocess.run(
+        [promtool, "check", "rules", str(ALERTS)], capture_output=True, text=True, check=False
+    )
     assert result.returncode == 0, result.stdout + result.stderr

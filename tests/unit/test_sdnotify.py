@@ -133,7 +133,7 @@ async def test_watchdog_loop_pings_until_cancelled(systemd: socket.socket) -> No
         await task
     pings = drain(systemd)
     assert set(pings) == {"WATCHDOG=1"}
-    assert 4 <= len(pings) <= 7  # one at once, then one per 20 ms
+    assert 3 <= len(pings) <= 7  # one at once, then one per 20 ms (~6)
     await asyncio.sleep(0.05)
     assert drain(systemd) == []  # cancelled: no more pings
 
