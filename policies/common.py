@@ -82,3 +82,29 @@ def limit_for_cap(cap: int, factor: float, headroom: int) -> int:
 
 def clamp(value: float, lo: float, hi: float) -> float:
     return max(lo, min(hi, value))
+
+
+class IdleTimer:
+    """How long the system has been idle (nothing in flight, nothing queued): policy state, with
+    time from ``now_mono``."""
+
+    def __init__(self) -> None:
+        self._since: float | None = None
+
+    def update(self, obs: Observation, now_mono: float) -> float:
+        if not obs.idle:
+            self._since = None
+            return 0.0
+        if self._since is None:
+            self._since = now_mono
+        return now_mono - self._since
+
+
+def check_idle_restore(value: object) -> float | None:
+    return None if value is None else check_float("idle_restore_s", value, 0.0)
+
+
+def idle_restore_due(idle_for_s: float, idle_restore_s: float | None, cap: int, ceiling: int) -> bool:
+    """The load that made a policy cut is gone: after ``idle_restore_s`` of idleness the cap goes
+    back to its ceiling, ready for the next workload. None disables it."""
+    return idle_restore_s is not None and idle_for_s >= idle_restore_s and cap < ceiling

@@ -7,10 +7,13 @@ from typing import Any
 
 from policies.base import Decision, Observation, Policy, PolicyError, register
 from policies.common import (
+    IdleTimer,
     check_choice,
     check_float,
+    check_idle_restore,
     check_int,
     has_demand,
+    idle_restore_due,
     is_stale,
     limit_for_cap,
 )
@@ -26,6 +29,7 @@ class HysteresisPolicy(Policy):
     chosen by ``kv_source``, ``gpu`` the NVML utilisation, ignored unless ``gpu_low``/``gpu_high`` are set):
 
     1. stats stale while requests are in flight             -> hold, "stale_stats"
+       idle (nothing in flight or queued) for ``idle_restore_s`` -> ``max_num_seqs``, "idle_restore"
     2. latest KV usage >= ``critical``                       -> ``floor(cap * cut_factor)``, "kv_critical"
        ``preemptions_per_s > 0``                             -> the same cut, "preemptions"
        (a cut waits ``cut_cooldown_s`` after the last cut: "cut_cooldown"; the window keeps a preemption
@@ -46,9 +50,10 @@ class HysteresisPolicy(Policy):
     NVML utilisation is the share of time a kernel ran, near 1.0 under any load, so it is opt-in);
     ``step`` ``max(1, max_num_seqs // 16)``; ``cut_factor`` 0.5; ``cooldown_s`` 5.0; ``cut_cooldown_s``
     10.0; ``min_cap`` 1; ``demand_fraction`` 0.9; ``limit_factor`` 1.0; ``limit_headroom`` 2;
-    ``stale_after_s`` 5.0.
+    ``stale_after_s`` 5.0; ``idle_restore_s`` 60.0 (None: never).
 
-    States: the time of the last change and of the last cut (None before the first).
+    States: the time of the last change and of the last cut (None before the first); since when
+    the system has been idle.
     """
 
     name = "hysteresis"
@@ -73,6 +78,7 @@ class HysteresisPolicy(Policy):
         limit_factor: float = 1.0,
         limit_headroom: int = 2,
         stale_after_s: float = 5.0,
+        idle_restore_s: float | None = 60.0,
     ) -> None:
         self.max_num_seqs = max_num_seqs
         self.low = check_float("low", low, 0.0, 1.0)
@@ -96,6 +102,8 @@ class HysteresisPolicy(Policy):
         self.limit_factor = check_float("limit_factor", limit_factor, 0.0, lo_open=True)
         self.limit_headroom = check_int("limit_headroom", limit_headroom, 0)
         self.stale_after_s = check_float("stale_after_s", stale_after_s, 0.0, lo_open=True)
+        self.idle_restore_s = check_idle_restore(idle_restore_s)
+        self._idle = IdleTimer()
         self._last_change_mono: float | None = None
         self._last_cut_mono: float | None = None
         self._kv = math.nan
@@ -105,6 +113,9 @@ class HysteresisPolicy(Policy):
         self._kv, self._now_mono = self._kv_signal(obs), now_mono
         if is_stale(obs, self.stale_after_s):
             return Decision(None, None, "stale_stats")
+        idle_for = self._idle.update(obs, now_mono)
+        if idle_restore_due(idle_for, self.idle_restore_s, obs.batch_cap, self.max_num_seqs):
+            return self._move(obs, self.max_num_seqs, "idle_restore", now_mono)
         cut_reason = self._cut_reason(obs)
         if cut_reason is not None:
             if _within(self._last_cut_mono, now_mono, self.cut_cooldown_s):
@@ -156,7 +167,7 @@ class HysteresisPolicy(Policy):
     def params(self) -> dict[str, Any]:
         keys = (
             "low high critical kv_source gpu_low gpu_high step cut_factor cooldown_s cut_cooldown_s "
-            "min_cap demand_fraction limit_factor limit_headroom stale_after_s"
+            "min_cap demand_fraction limit_factor limit_headroom stale_after_s idle_restore_s"
         )
         return {key: getattr(self, key) for key in keys.split()}
 

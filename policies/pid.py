@@ -7,11 +7,14 @@ from typing import Any
 
 from policies.base import Decision, Observation, Policy, PolicyError, register
 from policies.common import (
+    IdleTimer,
     check_choice,
     check_float,
+    check_idle_restore,
     check_int,
     clamp,
     has_demand,
+    idle_restore_due,
     is_stale,
     limit_for_cap,
 )
@@ -50,9 +53,11 @@ class PidPolicy(Policy):
     Parameters (defaults): ``target`` "kv_usage" (or "ttft_p99", "itl_p99"); ``setpoint`` 0.85 for
     kv_usage, required (seconds) for latencies; ``kp`` 0.3, ``ki`` 0.1 (per second), ``kd`` 0.0
     (seconds); ``min_cap`` 1; ``demand_fraction`` 0.9; ``limit_factor`` 1.0; ``limit_headroom`` 2;
-    ``stale_after_s`` 5.0.
+    ``stale_after_s`` 5.0; ``idle_restore_s`` 60.0: idle (nothing in flight or queued) that long, the
+    cap goes back to ``max_num_seqs`` ("idle_restore") and the controller restarts bumpless from there
+    (None: never).
 
-    States: integral ``I`` (None until the first measurement), previous measurement and its time,
+    States: idle since; integral ``I`` (None until the first measurement), previous measurement and its time,
     the cap asked for at the previous tick.
     """
 
@@ -73,6 +78,7 @@ class PidPolicy(Policy):
         limit_factor: float = 1.0,
         limit_headroom: int = 2,
         stale_after_s: float = 5.0,
+        idle_restore_s: float | None = 60.0,
     ) -> None:
         self.max_num_seqs = max_num_seqs
         self.target = check_choice("target", target, TARGETS)
@@ -89,6 +95,8 @@ class PidPolicy(Policy):
         self.limit_factor = check_float("limit_factor", limit_factor, 0.0, lo_open=True)
         self.limit_headroom = check_int("limit_headroom", limit_headroom, 0)
         self.stale_after_s = check_float("stale_after_s", stale_after_s, 0.0, lo_open=True)
+        self.idle_restore_s = check_idle_restore(idle_restore_s)
+        self._idle = IdleTimer()
         self._integral: float | None = None
         self._prev: tuple[float, float] | None = None  # (now_mono, measurement)
         self._asked: int | None = None
@@ -97,6 +105,11 @@ class PidPolicy(Policy):
     def decide(self, obs: Observation, now_mono: float) -> Decision:
         if is_stale(obs, self.stale_after_s):
             return self._hold("stale_stats", forget=True)
+        idle_for = self._idle.update(obs, now_mono)
+        if idle_restore_due(idle_for, self.idle_restore_s, obs.batch_cap, self.max_num_seqs):
+            self._integral, self._prev, self._asked = None, None, None  # bumpless from the ceiling
+            cap = self.max_num_seqs
+            return Decision(limit_for_cap(cap, self.limit_factor, self.limit_headroom), cap, "idle_restore")
         m = self._measure(obs)
         if m is None:
             return self._hold("no_measurement", forget=True)
@@ -155,7 +168,10 @@ class PidPolicy(Policy):
         return Decision(None, None, reason)
 
     def params(self) -> dict[str, Any]:
-        keys = "target setpoint kp ki kd min_cap demand_fraction limit_factor limit_headroom stale_after_s"
+        keys = (
+            "target setpoint kp ki kd min_cap demand_fraction limit_factor limit_headroom stale_after_s "
+            "idle_restore_s"
+        )
         return {key: getattr(self, key) for key in keys.split()}
 
     def terms(self) -> dict[str, float]:

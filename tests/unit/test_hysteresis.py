@@ -120,7 +120,20 @@ def test_params_are_reported() -> None:
     assert params["step"] == 3
     assert params["low"] == 0.70
     assert params["gpu_high"] is None
-    assert len(params) == 15
+    assert params["idle_restore_s"] == 60.0
+    assert len(params) == 16
+
+
+def test_idle_restore_returns_the_cap_to_the_ceiling_after_idle_restore_s() -> None:
+    p = make(idle_restore_s=30.0)
+    idle = obs(batch_cap=8, admission_limit=10, in_flight=0, queued=0, running=0, kv_usage_mean=0.0)
+    assert p.decide(idle, 100.0) == Decision(None, None, "no_demand")
+    assert p.decide(idle, 129.0) == Decision(None, None, "no_demand")
+    assert p.decide(idle, 130.0) == Decision(66, 64, "idle_restore")
+    busy = obs(batch_cap=8, in_flight=1, running=1, kv_usage_mean=0.0, stats_age_s=0.1)
+    assert p.decide(busy, 131.0).reason != "idle_restore"  # load is back: the idle clock restarts
+    assert p.decide(idle, 140.0).reason != "idle_restore"
+    assert make(idle_restore_s=None).decide(idle, 1e9).reason == "no_demand"
 
 
 @pytest.mark.parametrize(

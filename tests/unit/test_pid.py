@@ -172,6 +172,7 @@ def test_params() -> None:
         "limit_factor": 1.0,
         "limit_headroom": 2,
         "stale_after_s": 5.0,
+        "idle_restore_s": 60.0,
     }
     assert PidPolicy(max_num_seqs=8, initial_limit=8).setpoint == 0.85
 
@@ -191,3 +192,15 @@ def test_params() -> None:
 def test_bad_params(params: dict[str, Any], message: str) -> None:
     with pytest.raises(PolicyError, match=re.escape(message)):
         make(**params)
+
+
+def test_idle_restore_returns_to_the_ceiling_and_restarts_bumpless() -> None:
+    p = PidPolicy(max_num_seqs=64, initial_limit=64, idle_restore_s=10.0)
+    idle = obs(batch_cap=8, admission_limit=10, in_flight=0, queued=0, running=0, kv_usage_mean=0.0)
+    assert p.decide(idle, 0.0).reason != "idle_restore"
+    assert p.decide(idle, 10.0) == Decision(66, 64, "idle_restore")
+    # the next measurement starts from the cap in force (64), not from the old integral
+    steady = obs(
+        batch_cap=64, admission_limit=66, in_flight=10, running=10, kv_usage_mean=0.85, stats_age_s=0.1
+    )
+    assert p.decide(steady, 11.0) == Decision(66, 64, "steady")
