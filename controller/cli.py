@@ -42,15 +42,17 @@ def main(argv: list[str] | None = None) -> int:
         out = ensure_tiny_model(args.dir) if args.if_missing else make_tiny_model(args.dir)
         print(f"tiny model ready in {out}")
         return 0
+    if args.command == "serve":
+        from controller.logs import configure_logging
+
+        configure_logging()  # before anything imports vLLM (load_config does): vLLM logs through it
     config = _load_or_exit(args.config)
     if args.command == "check-config":
         print(json.dumps(describe(config), indent=2, default=str))  # type: ignore[arg-type]
         return 0
     from controller.daemon import serve
-    from controller.logs import configure_logging
     from policies.base import PolicyError
 
-    configure_logging()
     try:
         return asyncio.run(serve(config))  # type: ignore[arg-type]
     except PolicyError as exc:

@@ -111,21 +111,25 @@ class Daemon:
         async with self._reload_lock:
             self.notifier.reloading()
             try:
-                new = load_config(self.config.path)
-            except ConfigError as exc:
-                self.metrics.config_reloads.labels("error").inc()
-                log.error("reload_rejected", path=str(self.config.path), errors=exc.errors)
-                return {"ok": False, "errors": exc.errors}
+                return await self._reload()
             finally:
                 self.notifier.ready()
-            diff = diff_config(self.config, new)
-            self._apply_live(new, diff)
-            self.pending_changes = diff.pending
-            result = "pending_engine_restart" if diff.pending else "ok"
-            self.metrics.config_reloads.labels(result).inc()
-            log.info("reloaded", live=diff.live, pending=diff.pending)
-            await self.loop.tick()  # the new policy acts now, not at the next tick
-            return {"ok": True, "changed": diff.live, "pending": diff.pending}
+
+    async def _reload(self) -> dict[str, Any]:
+        try:
+            new = load_config(self.config.path)
+        except ConfigError as exc:
+            self.metrics.config_reloads.labels("error").inc()
+            log.error("reload_rejected", path=str(self.config.path), errors=exc.errors)
+            return {"ok": False, "errors": exc.errors}
+        diff = diff_config(self.config, new)
+        self._apply_live(new, diff)
+        self.pending_changes = diff.pending
+        result = "pending_engine_restart" if diff.pending else "ok"
+        self.metrics.config_reloads.labels(result).inc()
+        log.info("reloaded", live=diff.live, pending=diff.pending)
+        await self.loop.tick()  # the new policy acts now, not at the next tick
+        return {"ok": True, "changed": diff.live, "pending": diff.pending}
 
     def _apply_live(self, new: Config, diff: ConfigDiff) -> None:
         old = self.config
@@ -197,6 +201,7 @@ class Daemon:
             gpu_utilization=gpu.utilization if gpu else None,
             host_memory_available_bytes=hostr.memory_available_bytes,
             daemon_cpu_percent=hostr.daemon_cpu_percent,
+            window_s=eng.window_s,
         )
         self.diagnosis = self.diagnoser.observe(obs)
         task = self.guard.on_observation(obs)
@@ -256,6 +261,7 @@ class Daemon:
         if self._install_signals:
             self._install_signal_handlers()
         await self._start_admin()
+        self.notifier.status("starting the engine")
         await self.host.start()
         await self.loop.tick()  # the policy's initial values apply before the first request
         await self._start_data_plane()
@@ -298,6 +304,7 @@ class Daemon:
         await asyncio.get_running_loop().run_in_executor(None, self.host.stop)
         if self._admin is not None:
             await self._admin.cleanup()
+        self.notifier.close()
         log.info("stopped")
 
     async def _force_on_second_signal(self) -> None:

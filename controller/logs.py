@@ -36,6 +36,10 @@ from structlog.typing import EventDict, Processor, WrappedLogger
 HANDLER_NAME = "vllm-autopilot"
 # Chatty at INFO: apscheduler logs every control tick.
 QUIET_LOGGERS = {"apscheduler": logging.WARNING}
+# Loggers whose level is set explicitly rather than inherited from the root: building vLLM's app
+# imports model_hosting_container_standards (SageMaker routes), which sets the root logger to ERROR
+# at import. vLLM pins its own "vllm" logger (our dictConfig) and uvicorn its loggers.
+PINNED_LOGGERS = ("controller", "policies", "aiohttp")
 
 _vllm_config_path: Path | None = None
 
@@ -139,6 +143,8 @@ def configure_logging(level: str = "INFO", json_logs: bool | None = None) -> Non
         root.removeHandler(handler)
     root.addHandler(make_handler(json_logs))
     root.setLevel(numeric)
+    for name in PINNED_LOGGERS:
+        logging.getLogger(name).setLevel(numeric)
     for name, floor in QUIET_LOGGERS.items():
         logging.getLogger(name).setLevel(max(numeric, floor))
     structlog.configure(

@@ -70,6 +70,8 @@ class Observation:
     """psutil: host memory available."""
     daemon_cpu_percent: float | None = None
     """psutil: CPU use of the daemon's own process (front end), percent of one core."""
+    window_s: float = 10.0
+    """Length of the window the rates and percentiles cover: an event stays visible this long."""
 
     @property
     def idle(self) -> bool:

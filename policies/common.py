@@ -11,6 +11,9 @@ from collections.abc import Sequence
 
 from policies.base import Observation, PolicyError
 
+KV_SOURCES = ("mean", "latest", "max")
+"""How a policy reads KV usage: the window mean, the last step, or the window max."""
+
 LATENCIES = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")
 """Latency signals a policy may follow; each is a window percentile of the Observation."""
 
@@ -108,3 +111,10 @@ def idle_restore_due(idle_for_s: float, idle_restore_s: float | None, cap: int, 
     """The load that made a policy cut is gone: after ``idle_restore_s`` of idleness the cap goes
     back to its ceiling, ready for the next workload. None disables it."""
     return idle_restore_s is not None and idle_for_s >= idle_restore_s and cap < ceiling
+
+
+def kv_signal(obs: Observation, source: str) -> float:
+    """KV usage as ``source`` (one of KV_SOURCES) reads it."""
+    if source == "latest":
+        return obs.kv_usage
+    return obs.kv_usage_max if source == "max" else obs.kv_usage_mean

@@ -7,6 +7,7 @@ from typing import Any
 
 from policies.base import Decision, Observation, Policy, PolicyError, register
 from policies.common import (
+    KV_SOURCES,
     IdleTimer,
     check_choice,
     check_float,
@@ -15,10 +16,9 @@ from policies.common import (
     has_demand,
     idle_restore_due,
     is_stale,
+    kv_signal,
     limit_for_cap,
 )
-
-KV_SOURCES = ("mean", "latest", "max")
 
 
 @register
@@ -32,8 +32,11 @@ class HysteresisPolicy(Policy):
        idle (nothing in flight or queued) for ``idle_restore_s`` -> ``max_num_seqs``, "idle_restore"
     2. latest KV usage >= ``critical``                       -> ``floor(cap * cut_factor)``, "kv_critical"
        ``preemptions_per_s > 0``                             -> the same cut, "preemptions"
-       (a cut waits ``cut_cooldown_s`` after the last cut: "cut_cooldown"; the window keeps a preemption
-       for its whole length, so a shorter wait would cut again for the same event)
+       (a cut waits ``cut_cooldown_s``, and at least the observation window, after the last cut:
+       "cut_cooldown"; the window keeps a preemption for its whole length, so a shorter wait would cut
+       again for the same event. Nor does it cut
+       while more requests run than the cap allows, "cut_settling": lowering the cap never preempts,
+       so the last cut takes effect only as those requests finish)
     3. less than ``cooldown_s`` since the last change        -> hold, "cooldown"
     4. ``kv > high`` or ``gpu > gpu_high``                   -> ``cap - step``, "kv_high" / "gpu_high"
     5. ``kv < low`` and (``gpu < gpu_low`` or unset)         -> ``cap + step``, "kv_low", only with demand
@@ -110,7 +113,7 @@ class HysteresisPolicy(Policy):
         self._now_mono = math.nan
 
     def decide(self, obs: Observation, now_mono: float) -> Decision:
-        self._kv, self._now_mono = self._kv_signal(obs), now_mono
+        self._kv, self._now_mono = kv_signal(obs, self.kv_source), now_mono
         if is_stale(obs, self.stale_after_s):
             return Decision(None, None, "stale_stats")
         idle_for = self._idle.update(obs, now_mono)
@@ -118,8 +121,10 @@ class HysteresisPolicy(Policy):
             return self._move(obs, self.max_num_seqs, "idle_restore", now_mono)
         cut_reason = self._cut_reason(obs)
         if cut_reason is not None:
-            if _within(self._last_cut_mono, now_mono, self.cut_cooldown_s):
+            if _within(self._last_cut_mono, now_mono, max(self.cut_cooldown_s, obs.window_s)):
                 return Decision(None, None, "cut_cooldown")
+            if obs.running > obs.batch_cap:
+                return Decision(None, None, "cut_settling")
             return self._move(obs, math.floor(obs.batch_cap * self.cut_factor), cut_reason, now_mono)
         if _within(self._last_change_mono, now_mono, self.cooldown_s):
             return Decision(None, None, "cooldown")
@@ -131,11 +136,6 @@ class HysteresisPolicy(Policy):
                 return Decision(None, None, "no_demand")
             return self._move(obs, obs.batch_cap + self.step, "kv_low", now_mono)
         return Decision(None, None, "within_deadband")
-
-    def _kv_signal(self, obs: Observation) -> float:
-        if self.kv_source == "latest":
-            return obs.kv_usage
-        return obs.kv_usage_max if self.kv_source == "max" else obs.kv_usage_mean
 
     def _cut_reason(self, obs: Observation) -> str | None:
         if obs.kv_usage >= self.critical:

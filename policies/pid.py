@@ -7,6 +7,7 @@ from typing import Any
 
 from policies.base import Decision, Observation, Policy, PolicyError, register
 from policies.common import (
+    KV_SOURCES,
     IdleTimer,
     check_choice,
     check_float,
@@ -16,6 +17,7 @@ from policies.common import (
     has_demand,
     idle_restore_due,
     is_stale,
+    kv_signal,
     limit_for_cap,
 )
 
@@ -27,7 +29,7 @@ DEFAULT_SETPOINTS = {"kv_usage": 0.85}
 class PidPolicy(Policy):
     """A positional PID on a relative error; its output in [0, 1] spans the batch cap's range.
 
-    Formula, with ``m`` the measurement (window mean KV usage, or the window's p99 TTFT / ITL in
+    Formula, with ``m`` the measurement (KV usage read by ``kv_source``, or the window's p99 TTFT / ITL in
     seconds), ``sp`` the setpoint and ``dt`` the time since the previous tick with a measurement::
 
         e = clamp((sp - m) / sp, -1, 1)            # > 0: room to spare, raise the cap
@@ -44,13 +46,15 @@ class PidPolicy(Policy):
     the loop's normalize stage having applied less than asked (the cap in force is below/above the
     previous request), or a raise held for lack of demand.
 
-    Holds (both knobs None): "stale_stats"; "no_measurement" (no latency samples in the window; the
+    Holds (both knobs None): "stale_stats"; "settling" (above the setpoint while more requests run
+    than the cap allows: the previous cut is still taking effect, so neither P nor I acts on it); "no_measurement" (no latency samples in the window; the
     next measurement starts a fresh dt and D); "no_demand" (a raise without requests queued in the gate
     and with ``running < demand_fraction * cap``). Otherwise the decision carries both knobs and the
     reason says why the cap moves: "below_setpoint" (up), "above_setpoint" (down), "measurement_rising"
     (down although e >= 0: the D term), "measurement_falling" (up although e <= 0), "steady" (unchanged).
 
-    Parameters (defaults): ``target`` "kv_usage" (or "ttft_p99", "itl_p99"); ``setpoint`` 0.85 for
+    Parameters (defaults): ``target`` "kv_usage" (or "ttft_p99", "itl_p99"); ``kv_source`` "mean"
+    (how KV usage is read: the window "mean", its "max", or the "latest" step); ``setpoint`` 0.85 for
     kv_usage, required (seconds) for latencies; ``kp`` 0.3, ``ki`` 0.1 (per second), ``kd`` 0.0
     (seconds); ``min_cap`` 1; ``demand_fraction`` 0.9; ``limit_factor`` 1.0; ``limit_headroom`` 2;
     ``stale_after_s`` 5.0; ``idle_restore_s`` 60.0: idle (nothing in flight or queued) that long, the
@@ -70,6 +74,7 @@ class PidPolicy(Policy):
         initial_limit: int,
         target: str = "kv_usage",
         setpoint: float | None = None,
+        kv_source: str = "mean",
         kp: float = 0.3,
         ki: float = 0.1,
         kd: float = 0.0,
@@ -82,6 +87,7 @@ class PidPolicy(Policy):
     ) -> None:
         self.max_num_seqs = max_num_seqs
         self.target = check_choice("target", target, TARGETS)
+        self.kv_source = check_choice("kv_source", kv_source, KV_SOURCES)
         if setpoint is None and target not in DEFAULT_SETPOINTS:
             raise PolicyError(f"target = {target!r} needs a setpoint (seconds), e.g. 0.5")
         sp = DEFAULT_SETPOINTS[target] if setpoint is None else setpoint
@@ -114,6 +120,11 @@ class PidPolicy(Policy):
         if m is None:
             return self._hold("no_measurement", forget=True)
         e = clamp((self.setpoint - m) / self.setpoint, -1.0, 1.0)
+        if e < 0 and obs.running > obs.batch_cap:
+            # The last cut has not taken effect yet (lowering the cap never preempts: the requests
+            # admitted before it run to completion). Integrating now would wind the cap down to the floor.
+            self._terms = {**self._terms, "measurement": m, "error": e}
+            return self._hold("settling", forget=True)
         integral, dt = self._start_integral(obs, e), self._dt(now_mono)
         d = self._derivative(m, dt)
         self._prev = (now_mono, m)
@@ -132,7 +143,7 @@ class PidPolicy(Policy):
 
     def _measure(self, obs: Observation) -> float | None:
         if self.target == "kv_usage":
-            return obs.kv_usage_mean
+            return kv_signal(obs, self.kv_source)
         return obs.ttft_p99_s if self.target == "ttft_p99" else obs.itl_p99_s
 
     def _start_integral(self, obs: Observation, e: float) -> float:
@@ -169,8 +180,8 @@ class PidPolicy(Policy):
 
     def params(self) -> dict[str, Any]:
         keys = (
-            "target setpoint kp ki kd min_cap demand_fraction limit_factor limit_headroom stale_after_s "
-            "idle_restore_s"
+            "target setpoint kv_source kp ki kd min_cap demand_fraction limit_factor limit_headroom "
+            "stale_after_s idle_restore_s"
         )
         return {key: getattr(self, key) for key in keys.split()}
 

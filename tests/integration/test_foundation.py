@@ -19,6 +19,7 @@ import pytest_asyncio
 
 from controller.config import load_config
 from controller.daemon import Daemon
+from tests.assets import vllm_metric_names
 from tests.conftest import write_config
 from tests.integration.client import stream_completion
 
@@ -60,6 +61,10 @@ async def test_api_and_control_plane_answer(daemon: Daemon) -> None:
             text = await r.text()
         for name in ("autopilot_admission_limit 4.0", "autopilot_batch_cap 16.0", "vllm:kv_cache_usage_perc"):
             assert name in text
+        exported = {
+            line.split("{")[0].split(" ")[0] for line in text.splitlines() if not line.startswith("#")
+        }
+        assert vllm_metric_names() <= exported  # every vllm:* name the dashboard and alerts use
         async with s.get(admin_url(daemon, "/state")) as r:
             state = await r.json()
         assert state["admission_limit"] == 4 and state["batch_cap"] == 16

@@ -38,7 +38,14 @@ CASES = [
     ("low_is_exclusive", {}, {"kv_usage_mean": 0.70, "queued": 3}, Decision(None, None, "within_deadband")),
     ("deadband", {}, {"kv_usage_mean": 0.8, "queued": 3}, Decision(None, None, "within_deadband")),
     ("at_max", {}, {"batch_cap": 64, "queued": 3}, Decision(None, None, "at_max")),
-    ("at_min", {}, {"batch_cap": 1, "kv_usage": 0.99}, Decision(None, None, "at_min")),
+    ("at_min", {}, {"batch_cap": 1, "running": 1, "kv_usage": 0.99}, Decision(None, None, "at_min")),
+    # a cut waits until the requests admitted under the old cap have drained below the new one
+    (
+        "cut_settling",
+        {},
+        {"batch_cap": 8, "running": 12, "preemptions_per_s": 0.5},
+        Decision(None, None, "cut_settling"),
+    ),
     ("min_cap", {"min_cap": 20}, {"kv_usage": 0.99}, Decision(22, 20, "kv_critical")),
     ("near_max", {}, {"batch_cap": 62, "queued": 3}, Decision(66, 64, "kv_low")),
     ("step", {"step": 10}, {"queued": 3}, Decision(44, 42, "kv_low")),
@@ -100,7 +107,9 @@ def test_cut_skips_step_cooldown_but_waits_for_its_own() -> None:
         (16.0, 9, {"kv_usage_mean": 0.96}, Decision(7, 5, "kv_high")),
     ]
     for now, cap, fields, expected in steps:
-        assert policy.decide(obs(now_mono=now, batch_cap=cap, **fields), now) == expected, now
+        assert (
+            policy.decide(obs(now_mono=now, batch_cap=cap, running=min(cap, 20), **fields), now) == expected
+        ), now
 
 
 def test_hold_does_not_start_cooldown() -> None:

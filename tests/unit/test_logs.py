@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import structlog
 
-from controller.logs import HANDLER_NAME, QUIET_LOGGERS, configure_logging
+from controller.logs import HANDLER_NAME, PINNED_LOGGERS, QUIET_LOGGERS, configure_logging
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,11 +29,11 @@ def isolated_logging(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         monkeypatch.delenv(var)
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
-    quiet = {name: logging.getLogger(name).level for name in QUIET_LOGGERS}
+    levels = {name: logging.getLogger(name).level for name in (*QUIET_LOGGERS, *PINNED_LOGGERS)}
     yield
     root.handlers[:] = handlers
     root.setLevel(level)
-    for name, lvl in quiet.items():
+    for name, lvl in levels.items():
         logging.getLogger(name).setLevel(lvl)
     structlog.reset_defaults()
 
@@ -97,6 +97,16 @@ def test_levels(capsys: pytest.CaptureFixture[str]) -> None:
     configure_logging("INFO", json_logs=True)
     logging.getLogger("apscheduler.executors.default").info('Running job "control_tick"')  # every tick
     assert [x["event"] for x in json_lines(capsys.readouterr().out)] == ["shown"]
+
+
+def test_our_events_survive_a_library_raising_the_root_level(capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM's build_app imports model_hosting_container_standards, which sets the root to ERROR."""
+    configure_logging(json_logs=True)
+    logging.getLogger().setLevel(logging.ERROR)
+    structlog.get_logger("controller.daemon").info("serving")
+    structlog.get_logger("policies.aimd").info("cut")
+    logging.getLogger("torch").warning("third-party noise follows the root")
+    assert [x["event"] for x in json_lines(capsys.readouterr().out)] == ["serving", "cut"]
 
 
 def test_reconfiguring_keeps_one_handler(capsys: pytest.CaptureFixture[str]) -> None:

@@ -164,6 +164,7 @@ def test_params() -> None:
     assert make().params() == {
         "target": "kv_usage",
         "setpoint": 0.8,
+        "kv_source": "mean",
         "kp": 0.3,
         "ki": 0.1,
         "kd": 0.0,

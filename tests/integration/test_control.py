@@ -1,0 +1,124 @@
+"""The closed loop on the real engine, with a KV cache small enough that the full batch cap
+overflows it and preempts (2 MiB: 4096 tokens; 48 requests of ~300 tokens need 3.5x that).
+
+For each of ``pid`` and ``hysteresis``: repeated bursts make the policy lower the cap with a reason,
+the last burst preempts at most a fifth as often as the first without taking much longer, the cap
+comes back up once the load is gone, and at steady load the cap changes direction at most twice a
+minute. Durations are printed; the one duration check is a ratio to the first burst of the same run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from controller.config import load_config
+from controller.daemon import Daemon
+from tests.conftest import write_config
+from tests.integration.client import stream_completion
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+
+PROMPT = " ".join(["engine"] * 30)
+BURST, TOKENS = 48, 256
+POLICIES: dict[str, dict[str, Any]] = {
+    "hysteresis": {
+        "kv_source": "max",
+        "step": 4,
+        "cooldown_s": 2.0,
+        "cut_cooldown_s": 2.0,
+        "idle_restore_s": 5.0,
+    },
+    "pid": {"kv_source": "max", "setpoint": 0.85, "kp": 1.0, "ki": 0.5, "idle_restore_s": 5.0},
+}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=sorted(POLICIES))
+async def daemon(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_model: Path
+) -> AsyncIterator[Daemon]:
+    policy = request.param
+    path = write_config(
+        tmp_path_factory.mktemp(policy) / "config.toml",
+        engine={"kv_cache_memory_bytes": 2 << 20, "max_num_seqs": 64},
+        admission={"limit": 64, "max_queue": 512},
+        control={"tick_seconds": 0.5, "window_seconds": 3.0, "policy": policy, "params": POLICIES[policy]},
+    )
+    d = Daemon(load_config(path), install_signals=False)
+    await d.startup()
+    yield d
+    await d.shutdown()
+
+
+def base(d: Daemon) -> str:
+    return f"http://{d.config.server.host}:{d.config.server.port}"
+
+
+async def burst(s: aiohttp.ClientSession, d: Daemon) -> tuple[float, int]:
+    """(duration, preemptions) of one burst; every request must complete."""
+    p0, t0 = d.window.total_preemptions, time.monotonic()
+    results = await asyncio.gather(
+        *(stream_completion(s, base(d), TOKENS, prompt=PROMPT) for _ in range(BURST))
+    )
+    assert all(r["status"] == 200 and r["tokens"] == TOKENS for r in results)
+    return time.monotonic() - t0, d.window.total_preemptions - p0
+
+
+def direction_changes(caps: list[int]) -> int:
+    moves = [b - a for a, b in itertools.pairwise(caps) if b != a]
+    return sum(1 for x, y in itertools.pairwise(moves) if (x > 0) != (y > 0))
+
+
+async def test_bursts_lower_cap_and_preemptions_then_idle_restores(daemon: Daemon) -> None:
+    d = daemon
+    ceiling = d.host.max_num_seqs
+    runs = []
+    async with aiohttp.ClientSession() as s:
+        for _ in range(6):
+            runs.append(await burst(s, d))
+            await asyncio.sleep(0.5)
+    cuts = [c for c in d.loop.history if c.knob == "batch_cap" and c.new < c.old]
+    print(
+        f"{d.config.control.policy}: bursts (s, preemptions) {[(round(t, 2), p) for t, p in runs]}; "
+        f"cap now {d.host.batch_cap}; cuts {[(c.old, c.new, c.reason) for c in cuts]}"
+    )
+    assert cuts and all(c.reason for c in cuts)
+    (first_s, first_p), (last_s, last_p) = runs[0], runs[-1]
+    assert first_p > 0, "the workload must overflow the KV cache at the full cap"
+    assert last_p * 5 <= first_p, runs
+    assert last_s <= 1.5 * first_s, runs
+    await asyncio.sleep(d.loop.policy.params()["idle_restore_s"] + 2.0)  # the load is gone
+    assert d.host.batch_cap == ceiling, d.loop.recent()[-3:]
+    assert d.loop.history[-1].reason == "idle_restore"
+
+
+async def test_steady_load_changes_direction_at_most_twice_a_minute(daemon: Daemon) -> None:
+    d = daemon
+    stop = asyncio.Event()
+
+    async def client(s: aiohttp.ClientSession) -> None:
+        while not stop.is_set():
+            r = await stream_completion(s, base(d), TOKENS, prompt=PROMPT)
+            assert r["status"] == 200
+
+    caps: list[int] = []
+    async with aiohttp.ClientSession() as s:
+        clients = [asyncio.create_task(client(s)) for _ in range(24)]
+        await asyncio.sleep(20.0)  # settle
+        t_end = time.monotonic() + 60.0
+        while time.monotonic() < t_end:
+            caps.append(d.host.batch_cap)
+            await asyncio.sleep(0.25)
+        stop.set()
+        await asyncio.gather(*clients)
+    changes = direction_changes(caps)
+    print(f"{d.config.control.policy}: steady minute caps {sorted(set(caps))}, direction changes {changes}")
+    assert changes <= 2
