@@ -145,6 +145,9 @@ class Config:
     control: ControlConfig
     guard: GuardConfig
     path: Path
+    restart_on_reload: bool = False
+    """[engine] restart_on_reload: apply [engine] changes on reload through the guard's
+    drain-and-restart (queued requests kept). False: they stay pending until the service restarts."""
 
     @property
     def max_num_seqs(self) -> int:
@@ -224,6 +227,9 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
         if local.exists() or engine["model"].startswith((".", "models/")):
             engine["model"] = str(local.resolve())
     engine.setdefault("max_num_seqs", 256)
+    restart_on_reload = engine.pop("restart_on_reload", False)  # ours, not a vLLM argument
+    if not isinstance(restart_on_reload, bool):
+        errors.append(f"[engine] restart_on_reload = {restart_on_reload!r}: must be true or false")
     tables = {name: _build_table(name, _table(data, name), errors) for name in _TABLES}
     from controller.engine.args import engine_table_errors  # vLLM's own argument names
 
@@ -235,7 +241,7 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
         errors.extend(_policy_errors(engine, tables))
     if errors:
         raise ConfigError(errors)
-    return Config(engine=engine, path=path, **tables)
+    return Config(engine=engine, path=path, restart_on_reload=restart_on_reload is True, **tables)
 
 
 def _table(data: dict[str, Any], name: str) -> dict[str, Any]:
@@ -300,7 +306,7 @@ def load_config(path: Path = DEFAULT_CONFIG) -> Config:
 
 def describe(config: Config) -> dict[str, Any]:
     """The effective config as plain data (check-config, /state)."""
-    out: dict[str, Any] = {"engine": dict(config.engine)}
+    out: dict[str, Any] = {"engine": {**config.engine, "restart_on_reload": config.restart_on_reload}}
     for name in _TABLES:
         out[name] = dataclasses.asdict(getattr(config, name))
     return out

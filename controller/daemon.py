@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import signal
 from typing import Any
 
@@ -26,7 +27,7 @@ from controller.guard import Guard
 from controller.loop import Change, ControlLoop
 from controller.metrics import Metrics
 from controller.normalize import Normalizer
-from controller.reload import ConfigDiff, diff_config, merge_live
+from controller.reload import ConfigDiff, diff_config, engine_overrides, merge_live
 from controller.samplers import GpuSource, HostReadingSource, HostSource, NvmlSource
 from controller.sdnotify import Notifier, start_watchdog
 from controller.telemetry import TelemetryWindow
@@ -125,11 +126,26 @@ class Daemon:
         diff = diff_config(self.config, new)
         self._apply_live(new, diff)
         self.pending_changes = diff.pending
+        restart = self._maybe_restart_for(new, diff)
         result = "pending_engine_restart" if diff.pending else "ok"
         self.metrics.config_reloads.labels(result).inc()
-        log.info("reloaded", live=diff.live, pending=diff.pending)
+        log.info("reloaded", live=diff.live, pending=diff.pending, engine_restart=restart)
         await self.loop.tick()  # the new policy acts now, not at the next tick
-        return {"ok": True, "changed": diff.live, "pending": diff.pending}
+        return {"ok": True, "changed": diff.live, "pending": diff.pending, "engine_restart": restart}
+
+    def _maybe_restart_for(self, new: Config, diff: ConfigDiff) -> dict[str, Any] | None:
+        """With ``restart_on_reload``, [engine] changes go through the guard's drain-and-restart."""
+        overrides = engine_overrides(self.config, new, diff) if new.restart_on_reload else None
+        if overrides is None or self.guard.restarting:
+            return None
+
+        async def restart() -> None:
+            await self.guard.restart("config_reload", overrides, drain=True)
+            self.config = dataclasses.replace(self.config, engine={**self.config.engine, **overrides})
+            self.pending_changes = {t: k for t, k in self.pending_changes.items() if t != "engine"}
+
+        self._tasks.append(asyncio.create_task(restart()))
+        return overrides
 
     def _apply_live(self, new: Config, diff: ConfigDiff) -> None:
         old = self.config

@@ -39,7 +39,8 @@ QUIET_LOGGERS = {"apscheduler": logging.WARNING}
 # Loggers whose level is set explicitly rather than inherited from the root: building vLLM's app
 # imports model_hosting_container_standards (SageMaker routes), which sets the root logger to ERROR
 # at import. vLLM pins its own "vllm" logger (our dictConfig) and uvicorn its loggers.
-PINNED_LOGGERS = ("controller", "policies", "aiohttp")
+PINNED_LOGGERS = ("controller", "policies", "aiohttp", "uvicorn")
+"""Their levels are set here: importing vLLM's app raises the root logger's level to ERROR."""
 
 _vllm_config_path: Path | None = None
 

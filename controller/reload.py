@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from controller.config import Config, describe
 
@@ -45,4 +46,19 @@ def diff_config(old: Config, new: Config) -> ConfigDiff:
 
 def merge_live(current: Config, new: Config) -> Config:
     """The config in force after a reload: the new live tables, the current restart-only ones."""
-    return dataclasses.replace(current, admission=new.admission, control=new.control, guard=new.guard)
+    return dataclasses.replace(
+        current,
+        admission=new.admission,
+        control=new.control,
+        guard=new.guard,
+        restart_on_reload=new.restart_on_reload,
+    )
+
+
+def engine_overrides(current: Config, new: Config, diff: ConfigDiff) -> dict[str, Any] | None:
+    """The engine arguments a guarded restart would change, or None when a changed key was removed
+    (its vLLM default is not ours to guess: that change waits for a service restart)."""
+    keys = [k for k in diff.pending.get("engine", []) if k != "restart_on_reload"]
+    if not keys or any(k not in new.engine for k in keys):
+        return None
+    return {k: new.engine[k] for k in keys}

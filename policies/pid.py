@@ -36,25 +36,32 @@ class PidPolicy(Policy):
         I = clamp(I + ki * e * dt, -kp, 1 + kp)    # skipped while saturated (below)
         D = -kd * ((m - m_prev) / sp) / dt         # derivative on measurement, not on error
         u = clamp(kp * e + I + D, 0, 1)
-        batch_cap = min_cap + round(u * (max_num_seqs - min_cap))
+        batch_cap = min_cap + round(u * (max_num_seqs - min_cap))      # output_scale = "linear"
+        batch_cap = round(min_cap * (max_num_seqs / min_cap) ** u)    # output_scale = "log"
         admission_limit = ceil(batch_cap * limit_factor) + limit_headroom
 
-    The error is relative, so the same gains suit KV usage and latencies. The first tick starts
-    bumpless: ``I = u(current cap) - kp * e``, no integration, no D. Anti-windup: ``I`` is clamped to
-    [-kp, 1 + kp] (just enough to hold any output against the largest P term), and it is not
-    integrated while the error pushes an output that cannot follow: ``kp*e + I + D`` beyond [0, 1],
-    the loop's normalize stage having applied less than asked (the cap in force is below/above the
-    previous request), or a raise held for lack of demand.
+    The error is relative, so the same gains suit KV usage and latencies. With ``output_scale = "log"``
+    a step of ``u`` changes the cap by a fixed ratio: KV usage grows in proportion to the cap, so the
+    loop gain no longer depends on how much KV each request takes (use it for KV targets).
+
+    The first tick starts bumpless: ``I = u(current cap) - kp * e``, no integration, no D.
+    Anti-windup: ``I`` is clamped to [-kp, 1 + kp] (just enough to hold any output against the
+    largest P term), and it is not integrated while the error pushes an output that cannot follow:
+    ``kp*e + I + D`` beyond [0, 1], the loop's normalize stage having moved the cap only part of the
+    way asked (rate limit; a change it dropped whole, as within its tolerance band, does not stop
+    the integral, or the cap would never leave the band), or a raise held for lack of demand.
 
     Holds (both knobs None): "stale_stats"; "settling" (above the setpoint while more requests run
-    than the cap allows: the previous cut is still taking effect, so neither P nor I acts on it); "no_measurement" (no latency samples in the window; the
-    next measurement starts a fresh dt and D); "no_demand" (a raise without requests queued in the gate
-    and with ``running < demand_fraction * cap``). Otherwise the decision carries both knobs and the
-    reason says why the cap moves: "below_setpoint" (up), "above_setpoint" (down), "measurement_rising"
+    than the cap allows: the previous cut is still taking effect, so neither P nor I acts on it);
+    "no_measurement" (no latency samples in the window; the next measurement starts a fresh dt and
+    D); "no_demand" (a raise without requests queued in the gate and with ``running <
+    demand_fraction * cap``). Otherwise the decision carries both knobs and the reason says why the
+    cap moves: "below_setpoint" (up), "above_setpoint" (down), "measurement_rising"
     (down although e >= 0: the D term), "measurement_falling" (up although e <= 0), "steady" (unchanged).
 
     Parameters (defaults): ``target`` "kv_usage" (or "ttft_p99", "itl_p99"); ``kv_source`` "mean"
-    (how KV usage is read: the window "mean", its "max", or the "latest" step); ``setpoint`` 0.85 for
+    (how KV usage is read: the window "mean", its "max", or the "latest" step); ``output_scale``
+    "linear" (or "log"); ``setpoint`` 0.85 for
     kv_usage, required (seconds) for latencies; ``kp`` 0.3, ``ki`` 0.1 (per second), ``kd`` 0.0
     (seconds); ``min_cap`` 1; ``demand_fraction`` 0.9; ``limit_factor`` 1.0; ``limit_headroom`` 2;
     ``stale_after_s`` 5.0; ``idle_restore_s`` 60.0: idle (nothing in flight or queued) that long, the
@@ -75,6 +82,7 @@ class PidPolicy(Policy):
         target: str = "kv_usage",
         setpoint: float | None = None,
         kv_source: str = "mean",
+        output_scale: str = "linear",
         kp: float = 0.3,
         ki: float = 0.1,
         kd: float = 0.0,
@@ -88,6 +96,7 @@ class PidPolicy(Policy):
         self.max_num_seqs = max_num_seqs
         self.target = check_choice("target", target, TARGETS)
         self.kv_source = check_choice("kv_source", kv_source, KV_SOURCES)
+        self.output_scale = check_choice("output_scale", output_scale, ("linear", "log"))
         if setpoint is None and target not in DEFAULT_SETPOINTS:
             raise PolicyError(f"target = {target!r} needs a setpoint (seconds), e.g. 0.5")
         sp = DEFAULT_SETPOINTS[target] if setpoint is None else setpoint
@@ -106,6 +115,7 @@ class PidPolicy(Policy):
         self._integral: float | None = None
         self._prev: tuple[float, float] | None = None  # (now_mono, measurement)
         self._asked: int | None = None
+        self._cap_seen: int | None = None
         self._terms = {"measurement": math.nan, "error": math.nan, "derivative": math.nan, "output": math.nan}
 
     def decide(self, obs: Observation, now_mono: float) -> Decision:
@@ -128,10 +138,12 @@ class PidPolicy(Policy):
         integral, dt = self._start_integral(obs, e), self._dt(now_mono)
         d = self._derivative(m, dt)
         self._prev = (now_mono, m)
-        if dt is not None and not self._saturated(obs, e, integral + self.kp * e + d):
+        saturated = self._saturated(obs, e, integral + self.kp * e + d)
+        self._cap_seen = obs.batch_cap
+        if dt is not None and not saturated:
             integral = clamp(integral + self.ki * e * dt, -self.kp, 1.0 + self.kp)
         u = clamp(self.kp * e + integral + d, 0.0, 1.0)
-        cap = self.min_cap + round(u * (self.max_num_seqs - self.min_cap))
+        cap = self._cap_for(u)
         self._terms = {"measurement": m, "error": e, "derivative": d, "output": u}
         if cap > obs.batch_cap and not has_demand(obs, obs.running, obs.batch_cap, self.demand_fraction):
             if e <= 0:  # a raise from D alone: the integral may still move down
@@ -149,10 +161,25 @@ class PidPolicy(Policy):
     def _start_integral(self, obs: Observation, e: float) -> float:
         """Bumpless start: the first output equals the cap in force."""
         if self._integral is None:
-            span = self.max_num_seqs - self.min_cap
-            current = 0.0 if span == 0 else (obs.batch_cap - self.min_cap) / span
+            current = self._u_for(obs.batch_cap)
             self._integral = clamp(current - self.kp * e, -self.kp, 1.0 + self.kp)
         return self._integral
+
+    def _cap_for(self, u: float) -> int:
+        lo, hi = self.min_cap, self.max_num_seqs
+        if self.output_scale == "log":
+            ratio: float = (hi / lo) ** u
+            return max(lo, min(hi, round(lo * ratio)))
+        return lo + round(u * (hi - lo))
+
+    def _u_for(self, cap: int) -> float:
+        lo, hi = self.min_cap, self.max_num_seqs
+        if hi == lo:
+            return 0.0
+        cap = max(lo, min(hi, cap))
+        if self.output_scale == "log":
+            return math.log(cap / lo) / math.log(hi / lo)
+        return (cap - lo) / (hi - lo)
 
     def _dt(self, now_mono: float) -> float | None:
         if self._prev is None or now_mono <= self._prev[0]:
@@ -166,8 +193,10 @@ class PidPolicy(Policy):
 
     def _saturated(self, obs: Observation, e: float, u_raw: float) -> bool:
         """The output cannot move further the way the error pushes it (conditional integration)."""
-        held_low = self._asked is not None and obs.batch_cap < self._asked
-        held_high = self._asked is not None and obs.batch_cap > self._asked
+        seen, asked, cap = self._cap_seen, self._asked, obs.batch_cap
+        moved = seen is not None and cap != seen  # the normalize stage applied part of the last ask
+        held_low = asked is not None and moved and cap < asked
+        held_high = asked is not None and moved and cap > asked
         if e > 0:
             return u_raw > 1.0 or held_low
         return e < 0 and (u_raw < 0.0 or held_high)
@@ -180,8 +209,8 @@ class PidPolicy(Policy):
 
     def params(self) -> dict[str, Any]:
         keys = (
-            "target setpoint kv_source kp ki kd min_cap demand_fraction limit_factor limit_headroom "
-            "stale_after_s idle_restore_s"
+            "target setpoint kv_source output_scale kp ki kd min_cap demand_fraction limit_factor "
+            "limit_headroom stale_after_s idle_restore_s"
         )
         return {key: getattr(self, key) for key in keys.split()}
 

@@ -85,6 +85,8 @@ class EngineHost:
             for key, value in overrides.items():
                 setattr(args, key, value)
             self.args = args
+            self.max_num_seqs = int(args.max_num_seqs)
+            self.batch_cap = min(self.batch_cap, self.max_num_seqs)
             await self.start()
             if self.on_new_engine is not None:
                 await self.on_new_engine()

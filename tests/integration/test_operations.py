@@ -31,9 +31,10 @@ class Proc:
         self.admin = f"http://127.0.0.1:{admin_port}"
 
 
-def _config(path: Path, ports: tuple[int, int], limit: int, extra: str = "") -> None:
+def _config(path: Path, ports: tuple[int, int], limit: int, extra: str = "", **engine: Any) -> None:
     write_config(
         path,
+        engine=engine,
         server={"port": ports[0], "shutdown_timeout_s": 30.0},
         admin={"port": ports[1]},
         admission={"limit": limit, "max_queue": 256},
@@ -141,6 +142,42 @@ async def test_post_reload_reports_errors(daemon_proc: Proc) -> None:
         body = await r.json()
     assert r.status == 400 and not body["ok"]
     assert any("oops" in e for e in body["errors"]), body
+
+
+async def test_engine_change_waits_then_restarts_with_restart_on_reload(daemon_proc: Proc) -> None:
+    proc = daemon_proc
+    ports = (int(proc.base.rsplit(":", 1)[1]), int(proc.admin.rsplit(":", 1)[1]))
+    async with aiohttp.ClientSession() as s:
+        _config(proc.path, ports, limit=6, kv_cache_memory_bytes=48 << 20)
+        async with s.post(proc.admin + "/reload") as r:
+            body = await r.json()
+        assert body["pending"] == {"engine": ["kv_cache_memory_bytes"]} and body["engine_restart"] is None
+        assert await _metric(s, proc, 'autopilot_config_reloads_total{result="pending_engine_restart"}') == 1
+
+        _config(proc.path, ports, limit=6, kv_cache_memory_bytes=48 << 20, restart_on_reload=True)
+        stop = asyncio.Event()
+        load = asyncio.create_task(_load(s, proc, stop))
+        await asyncio.sleep(1.0)
+        proc.popen.send_signal(signal.SIGHUP)
+        t0 = time.monotonic()
+        while await _metric(s, proc, "autopilot_engine_generation") != 2:
+            assert time.monotonic() - t0 < 240, "the guarded restart did not finish"
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(1.0)
+        stop.set()
+        results = await load
+        async with s.get(proc.admin + "/state") as r:
+            state = await r.json()
+    assert await_restarts(state) and state["engine"]["kv_cache_memory_bytes"] == 48 << 20
+    assert state["pending_config_changes"] == {}
+    failed = [r for r in results if r["status"] != 200 or r["tokens"] != 32]
+    assert failed == [], failed  # the drain let in-flight requests finish; queued ones waited
+
+
+def await_restarts(state: dict[str, Any]) -> bool:
+    return (
+        bool(state["guard"]["last_restart"]) and state["guard"]["last_restart"]["reason"] == "config_reload"
+    )
 
 
 async def test_sigterm_under_load_drains_and_exits_zero(daemon_proc: Proc) -> None:

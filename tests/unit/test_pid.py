@@ -110,12 +110,21 @@ def test_no_wind_up_while_saturated() -> None:
     )
 
 
-def test_no_wind_up_while_the_normalize_stage_holds_the_cap() -> None:
+def test_no_wind_up_while_the_normalize_stage_rate_limits_the_cap() -> None:
     policy = warmed()
     assert policy.decide(at(1.0, queued=1), 1.0) == Decision(38, 36, "below_setpoint")
-    # asked for 36, the loop applied nothing (rate limit, tolerance): no integration
-    assert policy.decide(at(2.0, queued=1), 2.0) == Decision(38, 36, "below_setpoint")
+    # asked for 36, the loop's rate limit moved the cap only to 34: no integration
+    assert policy.decide(at(2.0, queued=1, batch_cap=34), 2.0) == Decision(38, 36, "below_setpoint")
     assert policy.terms()["integral"] == pytest.approx(0.4)
+
+
+def test_a_change_dropped_by_the_tolerance_band_keeps_integrating() -> None:
+    policy = warmed()
+    assert policy.decide(at(1.0, queued=1), 1.0) == Decision(38, 36, "below_setpoint")
+    # asked for 36, the loop applied nothing (within its tolerance band): the ask must grow out of
+    # the band, so the integral goes on: I = 0.45, u = 0.6, cap = 1 + round(0.6 * 64) = 39
+    assert policy.decide(at(2.0, queued=1), 2.0) == Decision(41, 39, "below_setpoint")
+    assert policy.terms()["integral"] == pytest.approx(0.45)
 
 
 def test_latency_target_and_missing_measurement() -> None:
@@ -165,6 +174,7 @@ def test_params() -> None:
         "target": "kv_usage",
         "setpoint": 0.8,
         "kv_source": "mean",
+        "output_scale": "linear",
         "kp": 0.3,
         "ki": 0.1,
         "kd": 0.0,
@@ -205,3 +215,12 @@ def test_idle_restore_returns_to_the_ceiling_and_restarts_bumpless() -> None:
         batch_cap=64, admission_limit=66, in_flight=10, running=10, kv_usage_mean=0.85, stats_age_s=0.1
     )
     assert p.decide(steady, 11.0) == Decision(66, 64, "steady")
+
+
+def test_log_output_scale_maps_u_to_a_ratio_of_the_cap() -> None:
+    p = PidPolicy(max_num_seqs=64, initial_limit=64, output_scale="log")
+    assert [p._cap_for(u) for u in (0.0, 0.5, 1.0)] == [1, 8, 64]
+    assert p._u_for(8) == 0.5
+    # bumpless start from the cap in force, at the setpoint: no move
+    at_sp = obs(batch_cap=8, admission_limit=10, in_flight=8, running=8, kv_usage_mean=0.85, stats_age_s=0.1)
+    assert p.decide(at_sp, 0.0) == Decision(10, 8, "steady")
