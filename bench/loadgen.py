@@ -120,7 +120,7 @@ def _parse_event(line: bytes) -> dict[str, Any] | None:
     text = line.decode("utf-8", errors="replace").strip()
     if not text.startswith("data:"):
         return None
-    data = text[len("data:"):].strip()
+    data = text[len("data:") :].strip()
     if data == "[DONE]":
         return None
     parsed: dict[str, Any] = json.loads(data)

@@ -255,7 +255,11 @@ def running(server: Server, log: Path, startup_timeout_s: float, stop_timeout_s:
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            server.argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            server.argv,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
     run = Run(pgid=proc.pid)
@@ -292,12 +296,20 @@ async def measure(server: Server, model: str, args: argparse.Namespace) -> dict[
         raise RuntimeError(f"{server.name}: {warm.failed} warm-up request(s) failed: {warm.first_error}")
     await run_phase(server.base_url, model, concurrency=1, requests=3, max_tokens=LIGHT_MAX_TOKENS)
     heavy = await run_phase(
-        server.base_url, model, concurrency=args.concurrency, requests=args.requests,
-        max_tokens=args.max_tokens, prompt_words=args.prompt_words,
+        server.base_url,
+        model,
+        concurrency=args.concurrency,
+        requests=args.requests,
+        max_tokens=args.max_tokens,
+        prompt_words=args.prompt_words,
     )
     light = await run_phase(
-        server.base_url, model, concurrency=1, requests=args.light_requests,
-        max_tokens=LIGHT_MAX_TOKENS, prompt_words=args.prompt_words,
+        server.base_url,
+        model,
+        concurrency=1,
+        requests=args.light_requests,
+        max_tokens=LIGHT_MAX_TOKENS,
+        prompt_words=args.prompt_words,
     )
     return {"heavy": heavy, "light": light}
 
@@ -451,7 +463,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "serve_vs_daemon.json")
     p.add_argument("--prompt-words", type=int, default=40, help="prompt length (about 1 token per word)")
     p.add_argument(
-        "--serve-arg", action="append", default=[], metavar="ARG",
+        "--serve-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
         help="extra argument for vllm serve (repeatable), e.g. --serve-arg=--disable-uvicorn-access-log",
     )
     p.add_argument("--python", default=sys.executable, help="interpreter that runs both servers")
