@@ -205,6 +205,7 @@ class Guard:
             self._restarts.append(self._last_restart_mono)
             self._oom_baseline = self._oom_kills()
             self.last_restart = {
+                "started_mono": t0,
                 "reason": reason,
                 "duration_s": duration,
                 "overrides": overrides,

@@ -48,6 +48,8 @@ async def stream_completion(
         "status": status,
         "chunks": chunks,
         "tokens": tokens,
+        "start_mono": t0,
+        "first_token_mono": first,
         "done_mono": done,
         "ttft_s": (first or done) - t0,
     }
