@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 from policies.base import Decision, Observation, Policy, register
 from policies.common import (
@@ -16,6 +15,7 @@ from policies.common import (
     has_demand,
     is_stale,
     latency_sample,
+    limit_decision,
 )
 
 
@@ -51,6 +51,10 @@ class AimdPolicy(Policy):
     """
 
     name = "aimd"
+    param_names = tuple(
+        "latency threshold_s increase backoff cooldown_s min_limit max_limit demand_fraction "
+        "cap_follows_limit stale_after_s".split()
+    )
 
     def __init__(
         self,
@@ -112,16 +116,7 @@ class AimdPolicy(Policy):
         return None
 
     def _decision(self, reason: str) -> Decision:
-        limit = math.floor(self._estimate)
-        cap = max(1, min(self.max_num_seqs, limit)) if self.cap_follows_limit else None
-        return Decision(limit, cap, reason)
-
-    def params(self) -> dict[str, Any]:
-        keys = (
-            "latency threshold_s increase backoff cooldown_s min_limit max_limit demand_fraction "
-            "cap_follows_limit stale_after_s"
-        )
-        return {key: getattr(self, key) for key in keys.split()}
+        return limit_decision(math.floor(self._estimate), reason, self.cap_follows_limit, self.max_num_seqs)
 
     def terms(self) -> dict[str, float]:
         """Limit estimate and the last latency sample (s)."""

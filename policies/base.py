@@ -93,13 +93,15 @@ class Policy(ABC):
     """Base class of all policies. Subclasses document their formula, parameters and states."""
 
     name: ClassVar[str]
+    param_names: ClassVar[tuple[str, ...]] = ()
+    """The attributes ``params()`` reports (each one a constructor parameter of the same name)."""
 
     @abstractmethod
     def decide(self, obs: Observation, now_mono: float) -> Decision: ...
 
     def params(self) -> dict[str, Any]:
         """The effective parameters, for /state."""
-        return {}
+        return {name: getattr(self, name) for name in self.param_names}
 
     def terms(self) -> dict[str, float]:
         """Internal terms (error, integral, baseline, ...) exported as gauges."""

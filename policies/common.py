@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from policies.base import Observation, PolicyError
+from policies.base import Decision, Observation, PolicyError
 
 KV_SOURCES = ("mean", "latest", "max")
 """How a policy reads KV usage: the window mean, the last step, or the window max."""
@@ -118,3 +118,9 @@ def kv_signal(obs: Observation, source: str) -> float:
     if source == "latest":
         return obs.kv_usage
     return obs.kv_usage_max if source == "max" else obs.kv_usage_mean
+
+
+def limit_decision(limit: int, reason: str, cap_follows_limit: bool, max_num_seqs: int) -> Decision:
+    """A decision on the admission limit; the batch cap follows it (clamped) or is left alone."""
+    cap = max(1, min(max_num_seqs, limit)) if cap_follows_limit else None
+    return Decision(limit, cap, reason)

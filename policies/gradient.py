@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 from policies.base import Decision, Observation, Policy, PolicyError, register
 from policies.common import (
@@ -16,6 +15,7 @@ from policies.common import (
     has_demand,
     is_stale,
     latency_sample,
+    limit_decision,
 )
 
 MEASURING, NORMAL = "measuring", "normal"
@@ -57,6 +57,10 @@ class GradientPolicy(Policy):
     """
 
     name = "gradient"
+    param_names = tuple(
+        "latency tolerance smoothing min_limit max_limit baseline_interval_s baseline_window_s "
+        "baseline_limit demand_fraction cap_follows_limit stale_after_s".split()
+    )
 
     def __init__(
         self,
@@ -141,15 +145,7 @@ class GradientPolicy(Policy):
         return self._decision(math.floor(new), "latency_high" if self._gradient < 1.0 else "latency_ok")
 
     def _decision(self, limit: int, reason: str) -> Decision:
-        cap = max(1, min(self.max_num_seqs, limit)) if self.cap_follows_limit else None
-        return Decision(limit, cap, reason)
-
-    def params(self) -> dict[str, Any]:
-        keys = (
-            "latency tolerance smoothing min_limit max_limit baseline_interval_s baseline_window_s "
-            "baseline_limit demand_fraction cap_follows_limit stale_after_s"
-        )
-        return {key: getattr(self, key) for key in keys.split()}
+        return limit_decision(limit, reason, self.cap_follows_limit, self.max_num_seqs)
 
     def terms(self) -> dict[str, float]:
         """Limit estimate, last gradient, baseline and sample latencies (s), 1.0 while measuring."""

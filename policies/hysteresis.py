@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 from policies.base import Decision, Observation, Policy, PolicyError, register
 from policies.common import (
@@ -60,6 +59,10 @@ class HysteresisPolicy(Policy):
     """
 
     name = "hysteresis"
+    param_names = tuple(
+        "low high critical kv_source gpu_low gpu_high step cut_factor cooldown_s cut_cooldown_s "
+        "min_cap demand_fraction limit_factor limit_headroom stale_after_s idle_restore_s".split()
+    )
 
     def __init__(
         self,
@@ -163,13 +166,6 @@ class HysteresisPolicy(Policy):
         if cap < obs.batch_cap and reason in ("kv_critical", "preemptions"):
             self._last_cut_mono = now_mono
         return Decision(limit_for_cap(cap, self.limit_factor, self.limit_headroom), cap, reason)
-
-    def params(self) -> dict[str, Any]:
-        keys = (
-            "low high critical kv_source gpu_low gpu_high step cut_factor cooldown_s cut_cooldown_s "
-            "min_cap demand_fraction limit_factor limit_headroom stale_after_s idle_restore_s"
-        )
-        return {key: getattr(self, key) for key in keys.split()}
 
     def terms(self) -> dict[str, float]:
         """The KV signal and the cooldowns left, as of the last tick."""

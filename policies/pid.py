@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 from policies.base import Decision, Observation, Policy, PolicyError, register
 from policies.common import (
@@ -73,6 +72,10 @@ class PidPolicy(Policy):
     """
 
     name = "pid"
+    param_names = tuple(
+        "target setpoint kv_source output_scale kp ki kd min_cap demand_fraction limit_factor "
+        "limit_headroom stale_after_s idle_restore_s".split()
+    )
 
     def __init__(
         self,
@@ -206,13 +209,6 @@ class PidPolicy(Policy):
             self._prev = None
         self._asked = None
         return Decision(None, None, reason)
-
-    def params(self) -> dict[str, Any]:
-        keys = (
-            "target setpoint kv_source output_scale kp ki kd min_cap demand_fraction limit_factor "
-            "limit_headroom stale_after_s idle_restore_s"
-        )
-        return {key: getattr(self, key) for key in keys.split()}
 
     def terms(self) -> dict[str, float]:
         """Measurement, error, integral, derivative and output (0..1) of the last computed tick."""
