@@ -38,9 +38,8 @@ HANDLER_NAME = "vllm-autopilot"
 QUIET_LOGGERS = {"apscheduler": logging.WARNING}
 # Loggers whose level is set explicitly rather than inherited from the root: building vLLM's app
 # imports model_hosting_container_standards (SageMaker routes), which sets the root logger to ERROR
-# at import. vLLM pins its own "vllm" logger (our dictConfig) and uvicorn its loggers.
+# at import. vLLM pins its own "vllm" logger (our dictConfig); uvicorn's access log would be lost.
 PINNED_LOGGERS = ("controller", "policies", "aiohttp", "uvicorn")
-"""Their levels are set here: importing vLLM's app raises the root logger's level to ERROR."""
 
 _vllm_config_path: Path | None = None
 
@@ -146,6 +145,13 @@ def configure_logging(level: str = "INFO", json_logs: bool | None = None) -> Non
     root.setLevel(numeric)
     for name in PINNED_LOGGERS:
         logging.getLogger(name).setLevel(numeric)
+    # What the dictConfig does in vLLM's processes, done here at once: vLLM may have set up its own
+    # handler in this process already (an engine built before this call, as in tests).
+    vllm_logger = logging.getLogger("vllm")
+    for handler in list(vllm_logger.handlers):
+        vllm_logger.removeHandler(handler)
+    vllm_logger.propagate = True
+    vllm_logger.setLevel(numeric)
     for name, floor in QUIET_LOGGERS.items():
         logging.getLogger(name).setLevel(max(numeric, floor))
     structlog.configure(
