@@ -117,8 +117,12 @@ async def test_a_memory_risk_restarts_once_with_smaller_kv_and_loses_no_queued_r
     assert restarts(daemon, "host_memory_low") == 1
     assert daemon.host.generation == 2
     assert daemon.host.memory_settings()["kv_cache_memory_bytes"] < KV_BYTES
+    restart = daemon.guard.last_restart
+    assert restart is not None
+    first_new = min(r["first_token_mono"] for r in queued_results)
     print(
-        f"restart took {daemon.guard.last_restart['duration_s']:.1f} s; "
+        f"restart (drain start -> new engine serving) {restart['duration_s']:.1f} s; drain start -> "
+        f"first token from the new engine {first_new - restart['started_mono']:.1f} s; "
         f"{sum(ok(r, 600) for r in results)}/20 streams completed, the rest got a retryable error"
     )
 
