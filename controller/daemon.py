@@ -183,6 +183,11 @@ class Daemon:
         self.metrics.engine_restarts.labels(reason).inc()
         self.metrics.restart_duration.observe(duration_s)
 
+    @property
+    def data_plane_up(self) -> bool:
+        """The OpenAI API listens (healthy only then: a load balancer may send traffic at once)."""
+        return self._server is not None and bool(self._server.started) and not self._server.should_exit
+
     # -- observation ----------------------------------------------------------------------------
     def observe(self) -> Observation:
         """One tick's observation; the memory guard sees it too."""

@@ -31,6 +31,8 @@ def health(d: Daemon) -> tuple[bool, str]:
         return False, "engine_restarting"
     if not d.host.ready:
         return False, "engine_not_ready" if d.host.generation == 0 else "engine_dead"
+    if not d.data_plane_up:
+        return False, "data_plane_starting"
     return True, "serving"
 
 
