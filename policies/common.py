@@ -124,3 +124,24 @@ def limit_decision(limit: int, reason: str, cap_follows_limit: bool, max_num_seq
     """A decision on the admission limit; the batch cap follows it (clamped) or is left alone."""
     cap = max(1, min(max_num_seqs, limit)) if cap_follows_limit else None
     return Decision(limit, cap, reason)
+
+
+def check_cap_follower(
+    max_num_seqs: int,
+    min_cap: object,
+    demand_fraction: object,
+    limit_factor: object,
+    limit_headroom: object,
+    stale_after_s: object,
+    idle_restore_s: object,
+) -> tuple[int, float, float, int, float, float | None]:
+    """The parameters every cap-moving policy shares, checked: ``min_cap``, ``demand_fraction``,
+    ``limit_factor``, ``limit_headroom``, ``stale_after_s``, ``idle_restore_s``."""
+    return (
+        check_int("min_cap", min_cap, 1, max_num_seqs),
+        check_float("demand_fraction", demand_fraction, 0.0, 1.0, lo_open=True),
+        check_float("limit_factor", limit_factor, 0.0, lo_open=True),
+        check_int("limit_headroom", limit_headroom, 0),
+        check_float("stale_after_s", stale_after_s, 0.0, lo_open=True),
+        check_idle_restore(idle_restore_s),
+    )

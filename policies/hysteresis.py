@@ -8,9 +8,9 @@ from policies.base import Decision, Observation, Policy, PolicyError, register
 from policies.common import (
     KV_SOURCES,
     IdleTimer,
+    check_cap_follower,
     check_choice,
     check_float,
-    check_idle_restore,
     check_int,
     has_demand,
     idle_restore_due,
@@ -103,12 +103,22 @@ class HysteresisPolicy(Policy):
         self.cut_factor = check_float("cut_factor", cut_factor, 0.0, 0.99, lo_open=True)
         self.cooldown_s = check_float("cooldown_s", cooldown_s, 0.0)
         self.cut_cooldown_s = check_float("cut_cooldown_s", cut_cooldown_s, 0.0)
-        self.min_cap = check_int("min_cap", min_cap, 1, max_num_seqs)
-        self.demand_fraction = check_float("demand_fraction", demand_fraction, 0.0, 1.0, lo_open=True)
-        self.limit_factor = check_float("limit_factor", limit_factor, 0.0, lo_open=True)
-        self.limit_headroom = check_int("limit_headroom", limit_headroom, 0)
-        self.stale_after_s = check_float("stale_after_s", stale_after_s, 0.0, lo_open=True)
-        self.idle_restore_s = check_idle_restore(idle_restore_s)
+        (
+            self.min_cap,
+            self.demand_fraction,
+            self.limit_factor,
+            self.limit_headroom,
+            self.stale_after_s,
+            self.idle_restore_s,
+        ) = check_cap_follower(
+            max_num_seqs,
+            min_cap,
+            demand_fraction,
+            limit_factor,
+            limit_headroom,
+            stale_after_s,
+            idle_restore_s,
+        )
         self._idle = IdleTimer()
         self._last_change_mono: float | None = None
         self._last_cut_mono: float | None = None

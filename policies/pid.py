@@ -8,10 +8,9 @@ from policies.base import Decision, Observation, Policy, PolicyError, register
 from policies.common import (
     KV_SOURCES,
     IdleTimer,
+    check_cap_follower,
     check_choice,
     check_float,
-    check_idle_restore,
-    check_int,
     clamp,
     has_demand,
     idle_restore_due,
@@ -108,12 +107,22 @@ class PidPolicy(Policy):
         self.kp = check_float("kp", kp, 0.0)
         self.ki = check_float("ki", ki, 0.0)
         self.kd = check_float("kd", kd, 0.0)
-        self.min_cap = check_int("min_cap", min_cap, 1, max_num_seqs)
-        self.demand_fraction = check_float("demand_fraction", demand_fraction, 0.0, 1.0, lo_open=True)
-        self.limit_factor = check_float("limit_factor", limit_factor, 0.0, lo_open=True)
-        self.limit_headroom = check_int("limit_headroom", limit_headroom, 0)
-        self.stale_after_s = check_float("stale_after_s", stale_after_s, 0.0, lo_open=True)
-        self.idle_restore_s = check_idle_restore(idle_restore_s)
+        (
+            self.min_cap,
+            self.demand_fraction,
+            self.limit_factor,
+            self.limit_headroom,
+            self.stale_after_s,
+            self.idle_restore_s,
+        ) = check_cap_follower(
+            max_num_seqs,
+            min_cap,
+            demand_fraction,
+            limit_factor,
+            limit_headroom,
+            stale_after_s,
+            idle_restore_s,
+        )
         self._idle = IdleTimer()
         self._integral: float | None = None
         self._prev: tuple[float, float] | None = None  # (now_mono, measurement)

@@ -32,3 +32,21 @@ def obs(**overrides: Any) -> Observation:
     if unknown:
         raise TypeError(f"not Observation fields: {sorted(unknown)}")
     return Observation(**{**DEFAULTS, **overrides})
+
+
+IDLE: dict[str, Any] = {
+    **DEFAULTS,
+    "now_mono": 1000.0,
+    "in_flight": 0,
+    "running": 0,
+    "kv_usage": 0.0,
+    "kv_usage_mean": 0.0,
+    "kv_usage_max": 0.0,
+    "generated_tokens_per_s": 0.0,
+    "stats_age_s": None,
+}
+
+
+def idle_obs(**overrides: Any) -> Observation:
+    """An Observation of an idle engine (nothing in flight, no stats yet), with ``overrides``."""
+    return obs(**{**IDLE, **overrides})

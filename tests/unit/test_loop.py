@@ -17,32 +17,16 @@ from controller.loop import Change, ControlLoop
 from controller.normalize import Normalizer
 from policies.base import Decision, Observation, Policy
 from policies.static import StaticPolicy
+from tests.unit.obs import idle_obs
 
 MAX_NUM_SEQS = 64
 
 
 def observation(**overrides: Any) -> Observation:
     """An unremarkable tick; ``overrides`` set the fields a case is about."""
-    values: dict[str, Any] = {
-        "now_mono": 1000.0,
-        "admission_limit": 100,
-        "batch_cap": MAX_NUM_SEQS,
-        "max_num_seqs": MAX_NUM_SEQS,
-        "in_flight": 0,
-        "queued": 0,
-        "running": 0,
-        "waiting": 0,
-        "kv_usage": 0.0,
-        "kv_usage_mean": 0.0,
-        "kv_usage_max": 0.0,
-        "preemptions_per_s": 0.0,
-        "generated_tokens_per_s": 0.0,
-        "ttft_p99_s": None,
-        "itl_p99_s": None,
-        "stats_age_s": None,
-    }
-    values.update(overrides)
-    return Observation(**values)
+    return idle_obs(
+        **{"admission_limit": 100, "batch_cap": MAX_NUM_SEQS, "max_num_seqs": MAX_NUM_SEQS, **overrides}
+    )
 
 
 @pytest.mark.parametrize(
