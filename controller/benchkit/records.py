@@ -98,6 +98,10 @@ class SeriesPoint:
     """Median TTFT of the requests whose first token arrived in the period ending at ``t_s``."""
     output_tok_s: float | None = None
     """Output tokens per second received over the period ending at ``t_s``."""
+    rss_bytes: int | None = None
+    """Resident memory of the server's process tree (when the runner started the server or knows its pid)."""
+    gpu_mem_bytes: int | None = None
+    """GPU memory in use (NVML, all devices), when NVML is available."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -226,11 +230,15 @@ def _series_stats(series: Sequence[SeriesPoint]) -> dict[str, float | int | None
     kv = [p.kv_usage for p in series if p.kv_usage is not None]
     preempt = [p.preemptions for p in series if p.preemptions is not None]
     queue = [p.queue_depth for p in series if p.queue_depth is not None]
+    rss = [p.rss_bytes for p in series if p.rss_bytes is not None]
+    gpu = [p.gpu_mem_bytes for p in series if p.gpu_mem_bytes is not None]
     return {
         "kv_usage_mean": _mean(kv),
         "kv_usage_max": max(kv) if kv else None,
         "preemptions": max(preempt) if preempt else None,
         "queue_depth_max": max(queue) if queue else None,
+        "rss_max_bytes": max(rss) if rss else None,
+        "gpu_mem_max_bytes": max(gpu) if gpu else None,
     }
 
 
