@@ -69,6 +69,7 @@ class _Stream:
     chunks: int = 0
     usage: dict[str, Any] | None = None
     error: str | None = None
+    http_status: int | None = None
     itl: list[float] = field(default_factory=list)
 
     def on_event(self, event: dict[str, Any], now: float) -> None:
@@ -106,6 +107,7 @@ async def send(
     url = f"{target.base_url.rstrip('/')}/v1/completions"
     try:
         async with session.post(url, json=payload(target, spec, prompt)) as resp:
+            s.http_status = resp.status
             if resp.status != 200:
                 body = (await resp.text())[:200]
                 status: Status = "refused" if resp.status in REFUSED_HTTP else "failed"
@@ -138,7 +140,7 @@ def _finish(base: dict[str, Any], s: _Stream, end: float) -> RequestRecord:
         **base,
         output_tokens=out,
         status="ok" if ok else "failed",
-        http_status=200,
+        http_status=s.http_status,
         ttft_s=ttft,
         tpot_s=tpot(ttft, e2e, out) if ok and ttft is not None else None,
         e2e_s=e2e,

@@ -93,8 +93,8 @@ def recommend(summaries: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
         "target": best["target"],
         "goodput_rps": best["goodput_rps"],
         "throughput_tok_s": best["throughput_tok_s"],
-        "ttft_p99": best["ttft_p99"],
-        "tpot_p99": best["tpot_p99"],
+        "ttft_p99": best.get("ttft_p99"),
+        "tpot_p99": best.get("tpot_p99"),
         "reason": "highest goodput within the SLO" + (", least memory among equals" if len(good) > 1 else ""),
     }
 

@@ -30,9 +30,9 @@ TUNED_KEYS = ("max_num_seqs", "max_num_batched_tokens", "max_num_active_seqs")
 
 def parse_value(text: str) -> Any:
     """A command-line value as TOML would read it: int, float, bool, else the string."""
-    lowered = text.strip().lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
+    text = text.strip()
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
     for cast in (int, float):
         try:
             return cast(text)
