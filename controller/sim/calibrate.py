@@ -89,7 +89,8 @@ def fit(samples: Sequence[Sample]) -> tuple[CostModel, float, float]:
     pred = x @ coef
     ss_res = float(((y - pred) ** 2).sum())
     ss_tot = float(((y - y.mean()) ** 2).sum()) or 1.0
-    model = CostModel(*(float(v) for v in coef[:4]))
+    a, b, c, d, front = (float(v) for v in coef)
+    model = CostModel(a, b, c, d, frontend_s=front)
     return model, float(coef[4]), 1.0 - ss_res / ss_tot
 
 

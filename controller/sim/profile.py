@@ -10,6 +10,7 @@ A profile is a TOML file. The shipped ones live in ``controller/sim/profiles/`` 
     sources = ["https://...", ...]          # where the coefficients come from
 
     [cost]                                   # step_s = a + b*prefill + c*decode_seqs + d*kv_read
+    frontend_s = 0.0                         # optional: front-end time added to each request
     a_s = 0.0045
     b_s_per_prefill_token = 6.0e-5
     c_s_per_decode_seq = 2.0e-5
@@ -69,6 +70,10 @@ class CostModel:
     """Seconds per decoding sequence."""
     d_s_per_kv_token: float
     """Seconds per KV-cache token read by attention."""
+    frontend_s: float = 0.0
+    """Not a step cost: seconds a request spends in the server's front end (HTTP, parsing, the first
+    chunk's way back) on top of the engine's time to first token. The twin delays each request's
+    entry by it and counts it in TTFT, as a client does."""
 
     def step_s(self, prefill_tokens: int, decode_seqs: int, kv_tokens_read: int) -> float:
         return (
@@ -195,7 +200,7 @@ def parse_profile(text: str, where: str) -> Profile:
     cost_fields = [f.name for f in dataclasses.fields(CostModel)]
     coef: dict[str, float] = {}
     for key in cost_fields:
-        value = cost_raw.get(key)
+        value = cost_raw.get(key, 0.0 if key == "frontend_s" else None)
         if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
             raise ProfileError(f"{where}: [cost] {key} = {value!r}: must be a number >= 0")
         coef[key] = float(value)

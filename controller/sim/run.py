@@ -154,7 +154,7 @@ class Simulation:
 
     # -- one request, as our engine client handles it ---------------------------------------------------
     async def _client(self, spec: RequestSpec) -> None:
-        t0 = self.clock()
+        t0 = spec.arrival_s  # the task starts frontend_s later: the front end's share of the TTFT
         limits = self.profile.engine
         if spec.prompt_tokens + spec.output_tokens > limits.max_model_len:
             msg = f"prompt + max_tokens = {spec.prompt_tokens + spec.output_tokens} > max_model_len"
@@ -236,12 +236,13 @@ class Simulation:
 
     async def run(self, specs: Sequence[RequestSpec]) -> SimResult:
         wall0 = time.perf_counter()
+        front = self.profile.cost.frontend_s
         arrivals = sorted(specs, key=lambda s: (s.arrival_s, s.index))
         tasks: list[asyncio.Task[None]] = []
         await self.loop.tick()  # the policy's initial values apply before the first request (Daemon.startup)
         c = self.control
         next_tick, next_sample = c.tick_s, c.sample_period_s
-        end_by = (arrivals[-1].arrival_s if arrivals else 0.0) + c.drain_s
+        end_by = (arrivals[-1].arrival_s + front if arrivals else 0.0) + c.drain_s
         i = 0
         plan: StepPlan | None = None
         step_end = 0.0
@@ -251,7 +252,7 @@ class Simulation:
                 break
             t = min(
                 step_end if plan is not None else float("inf"),
-                arrivals[i].arrival_s if i < len(arrivals) else float("inf"),
+                arrivals[i].arrival_s + front if i < len(arrivals) else float("inf"),
                 next_tick,
                 next_sample,
             )
@@ -267,7 +268,7 @@ class Simulation:
                     req.on_finish(req)
                 woken = bool(done)
                 plan = None
-            while i < len(arrivals) and arrivals[i].arrival_s <= t:
+            while i < len(arrivals) and arrivals[i].arrival_s + front <= t:
                 tasks.append(asyncio.create_task(self._client(arrivals[i])))
                 i += 1
                 woken = True
