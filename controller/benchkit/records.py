@@ -318,9 +318,9 @@ def client_series(
     in_flight = [0] * n
     for r in records:
         end = r.arrival_s + (r.e2e_s or 0.0)
-        for k in range(n):
-            t = (k + 1) * period_s
-            if r.arrival_s <= t < end:
+        # in flight at the stamps t_k = (k+1)*period with arrival <= t_k < end
+        for k in range(max(0, math.ceil(r.arrival_s / period_s) - 1), min(n, math.ceil(end / period_s))):
+            if r.arrival_s <= (k + 1) * period_s < end:
                 in_flight[k] += 1
         if r.status != "ok" or r.ttft_s is None:
             continue
