@@ -6,10 +6,11 @@
 
 Each user sends streaming ``/v1/completions`` requests forced to ``OUTPUT_TOKENS`` (``ignore_eos``) with a
 prompt of exactly ``PROMPT_TOKENS`` tokens (built with the model's tokenizer, as ``bench run`` does) and waits
-``WAIT_S`` seconds between them. Locust's table shows two entries: ``completion`` (end-to-end time) and
-``ttft`` (time to the first streamed token). ``PRIORITY`` sets vLLM's ``priority`` field (lower is more
-urgent; the server must schedule by priority). For open-loop arrivals, goodput and the report, use
-``vllm-autopilot bench run``: locust's users are a closed loop.
+``WAIT_S`` seconds between them. Locust's table shows three entries: ``headers`` (locust's own timing of a
+streamed response ends at its headers), ``ttft`` (time to the first streamed token) and ``e2e`` (time to the
+end of the stream; failures are counted on ``headers``). ``PRIORITY`` sets vLLM's ``priority`` field
+(lower is more urgent; the server must schedule by priority). For open-loop arrivals, goodput and the
+report, use ``vllm-autopilot bench run``: locust's users are a closed loop.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class CompletionUser(HttpUser):
             body["priority"] = PRIORITY
         start = time.perf_counter()
         with self.client.post("/v1/completions", json=body, stream=True, catch_response=True,
-                              name="completion") as resp:  # fmt: skip
+                              name="headers") as resp:  # fmt: skip
             if resp.status_code != 200:
                 resp.failure(f"HTTP {resp.status_code}")
                 return
@@ -64,13 +65,22 @@ class CompletionUser(HttpUser):
                 event = json.loads(text[len("data:") :])
                 if event.get("choices") and first is None:
                     first = time.perf_counter() - start
-                    self.environment.events.request.fire(
-                        request_type="POST", name="ttft", response_time=first * 1000, response_length=0,
-                        exception=None, context={},
-                    )  # fmt: skip
+                    self._timing("ttft", first)
                 usage = event.get("usage") or {}
                 if usage.get("completion_tokens", OUTPUT_TOKENS) < OUTPUT_TOKENS:
                     resp.failure(f"short output: {usage}")
                     return
             if first is None:
                 resp.failure("stream ended without a token")
+                return
+            self._timing("e2e", time.perf_counter() - start)
+
+    def _timing(self, name: str, seconds: float) -> None:
+        self.environment.events.request.fire(
+            request_type="POST",
+            name=name,
+            response_time=seconds * 1000,
+            response_length=0,
+            exception=None,
+            context={},
+        )
