@@ -38,6 +38,7 @@ from policies.base import build_policy  # noqa: E402
 
 TRACES = ROOT.parent / "shared" / "traces"
 CONFIGS: list[tuple[str, str, dict[str, Any]]] = [
+    ("static-default", "static", {}),  # vLLM as configured: the cap at max_num_seqs, no gate limit below it
     ("static-interactive", "static", {"preset": "interactive"}),
     ("static-throughput", "static", {"preset": "throughput"}),
     ("static-mixed", "static", {"preset": "mixed"}),

@@ -31,7 +31,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from controller.benchkit.records import RequestRecord, summarize, tpot  # noqa: E402
+from controller.benchkit.records import RequestRecord, summarize, tpot, write_jsonl  # noqa: E402
 from controller.benchkit.workload import (  # noqa: E402
     RequestSpec,
     clamp_lengths,
@@ -61,9 +61,11 @@ async def send(
         "ignore_eos": True,
         "temperature": 0.0,
         "stream": True,
+        "stream_options": {"include_usage": True},
     }
     t0 = time.monotonic()
     times: list[float] = []
+    tokens = 0
     status = None
     try:
         async with session.post(f"{url}/v1/completions", json=body) as resp:
@@ -71,12 +73,13 @@ async def send(
             if status == 200:
                 async for raw in resp.content:
                     line = raw.decode().strip()
-                    if (
-                        line.startswith("data:")
-                        and line != "data: [DONE]"
-                        and json.loads(line[5:]).get("choices")
-                    ):
+                    if not line.startswith("data:") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[5:])
+                    if event.get("choices"):
                         times.append(time.monotonic())
+                    if event.get("usage"):  # the final chunk: the true count (chunks may carry several)
+                        tokens = int(event["usage"]["completion_tokens"])
     except aiohttp.ClientError as exc:
         return RequestRecord(spec.index, 0, spec.prompt_tokens, spec.output_tokens, 0, t0 - start, "failed",
                              error=str(exc))  # fmt: skip
@@ -86,16 +89,26 @@ async def send(
             spec.index, 0, spec.prompt_tokens, spec.output_tokens, 0, t0 - start, kind, status
         )
     ttft, e2e = times[0] - t0, times[-1] - t0
+    tokens = tokens or len(times)
     return RequestRecord(
-        spec.index, 0, spec.prompt_tokens, spec.output_tokens, len(times), t0 - start, "ok", 200,
-        ttft_s=ttft, tpot_s=tpot(ttft, e2e, len(times)), e2e_s=e2e,
+        spec.index, 0, spec.prompt_tokens, spec.output_tokens, tokens, t0 - start, "ok", 200,
+        ttft_s=ttft, tpot_s=tpot(ttft, e2e, tokens), e2e_s=e2e,
     )  # fmt: skip
+
+
+async def warm_up(session: aiohttp.ClientSession, url: str, model: str) -> None:
+    """Every prompt-length bucket and batch size once, unrecorded: the CPU backend prepares kernels for
+    new shapes on first use, and the twin models a warm engine."""
+    for n, prompt in ((1, 16), (4, 128), (16, 256), (32, 512), (8, 1024), (2, 2000), (64, 64)):
+        specs = [RequestSpec(10_000 + k, 0.0, prompt, 16) for k in range(n)]
+        await asyncio.gather(*(send(session, url, model, s, time.monotonic()) for s in specs))
 
 
 async def replay(url: str, specs: list[RequestSpec]) -> tuple[list[RequestRecord], float]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
         async with session.get(f"{url}/v1/models") as resp:
             model = (await resp.json())["data"][0]["id"]
+        await warm_up(session, url, model)
         start = time.monotonic() + 0.5
         records = await asyncio.gather(*(send(session, url, model, s, start) for s in specs))
         return sorted(records, key=lambda r: r.index), time.monotonic() - start
@@ -167,6 +180,7 @@ def main() -> int:
     p.add_argument("--profile", default="cpu-tiny")
     p.add_argument("--config", type=Path, default=ROOT / "config.toml")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--keep", type=Path, default=None, help="write the real runs' records.jsonl here")
     args = p.parse_args()
     rows = read_azure_trace(args.trace)
     out: list[dict[str, Any]] = []
@@ -182,6 +196,10 @@ def main() -> int:
             )
             specs = clamp_lengths(window, 2048)
             records, duration = asyncio.run(replay(url, specs))
+            if args.keep:
+                run = args.keep / f"real-x{ts:g}"
+                run.mkdir(parents=True, exist_ok=True)
+                write_jsonl(run / "records.jsonl", records)
             end = max(duration, max((r.arrival_s + (r.e2e_s or 0)) for r in records))
             real = figures(summarize(records, end, None, None))
             twin = figures(simulate(specs, args.profile, limit=64, max_queue=1024))

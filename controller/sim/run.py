@@ -113,6 +113,8 @@ class Simulation:
         self.jitter = jitter
         self._records: dict[int, RequestRecord] = {}
         self._series: list[SeriesPoint] = []
+        self._open = 0
+        """Client tasks started and not finished."""
 
     # -- actuator: what the loop's apply stage calls ---------------------------------------------------
     def set_admission_limit(self, limit: int) -> None:
@@ -154,6 +156,12 @@ class Simulation:
 
     # -- one request, as our engine client handles it ---------------------------------------------------
     async def _client(self, spec: RequestSpec) -> None:
+        try:
+            await self._request(spec)
+        finally:
+            self._open -= 1
+
+    async def _request(self, spec: RequestSpec) -> None:
         t0 = spec.arrival_s  # the task starts frontend_s later: the front end's share of the TTFT
         limits = self.profile.engine
         if spec.prompt_tokens + spec.output_tokens > limits.max_model_len:
@@ -247,7 +255,7 @@ class Simulation:
         plan: StepPlan | None = None
         step_end = 0.0
         while True:
-            busy = plan is not None or self.engine.has_work or any(not t.done() for t in tasks)
+            busy = plan is not None or self.engine.has_work or self._open > 0
             if i >= len(arrivals) and not busy:
                 break
             t = min(
@@ -270,6 +278,7 @@ class Simulation:
                 plan = None
             while i < len(arrivals) and arrivals[i].arrival_s + front <= t:
                 tasks.append(asyncio.create_task(self._client(arrivals[i])))
+                self._open += 1
                 i += 1
                 woken = True
             if woken:

@@ -36,12 +36,12 @@ def test_a_2x_load_step_settles_within_10s_without_overshoot(policy: str) -> Non
 
 
 @pytest.mark.xfail(
-    strict=True, reason="finding: pid (defaults) oscillates when the load puts KV near its setpoint"
+    strict=True, reason="finding: pid (defaults) keeps moving the cap when a step puts KV at its setpoint"
 )
 def test_pid_settles_when_a_2x_step_puts_kv_at_its_setpoint() -> None:
     # 7 -> 14 requests/s: KV demand after the step is just above pid's default setpoint 0.85. Measured:
-    # the cap keeps moving (42, 30, 14 changes in the 3 minutes after settling should be over),
-    # p99 TTFT 2.7 s.
+    # KV usage settles (5 s, 0.1 % overshoot) but the cap keeps moving, 42 times in the minute after
+    # settling should be over; the run's p99 TTFT is 2.7 s against 0.02 s without control.
     result = simulate(uniform_step(7.0, STEP_AT, END - STEP_AT), "pid", profile=KV_BOUND)
     settle_s, overshoot = settling(result.series, "kv_usage", STEP_AT, END, band=0.05)
     per_minute = changes_per_minute(result.changes, STEP_AT + 60, END, "batch_cap")
@@ -49,13 +49,26 @@ def test_pid_settles_when_a_2x_step_puts_kv_at_its_setpoint() -> None:
     assert settle_s <= 10.0 and overshoot < 0.10 and max(per_minute) <= 2
 
 
-@pytest.mark.parametrize("policy", ["hysteresis", "pid", "aimd", "gradient", "static"])
-def test_at_most_2_limit_changes_per_minute_at_steady_load(policy: str) -> None:
+DITHERS = "finding: at a steady load that keeps KV near its setpoint, the knob keeps moving"
+
+
+@pytest.mark.parametrize(
+    ("policy", "rate"),
+    [
+        *((p, 10.0) for p in ("hysteresis", "pid", "aimd", "gradient", "static")),
+        *((p, 14.0) for p in ("hysteresis", "aimd", "static")),
+        # Measured at 14 requests/s (KV at 0.89-0.90): pid 41 and 29 moves a minute; gradient 4 then 38.
+        pytest.param("pid", 14.0, marks=pytest.mark.xfail(strict=True, reason=DITHERS)),
+        pytest.param("gradient", 14.0, marks=pytest.mark.xfail(strict=True, reason=DITHERS)),
+    ],
+)
+def test_at_most_2_limit_changes_per_minute_at_steady_load(policy: str, rate: float) -> None:
+    # 10 requests/s keeps KV at ~0.5, 14 requests/s at ~0.9 (near pid's setpoint, under hysteresis' high).
     params = {"threshold_s": 0.5} if policy == "aimd" else {}
-    result = simulate(uniform(10.0, 180.0), policy, params, profile=KV_BOUND)
+    result = simulate(uniform(rate, 180.0), policy, params, profile=KV_BOUND)
     for knob in ("admission_limit", "batch_cap"):
         per_minute = changes_per_minute(result.changes, 60.0, 180.0, knob)
-        print(f"{policy} {knob}: changes per minute after the first {per_minute}")
+        print(f"{policy} at {rate:g}/s {knob}: changes per minute after the first {per_minute}")
         assert max(per_minute) <= 2
 
 
