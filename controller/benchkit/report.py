@@ -52,7 +52,9 @@ def find_runs(paths: Sequence[Path]) -> list[Path]:
         if (path / SUMMARY).is_file():
             found.append(path)
             continue
-        subs = sorted(p.parent for p in path.glob(f"*/{SUMMARY}"))
+        from controller.benchkit.compare import run_dirs
+
+        subs = run_dirs(path)  # baseline, presets, best swept, policies, then the rest by name
         if not subs:
             raise FileNotFoundError(f"{path}: no {SUMMARY} in it or in its subdirectories")
         found += subs
@@ -208,6 +210,7 @@ def plot_knobs_kv(runs: Sequence[Run], path: Path) -> Path | None:
                 ax.step(ts, vs, style, where="post", label=field, linewidth=1)
         ax.set_title(run.label, fontsize=9)
         ax.set_xlabel("s")
+        ax.set_ylim(bottom=0)
         ax.legend(fontsize=6, loc="upper left")
         kv = ax.twinx()
         ts, vs = _xy(run.series, "kv_usage")
@@ -232,6 +235,8 @@ def plot_ttft_queue(runs: Sequence[Run], path: Path) -> Path | None:
             ts, vs = _xy(run.series, field)
             if ts:
                 q.step(ts, vs, "--", where="post", color=color, linewidth=1, label=field)
+        q.set_ylim(bottom=0, top=max(1.0, q.get_ylim()[1]))
+        ax.set_ylim(bottom=0)
         q.set_ylabel("requests", fontsize=8)
         q.legend(fontsize=6, loc="upper right")
     return _save(fig, path)
