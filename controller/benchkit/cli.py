@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+
 from controller.benchkit.options import add_slo_args, add_workload_args, build_specs
 from controller.benchkit.prompts import PromptBuilder, TokenizerError, load_tokenizer, tokenizer_path
 from controller.benchkit.workload import WorkloadError
@@ -47,6 +49,9 @@ def bench_main(args: argparse.Namespace) -> int:
     except (WorkloadError, TokenizerError, FileNotFoundError, ValueError) as exc:
         print(f"bench {args.bench_command}: {exc}", file=sys.stderr)
         return 2
+    except (aiohttp.ClientError, TimeoutError, RuntimeError) as exc:  # server unreachable or failed to start
+        print(f"bench {args.bench_command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
