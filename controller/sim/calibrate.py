@@ -7,22 +7,25 @@ Method. The cost model is linear in four step features (``controller/sim/profile
 so two kinds of controlled load, measured from the client, give rows of a least-squares problem:
 
 * Decode-heavy: ``N`` concurrent streaming requests of ``P`` prompt tokens and ``T`` forced output
-  tokens (``ignore_eos``). vLLM streams one chunk per request per engine step, so while all ``N``
-  decode together, the gap between two chunks of a request is one step with ``decode_seqs = N`` and
-  ``kv_tokens_read ~= N * (P + t)`` (t the tokens generated so far). Each gap is one row (the median
-  gap per request and position block, to drop scheduling noise). ``N`` sweeps 1..max concurrency and
-  ``P`` two prompt lengths, which separates ``c`` (per sequence) from ``d`` (per KV token).
+  tokens (``ignore_eos``), sent together. They decode in lockstep, one token each per engine step, so
+  a request's first-to-last-token time over ``T - 1`` is the mean step with ``decode_seqs = N`` and
+  ``kv_tokens_read ~= N * (P + T / 2)``; the median over the ``N`` requests is the measurement (whole
+  decodes, not single chunk gaps: a server may coalesce tokens into one chunk). ``N`` sweeps
+  1..max concurrency and ``P`` two prompt lengths, which separates ``c`` (per sequence) from ``d``
+  (per KV token).
 * Prefill-heavy: one request at a time, ``P`` prompt tokens, ``max_tokens = 1``. Its time to first
   token is ``ceil(P / max_num_batched_tokens)`` steps (chunked prefill) with ``prefill_tokens = P`` and
   the KV read of the chunks, plus the server's fixed HTTP/tokenizer cost, which a fifth column (1 on
   TTFT rows only) absorbs so that it does not leak into ``a``.
 
-Prompts are random token ids (a new draw per request, so a prefix cache cannot hit). The fit is
-non-negative least squares (``numpy.linalg.lstsq`` with an active set: a negative coefficient is fixed
-at 0 and the rest refitted), since no step feature makes a step faster. The KV capacity and block size
-come from vLLM's ``vllm:cache_config_info`` metric on ``/metrics`` when the server exposes it; the
-scheduler limits from ``/v1/models`` (``max_model_len``) and the command line. The profile records the
-fit's R^2 and each sample, measured and predicted, so a poor fit is visible.
+Each point is measured ``repeats`` times after a warm-up of every prompt length, and the median of
+the repeats is its row (a shared machine gives outliers). Prompts are random token ids (a new draw
+per request, so a prefix cache cannot hit). The fit is non-negative least squares
+(``numpy.linalg.lstsq`` with an active set: a negative coefficient is fixed at 0 and the rest
+refitted), since no step feature makes a step faster. The KV capacity and block size come from
+vLLM's ``vllm:cache_config_info`` metric on ``/metrics`` when the server exposes it; the scheduler
+limits from ``/v1/models`` (``max_model_len``) and the command line. The profile records the fit's
+R^2 and each sample, measured and predicted, so a poor fit is visible.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import re
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
@@ -173,7 +176,7 @@ class CalibrationPlan:
     decode_prompts: tuple[int, ...] = (16, 512)
     output_tokens: int = 96
     prefill_prompts: tuple[int, ...] = (32, 128, 256, 512, 1024, 1536)
-    repeats: int = 3
+    repeats: int = 5
 
 
 async def measure(
@@ -184,14 +187,18 @@ async def measure(
     async with aiohttp.ClientSession(timeout=timeout) as session:
         server = Server(session, url, vocab, seed)
         await server.model_info()
-        await server.stream(8, 4)  # warm up
+        for prompt in plan.prefill_prompts:  # warm up: the CPU backend prepares kernels per shape
+            if prompt + 1 <= limits.max_model_len:
+                await server.stream(prompt, 4)
         for prompt in plan.prefill_prompts:
             if prompt + 1 > limits.max_model_len:
                 continue
-            for _ in range(plan.repeats):
-                samples.append(await prefill_sample(server, prompt, limits.max_num_batched_tokens))
-            ttft = statistics.median(s.seconds for s in samples[-plan.repeats :])
-            log(f"prefill P={prompt}: ttft {ttft:.4f} s")
+            got = [
+                await prefill_sample(server, prompt, limits.max_num_batched_tokens)
+                for _ in range(plan.repeats)
+            ]
+            samples.append(median_sample(got))
+            log(f"prefill P={prompt}: ttft {samples[-1].seconds:.4f} s")
         for prompt in plan.decode_prompts:
             for n in plan.concurrency:
                 if n > limits.max_num_seqs or prompt + plan.output_tokens > limits.max_model_len:
@@ -201,11 +208,15 @@ async def measure(
                     for _ in range(plan.repeats)
                     for s in await decode_samples(server, n, prompt, plan.output_tokens)
                 ]
-                samples.extend(got)
                 if got:
-                    step = statistics.median(s.seconds for s in got)
-                    log(f"decode N={n} P={prompt}: step {step * 1e3:.2f} ms")
+                    samples.append(median_sample(got))
+                    log(f"decode N={n} P={prompt}: step {samples[-1].seconds * 1e3:.2f} ms")
     return samples
+
+
+def median_sample(repeats: Sequence[Sample]) -> Sample:
+    """One row per measured point: the median of its repeats (a shared machine gives outliers)."""
+    return replace(repeats[0], seconds=statistics.median(s.seconds for s in repeats))
 
 
 async def engine_limits(

@@ -70,7 +70,7 @@ def add_calibrate_parser(bench_sub: Any) -> None:
     p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=None)
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV capacity when /metrics lacks it")
     p.add_argument("--max-concurrency", type=int, default=64, help="largest decode batch to measure")
-    p.add_argument("--repeats", type=int, default=3, help="repeats of each prefill measurement")
+    p.add_argument("--repeats", type=int, default=5, help="measurements of each point (the median is fitted)")
     p.add_argument("--hardware", default="", help="recorded in the profile")
     p.add_argument("--model", default="", help="recorded in the profile")
 
