@@ -2,7 +2,8 @@
 
 ``simulate`` replays a trace window through the twin under one policy and writes what ``bench run``
 writes (``records.jsonl``, ``timeseries.jsonl``, ``summary.json``), plus ``decisions.jsonl`` (every
-knob change with its reason).
+knob change with its reason) and, through ``bench report``'s renderer, ``report/`` (plots and
+``report.md``).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def add_simulate_parser(sub: Any) -> None:
     p.add_argument("--out", type=Path, required=True, help="output directory")
     p.add_argument("--seed", type=int, default=0, help="seed of the step-time jitter")
     p.add_argument("--jitter", type=float, default=0.0, help="step-time noise, e.g. 0.05 = 5 %% (0: exact)")
+    p.add_argument("--no-report", action="store_true", help="skip the plots and report.md in DIR/report")
 
 
 def add_calibrate_parser(bench_sub: Any) -> None:
@@ -175,6 +177,11 @@ def run_simulate(args: argparse.Namespace) -> int:
             fh.write(json.dumps(dataclasses.asdict(change)) + "\n")
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(format_summary(summary))
+    if not args.no_report:
+        from controller.benchkit.report import render
+
+        title = f"Twin ({profile.name}): {policy.name} on {args.trace.name}"
+        print(f"report: {render(args.out / 'report', [args.out], title=title)}")
     return 0
 
 

@@ -104,6 +104,7 @@ def test_simulate_writes_what_bench_run_writes(tmp_path: Path, capsys: pytest.Ca
 
     assert len(read_records(out / "records.jsonl")) == summary["requests"]
     assert read_series(out / "timeseries.jsonl")[0].batch_cap == 1024
+    assert (out / "report" / "report.md").is_file()
 
 
 def test_simulate_refuses_bad_input_with_a_clear_message(
