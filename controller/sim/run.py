@@ -14,6 +14,7 @@ workload, settings and seed give the same records.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 from collections.abc import Sequence
@@ -113,6 +114,7 @@ class Simulation:
         self.jitter = jitter
         self._records: dict[int, RequestRecord] = {}
         self._series: list[SeriesPoint] = []
+        self._tasks: list[asyncio.Task[None]] = []
         self._open = 0
         """Client tasks started and not finished."""
 
@@ -244,43 +246,45 @@ class Simulation:
 
     async def run(self, specs: Sequence[RequestSpec]) -> SimResult:
         wall0 = time.perf_counter()
-        front = self.profile.cost.frontend_s
         arrivals = sorted(specs, key=lambda s: (s.arrival_s, s.index))
-        tasks: list[asyncio.Task[None]] = []
         await self.loop.tick()  # the policy's initial values apply before the first request (Daemon.startup)
-        c = self.control
+        await self._drive(arrivals)
+        duration = await self._finish(arrivals)
+        records = [self._records[s.index] for s in sorted(specs, key=lambda s: s.index)]
+        series = merge_series(self._series, client_series(records, duration, self.control.sample_period_s))
+        return SimResult(
+            records=records,
+            series=series,
+            changes=self.changes,
+            duration_s=duration,
+            steps=self.engine.steps,
+            preemptions=self.engine.total_preemptions,
+            wall_s=time.perf_counter() - wall0,
+            extra={"profile": self.profile.name, "workload": describe(specs)},
+        )
+
+    async def _drive(self, arrivals: Sequence[RequestSpec]) -> None:
+        """Advance virtual time from event to event until every request is done (or ``drain_s`` after
+        the last arrival). At one instant: the step that ends, then arrivals, then the control tick,
+        then the time-series sample; then the next step is planned from what the tasks did."""
+        c, front = self.control, self.profile.cost.frontend_s
         next_tick, next_sample = c.tick_s, c.sample_period_s
         end_by = (arrivals[-1].arrival_s + front if arrivals else 0.0) + c.drain_s
-        i = 0
-        plan: StepPlan | None = None
-        step_end = 0.0
-        while True:
-            busy = plan is not None or self.engine.has_work or self._open > 0
-            if i >= len(arrivals) and not busy:
-                break
-            t = min(
-                step_end if plan is not None else float("inf"),
-                arrivals[i].arrival_s + front if i < len(arrivals) else float("inf"),
-                next_tick,
-                next_sample,
-            )
+        i, plan, step_end = 0, None, 0.0
+        while i < len(arrivals) or plan is not None or self.engine.has_work or self._open > 0:
+            next_arrival = arrivals[i].arrival_s + front if i < len(arrivals) else math.inf
+            t = min(step_end if plan is not None else math.inf, next_arrival, next_tick, next_sample)
             if t > end_by:
                 break
             self.clock.now = t
             woken = False  # did anything happen that request tasks must react to?
             if plan is not None and step_end <= t:
-                sample, done = self.engine.finish_step(plan, t)
-                self.window.record(sample)
-                for req in done:
-                    assert req.on_finish is not None
-                    req.on_finish(req)
-                woken = bool(done)
+                woken = self._end_step(plan, t)
                 plan = None
             while i < len(arrivals) and arrivals[i].arrival_s + front <= t:
-                tasks.append(asyncio.create_task(self._client(arrivals[i])))
+                self._tasks.append(asyncio.create_task(self._client(arrivals[i])))
                 self._open += 1
-                i += 1
-                woken = True
+                i, woken = i + 1, True
             if woken:
                 await self._settle()
             if next_tick <= t:
@@ -293,24 +297,20 @@ class Simulation:
             if plan is None and self.engine.has_work:
                 plan = self.engine.plan()
                 step_end = t + self._step_s(plan)
-        duration = await self._finish(tasks, arrivals)
-        records = [self._records[s.index] for s in sorted(specs, key=lambda s: s.index)]
-        series = merge_series(self._series, client_series(records, duration, c.sample_period_s))
-        return SimResult(
-            records=records,
-            series=series,
-            changes=self.changes,
-            duration_s=duration,
-            steps=self.engine.steps,
-            preemptions=self.engine.total_preemptions,
-            wall_s=time.perf_counter() - wall0,
-            extra={"profile": self.profile.name, "workload": describe(specs)},
-        )
 
-    async def _finish(self, tasks: list[asyncio.Task[None]], arrivals: Sequence[RequestSpec]) -> float:
+    def _end_step(self, plan: StepPlan, t: float) -> bool:
+        """Apply a step at its end: the window records it, finished requests' tasks are woken."""
+        sample, done = self.engine.finish_step(plan, t)
+        self.window.record(sample)
+        for req in done:
+            assert req.on_finish is not None
+            req.on_finish(req)
+        return bool(done)
+
+    async def _finish(self, arrivals: Sequence[RequestSpec]) -> float:
         """Cancel what is still running at the end (recorded as failed); the run's duration."""
         now = self.clock()
-        unfinished = [t for t in tasks if not t.done()]
+        unfinished = [t for t in self._tasks if not t.done()]
         for task in unfinished:
             task.cancel()
         await asyncio.gather(*unfinished, return_exceptions=True)
