@@ -1,4 +1,4 @@
-"""``vllm-autopilot``: serve, check-config, make-tiny-model."""
+"""``vllm-autopilot``: serve, check-config, make-tiny-model, simulate, bench."""
 
 from __future__ import annotations
 
@@ -21,6 +21,14 @@ def _parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("make-tiny-model", help="build the local CPU test model into DIR")
     tiny.add_argument("dir", type=Path)
     tiny.add_argument("--if-missing", action="store_true", help="do nothing when DIR already holds it")
+    from controller.benchkit.cli import add_bench_commands
+    from controller.sim.cli import add_calibrate_parser, add_simulate_parser
+
+    add_simulate_parser(sub)
+    bench = sub.add_parser("bench", help="benchmark and tune: run, sweep, compare, soak, report, calibrate")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    add_bench_commands(bench_sub)  # run, sweep, compare, soak, report
+    add_calibrate_parser(bench_sub)  # each bench tool adds its own parser to bench_sub
     return p
 
 
@@ -42,6 +50,18 @@ def main(argv: list[str] | None = None) -> int:
         out = ensure_tiny_model(args.dir) if args.if_missing else make_tiny_model(args.dir)
         print(f"tiny model ready in {out}")
         return 0
+    if args.command == "simulate":
+        from controller.sim.cli import run_simulate
+
+        return run_simulate(args)
+    if args.command == "bench" and args.bench_command == "calibrate":
+        from controller.sim.cli import run_calibrate
+
+        return run_calibrate(args)
+    if args.command == "bench":
+        from controller.benchkit.cli import bench_main
+
+        return bench_main(args)
     if args.command == "serve":
         from controller.logs import configure_logging
 

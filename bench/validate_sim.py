@@ -1,0 +1,232 @@
+"""Validate the twin against the real CPU engine: one trace window through both, figures side by side.
+
+Run it under the engine lock (it starts the daemon with config.toml's engine settings, static policy)::
+
+    flock /tmp/engine.lock .venv/bin/python bench/validate_sim.py --time-scale 4 8
+
+For each time scale it replays the window of the Azure conversation trace against the daemon (open loop,
+streaming ``/v1/completions`` with prompts of exactly the trace's token counts, as token ids), then
+simulates the same requests with the profile (static policy, the daemon's admission limit and queue), and
+prints throughput and p50/p99 TTFT of both with the ratio twin / real. ``--json`` keeps the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from controller.benchkit.records import RequestRecord, summarize, tpot, write_jsonl  # noqa: E402
+from controller.benchkit.workload import (  # noqa: E402
+    RequestSpec,
+    clamp_lengths,
+    read_azure_trace,
+    trace_window,
+)
+from controller.normalize import Normalizer  # noqa: E402
+from controller.sim.profile import load_profile  # noqa: E402
+from controller.sim.run import ControlSettings, Simulation  # noqa: E402
+from policies.base import build_policy  # noqa: E402
+
+TRACE = ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
+
+
+async def send(
+    session: aiohttp.ClientSession, url: str, model: str, spec: RequestSpec, start: float
+) -> RequestRecord:
+    delay = start + spec.arrival_s - time.monotonic()
+    if delay > 0:
+        await asyncio.sleep(delay)
+    rng = random.Random(spec.index)
+    body = {
+        "model": model,
+        "prompt": [rng.randrange(10, 1000) for _ in range(spec.prompt_tokens)],
+        "max_tokens": spec.output_tokens,
+        "min_tokens": spec.output_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.monotonic()
+    times: list[float] = []
+    tokens = 0
+    status = None
+    try:
+        async with session.post(f"{url}/v1/completions", json=body) as resp:
+            status = resp.status
+            if status == 200:
+                async for raw in resp.content:
+                    line = raw.decode().strip()
+                    if not line.startswith("data:") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[5:])
+                    if event.get("choices"):
+                        times.append(time.monotonic())
+                    if event.get("usage"):  # the final chunk: the true count (chunks may carry several)
+                        tokens = int(event["usage"]["completion_tokens"])
+    except aiohttp.ClientError as exc:
+        return RequestRecord(spec.index, 0, spec.prompt_tokens, spec.output_tokens, 0, t0 - start, "failed",
+                             error=str(exc))  # fmt: skip
+    if status != 200 or not times:
+        kind = "refused" if status in (429, 503) else "failed"
+        return RequestRecord(
+            spec.index, 0, spec.prompt_tokens, spec.output_tokens, 0, t0 - start, kind, status
+        )
+    ttft, e2e = times[0] - t0, times[-1] - t0
+    tokens = tokens or len(times)
+    return RequestRecord(
+        spec.index, 0, spec.prompt_tokens, spec.output_tokens, tokens, t0 - start, "ok", 200,
+        ttft_s=ttft, tpot_s=tpot(ttft, e2e, tokens), e2e_s=e2e,
+    )  # fmt: skip
+
+
+async def warm_up(session: aiohttp.ClientSession, url: str, model: str) -> None:
+    """Every prompt-length bucket and batch size once, unrecorded: the CPU backend prepares kernels for
+    new shapes on first use, and the twin models a warm engine."""
+    for n, prompt in ((1, 16), (4, 128), (16, 256), (32, 512), (8, 1024), (2, 2000), (64, 64)):
+        specs = [RequestSpec(10_000 + k, 0.0, prompt, 16) for k in range(n)]
+        await asyncio.gather(*(send(session, url, model, s, time.monotonic()) for s in specs))
+
+
+async def replay(url: str, specs: list[RequestSpec]) -> tuple[list[RequestRecord], float]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
+        async with session.get(f"{url}/v1/models") as resp:
+            model = (await resp.json())["data"][0]["id"]
+        await warm_up(session, url, model)
+        start = time.monotonic() + 0.5
+        records = await asyncio.gather(*(send(session, url, model, s, start) for s in specs))
+        return sorted(records, key=lambda r: r.index), time.monotonic() - start
+
+
+def simulate(specs: list[RequestSpec], profile_name: str, limit: int, max_queue: int) -> dict[str, Any]:
+    profile = load_profile(profile_name)
+    seqs = profile.engine.max_num_seqs
+    policy = build_policy("static", {}, max_num_seqs=seqs, initial_limit=limit)
+    sim = Simulation(
+        profile,
+        policy,
+        Normalizer(limit_max=4096),
+        ControlSettings(admission_limit=limit, max_queue=max_queue),
+    )
+    result = asyncio.run(sim.run(specs))
+    return result.summary(None, None)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_status(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return int(resp.status)
+    except (OSError, urllib.error.HTTPError):
+        return None
+
+
+def start_daemon(config: Path, log: Path) -> tuple[subprocess.Popen[bytes], str, str]:
+    data, admin = free_port(), free_port()
+    text = (
+        config.read_text().replace("port = 8000", f"port = {data}").replace("port = 9400", f"port = {admin}")
+    )
+    text = text.replace('model = "models/tiny"', f'model = "{ROOT / "models" / "tiny"}"')
+    cfg = Path(tempfile.mkstemp(suffix=".toml")[1])
+    cfg.write_text(text)
+    proc = subprocess.Popen([sys.executable, "-m", "controller", "serve", "--config", str(cfg)], cwd=ROOT,
+                            stdout=log.open("wb"), stderr=subprocess.STDOUT)  # fmt: skip
+    health = f"http://127.0.0.1:{admin}/healthz"
+    for _ in range(180):
+        if http_status(health) == 200:
+            return proc, f"http://127.0.0.1:{data}", health
+        if proc.poll() is not None:
+            break
+        time.sleep(1)
+    proc.terminate()
+    raise RuntimeError(f"the daemon did not become healthy; see {log}")
+
+
+def figures(s: dict[str, Any]) -> dict[str, Any]:
+    return {
+        k: s.get(k)
+        for k in ("requests", "ok", "throughput_tok_s", "ttft_p50", "ttft_p99", "tpot_p50", "duration_s")
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trace", type=Path, default=TRACE)
+    p.add_argument("--start", type=float, default=0.0)
+    p.add_argument("--duration", type=float, default=480.0, help="trace seconds")
+    p.add_argument("--time-scale", type=float, nargs="+", default=[4.0])
+    p.add_argument("--token-scale", type=float, default=0.25)
+    p.add_argument("--profile", default="cpu-tiny")
+    p.add_argument("--config", type=Path, default=ROOT / "config.toml")
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--keep", type=Path, default=None, help="write the real runs' records.jsonl here")
+    args = p.parse_args()
+    rows = read_azure_trace(args.trace)
+    out: list[dict[str, Any]] = []
+    proc, url, _ = start_daemon(args.config, Path("/tmp/validate_sim_daemon.log"))
+    try:
+        for ts in args.time_scale:
+            window = trace_window(
+                rows,
+                start_s=args.start,
+                duration_s=args.duration,
+                time_scale=ts,
+                token_scale=args.token_scale,
+            )
+            specs = clamp_lengths(window, 2048)
+            records, duration = asyncio.run(replay(url, specs))
+            if args.keep:
+                run = args.keep / f"real-x{ts:g}"
+                run.mkdir(parents=True, exist_ok=True)
+                write_jsonl(run / "records.jsonl", records)
+            end = max(duration, max((r.arrival_s + (r.e2e_s or 0)) for r in records))
+            real = figures(summarize(records, end, None, None))
+            twin = figures(simulate(specs, args.profile, limit=64, max_queue=1024))
+            ratio = {k: (twin[k] / real[k] if real.get(k) and twin.get(k) is not None else None)
+                     for k in ("throughput_tok_s", "ttft_p50", "ttft_p99", "tpot_p50")}  # fmt: skip
+            out.append({"time_scale": ts, "real": real, "twin": twin, "twin_over_real": ratio})
+            print(json.dumps(out[-1]), flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    print("\n| time scale | requests | throughput tok/s real / twin | TTFT p50 ms real / twin ", end="")
+    print("| TTFT p99 ms real / twin | TPOT p50 ms real / twin |\n" + "|---" * 6 + "|")
+    for row in out:
+        cells = [f"{row['time_scale']:g}", str(row["real"]["requests"])]
+        for key, scale in (
+            ("throughput_tok_s", 1.0),
+            ("ttft_p50", 1e3),
+            ("ttft_p99", 1e3),
+            ("tpot_p50", 1e3),
+        ):
+            real, twin, ratio = row["real"][key], row["twin"][key], row["twin_over_real"][key]
+            cells.append(f"{real * scale:.1f} / {twin * scale:.1f} ({ratio:.2f}x)")
+        print("| " + " | ".join(cells) + " |")
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

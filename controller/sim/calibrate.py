@@ -1,0 +1,277 @@
+"""``bench calibrate``: fit the twin's step-time cost model from a running vLLM server.
+
+Method. The cost model is linear in four step features (``controller/sim/profile.py``)::
+
+    step_s = a + b * prefill_tokens + c * decode_seqs + d * kv_tokens_read
+
+so two kinds of controlled load, measured from the client, give rows of a least-squares problem:
+
+* Decode-heavy: ``N`` concurrent streaming requests of ``P`` prompt tokens and ``T`` forced output
+  tokens (``ignore_eos``), sent together. They decode in lockstep, one token each per engine step, so
+  a request's first-to-last-token time over ``T - 1`` is the mean step with ``decode_seqs = N`` and
+  ``kv_tokens_read ~= N * (P + T / 2)``; the median over the ``N`` requests is the measurement (whole
+  decodes, not single chunk gaps: a server may coalesce tokens into one chunk). ``N`` sweeps
+  1..max concurrency and ``P`` two prompt lengths, which separates ``c`` (per sequence) from ``d``
+  (per KV token).
+* Prefill-heavy: one request at a time, ``P`` prompt tokens, ``max_tokens = 1``. Its time to first
+  token is ``ceil(P / max_num_batched_tokens)`` steps (chunked prefill) with ``prefill_tokens = P`` and
+  the KV read of the chunks, plus the server's fixed HTTP/tokenizer cost, which a fifth column (1 on
+  TTFT rows only) absorbs so that it does not leak into ``a``.
+
+Each point is measured ``repeats`` times after a warm-up of every prompt length, and the median of
+the repeats is its row (a shared machine gives outliers). Prompts are random token ids (a new draw
+per request, so a prefix cache cannot hit). The fit is non-negative least squares
+(``numpy.linalg.lstsq`` with an active set: a negative coefficient is fixed at 0 and the rest
+refitted), since no step feature makes a step faster. The KV capacity and block size come from
+vLLM's ``vllm:cache_config_info`` metric on ``/metrics`` when the server exposes it; the scheduler
+limits from ``/v1/models`` (``max_model_len``) and the command line. The profile records the fit's
+R^2 and each sample, measured and predicted, so a poor fit is visible.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import re
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from controller.sim.profile import CostModel, EngineLimits, Profile
+
+COLUMNS = ("a_s", "b_s_per_prefill_token", "c_s_per_decode_seq", "d_s_per_kv_token", "http_s")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One measured row: step features (totals over ``steps`` steps) and the seconds they took."""
+
+    kind: str
+    """"decode" (one step between two streamed tokens) or "prefill" (a time to first token)."""
+    steps: int
+    prefill_tokens: int
+    decode_seqs: int
+    kv_tokens_read: int
+    seconds: float
+
+    def row(self) -> list[float]:
+        ttft = 1.0 if self.kind == "prefill" else 0.0
+        return [float(self.steps), self.prefill_tokens, self.decode_seqs, self.kv_tokens_read, ttft]
+
+
+def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0 (active set: fix the most negative at 0, refit)."""
+    free = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while free:
+        sol, *_ = np.linalg.lstsq(x[:, free], y, rcond=None)
+        if (sol >= 0).all():
+            coef[:] = 0
+            coef[free] = sol
+            return coef
+        free.pop(int(np.argmin(sol)))
+    return coef
+
+
+def fit(samples: Sequence[Sample]) -> tuple[CostModel, float, float]:
+    """The cost model, the fitted HTTP overhead of a TTFT, and R^2 over the samples."""
+    if len(samples) < len(COLUMNS):
+        raise ValueError(f"{len(samples)} samples: need at least {len(COLUMNS)} to fit {len(COLUMNS)} terms")
+    x = np.array([s.row() for s in samples])
+    y = np.array([s.seconds for s in samples])
+    # Rows are scaled to relative error: a 2 ms step and a 200 ms prefill weigh the same.
+    w = 1.0 / np.maximum(y, 1e-6)
+    coef = nnls(x * w[:, None], y * w)
+    pred = x @ coef
+    ss_res = float(((y - pred) ** 2).sum())
+    ss_tot = float(((y - y.mean()) ** 2).sum()) or 1.0
+    a, b, c, d, front = (float(v) for v in coef)
+    model = CostModel(a, b, c, d, frontend_s=front)
+    return model, float(coef[4]), 1.0 - ss_res / ss_tot
+
+
+# -- talking to the server -------------------------------------------------------------------------
+
+
+class Server:
+    def __init__(self, session: aiohttp.ClientSession, url: str, vocab: int, seed: int) -> None:
+        self.session = session
+        self.url = url.rstrip("/")
+        self.vocab = vocab
+        self.rng = random.Random(seed)
+        self.model = ""
+
+    async def model_info(self) -> dict[str, Any]:
+        async with self.session.get(f"{self.url}/v1/models") as resp:
+            resp.raise_for_status()
+            data = (await resp.json())["data"][0]
+        self.model = str(data["id"])
+        return dict(data)
+
+    async def cache_info(self, metrics_url: str | None) -> dict[str, str]:
+        """Labels of ``vllm:cache_config_info`` (block_size, num_gpu_blocks, ...); {} when absent."""
+        try:
+            async with self.session.get(metrics_url or f"{self.url}/metrics") as resp:
+                text = await resp.text()
+        except aiohttp.ClientError:
+            return {}
+        match = re.search(r"^vllm:cache_config_info\{([^}]*)\}", text, re.MULTILINE)
+        return dict(re.findall(r'(\w+)="([^"]*)"', match.group(1))) if match else {}
+
+    async def stream(self, prompt_tokens: int, max_tokens: int) -> tuple[float, list[float]]:
+        """Send one request; (time sent, arrival time of each streamed token chunk)."""
+        prompt = [self.rng.randrange(10, self.vocab) for _ in range(prompt_tokens)]
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "min_tokens": max_tokens,
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "stream": True,
+        }
+        t0 = time.perf_counter()
+        times: list[float] = []
+        async with self.session.post(f"{self.url}/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"{self.url}: HTTP {resp.status}: {(await resp.text())[:200]}")
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                if json.loads(line[5:]).get("choices"):
+                    times.append(time.perf_counter())
+        return t0, times
+
+
+async def decode_samples(server: Server, n: int, prompt: int, out: int) -> list[Sample]:
+    """``n`` concurrent requests of ``out`` tokens: one sample, the median over the requests of their
+    mean step (first to last token over ``out - 1`` steps). Timing whole decodes rather than single
+    chunk gaps keeps the figure right when the server coalesces several tokens into one chunk."""
+    results = await asyncio.gather(*(server.stream(prompt, out) for _ in range(n)))
+    steps = [(times[-1] - times[0]) / (out - 1) for _, times in results if len(times) >= 2]
+    if not steps:
+        return []
+    context = prompt + out // 2
+    return [Sample("decode", 1, 0, n, n * context, statistics.median(steps))]
+
+
+async def prefill_sample(server: Server, prompt: int, budget: int) -> Sample:
+    t0, times = await server.stream(prompt, 1)
+    steps = max(1, math.ceil(prompt / budget))
+    kv = sum(min(prompt, (k + 1) * budget) for k in range(steps))
+    return Sample("prefill", steps, prompt, 0, kv, times[0] - t0)
+
+
+@dataclass(frozen=True)
+class CalibrationPlan:
+    concurrency: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    decode_prompts: tuple[int, ...] = (16, 512)
+    output_tokens: int = 96
+    prefill_prompts: tuple[int, ...] = (32, 128, 256, 512, 1024, 1536)
+    repeats: int = 5
+
+
+async def measure(
+    url: str, plan: CalibrationPlan, limits: EngineLimits, vocab: int, seed: int, log: Any = print
+) -> list[Sample]:
+    samples: list[Sample] = []
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        server = Server(session, url, vocab, seed)
+        await server.model_info()
+        for prompt in plan.prefill_prompts:  # warm up: the CPU backend prepares kernels per shape
+            if prompt + 1 <= limits.max_model_len:
+                await server.stream(prompt, 4)
+        for prompt in plan.prefill_prompts:
+            if prompt + 1 > limits.max_model_len:
+                continue
+            got = [
+                await prefill_sample(server, prompt, limits.max_num_batched_tokens)
+                for _ in range(plan.repeats)
+            ]
+            samples.append(median_sample(got))
+            log(f"prefill P={prompt}: ttft {samples[-1].seconds:.4f} s")
+        for prompt in plan.decode_prompts:
+            for n in plan.concurrency:
+                if n > limits.max_num_seqs or prompt + plan.output_tokens > limits.max_model_len:
+                    continue
+                got = [
+                    s
+                    for _ in range(plan.repeats)
+                    for s in await decode_samples(server, n, prompt, plan.output_tokens)
+                ]
+                if got:
+                    samples.append(median_sample(got))
+                    log(f"decode N={n} P={prompt}: step {samples[-1].seconds * 1e3:.2f} ms")
+    return samples
+
+
+def median_sample(repeats: Sequence[Sample]) -> Sample:
+    """One row per measured point: the median of its repeats (a shared machine gives outliers)."""
+    return replace(repeats[0], seconds=statistics.median(s.seconds for s in repeats))
+
+
+async def engine_limits(
+    url: str, metrics_url: str | None, overrides: dict[str, Any]
+) -> tuple[EngineLimits, int]:
+    """The server's limits (KV blocks from /metrics, max_model_len from /v1/models) and a vocab bound."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        server = Server(session, url, 1000, 0)
+        info = await server.model_info()
+        cache = await server.cache_info(metrics_url)
+    values: dict[str, Any] = {}
+    if "max_model_len" in info:
+        values["max_model_len"] = int(info["max_model_len"])
+    if cache.get("block_size", "").isdigit() and cache.get("num_gpu_blocks", "").isdigit():
+        values["block_size"] = int(cache["block_size"])
+        values["kv_cache_tokens"] = int(cache["block_size"]) * int(cache["num_gpu_blocks"])
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    limits = EngineLimits(**values)
+    limits.validate(f"calibration of {url}")
+    return limits, 1000
+
+
+def build_profile(
+    name: str, url: str, limits: EngineLimits, samples: Sequence[Sample], hardware: str, model: str
+) -> Profile:
+    cost, http_s, r2 = fit(samples)
+    rows = [
+        {
+            "kind": s.kind,
+            "prefill_tokens": s.prefill_tokens,
+            "decode_seqs": s.decode_seqs,
+            "kv_tokens_read": s.kv_tokens_read,
+            "measured_s": round(s.seconds, 6),
+            "predicted_s": round(
+                cost.step_s(s.prefill_tokens, s.decode_seqs, s.kv_tokens_read)
+                + (s.steps - 1) * cost.a_s
+                + (http_s if s.kind == "prefill" else 0.0),
+                6,
+            ),
+        }
+        for s in samples
+    ]
+    return Profile(
+        name=name,
+        cost=cost,
+        engine=limits,
+        description=f"fitted by `vllm-autopilot bench calibrate` against {url} on "
+        f"{time.strftime('%Y-%m-%d', time.gmtime())}",
+        hardware=hardware,
+        model=model,
+        sources=(url,),
+        fit={
+            "samples": len(samples),
+            "r2": round(r2, 4),
+            "ttft_http_overhead_s": http_s,
+            "rows": json.dumps(rows),
+        },
+    )

@@ -1,0 +1,255 @@
+"""Hardware + model profiles of the twin: the step-time cost model and the engine's limits.
+
+A profile is a TOML file. The shipped ones live in ``controller/sim/profiles/`` (package data, so
+``pip install`` carries them) and are found by name; any other path is read as it is. Layout::
+
+    name = "h200-8b"
+    description = "..."
+    hardware = "1x NVIDIA H200 141GB"
+    model = "meta-llama/Llama-3.1-8B-Instruct, bf16"
+    sources = ["https://...", ...]          # where the coefficients come from
+
+    [cost]                                   # step_s = a + b*prefill + c*decode_seqs + d*kv_read
+    frontend_s = 0.0                         # optional: front-end time added to each request
+    a_s = 0.0045
+    b_s_per_prefill_token = 6.0e-5
+    c_s_per_decode_seq = 2.0e-5
+    d_s_per_kv_token = 2.0e-8
+
+    [engine]                                 # the vLLM settings the coefficients were fitted under
+    max_num_seqs = 256
+    max_num_batched_tokens = 8192
+    block_size = 16
+    kv_cache_tokens = 460000                 # KV capacity in tokens (num_gpu_blocks * block_size)
+    max_model_len = 131072
+    scheduling_policy = "fcfs"               # or "priority"
+    enable_chunked_prefill = true
+
+    [fit]                                    # optional: how well the fit matched its samples
+    samples = 40
+    r2 = 0.99
+
+Engine keys may be overridden by a config file's ``[engine]`` table (``simulate --config``); the cost
+coefficients may not, they belong to the hardware and the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+PROFILE_PACKAGE = "controller.sim.profiles"
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+class ProfileError(ValueError):
+    """A profile is missing or invalid; the message names the key and the fix."""
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Duration of one engine step (one forward pass) in seconds::
+
+        step_s = a_s + b * prefill_tokens + c * decode_seqs + d * kv_tokens_read
+
+    ``prefill_tokens``: prompt (or recomputed) tokens scheduled in the step; ``decode_seqs``: requests
+    that decode one token; ``kv_tokens_read``: the context the step's attention reads (each scheduled
+    request's computed tokens plus its new ones). ``a`` is the fixed cost of a step (scheduling,
+    launch, sampling), ``b`` the matmul cost of a prompt token, ``c`` the per-sequence cost of a
+    decode (its matmul row, sampling, detokenising), ``d`` the attention cost per KV token read."""
+
+    a_s: float
+    """Fixed cost of a step (seconds)."""
+    b_s_per_prefill_token: float
+    """Seconds per prefill token."""
+    c_s_per_decode_seq: float
+    """Seconds per decoding sequence."""
+    d_s_per_kv_token: float
+    """Seconds per KV-cache token read by attention."""
+    frontend_s: float = 0.0
+    """Not a step cost: seconds a request spends in the server's front end (HTTP, parsing, the first
+    chunk's way back) on top of the engine's time to first token. The twin delays each request's
+    entry by it and counts it in TTFT, as a client does."""
+
+    def step_s(self, prefill_tokens: int, decode_seqs: int, kv_tokens_read: int) -> float:
+        return (
+            self.a_s
+            + self.b_s_per_prefill_token * prefill_tokens
+            + self.c_s_per_decode_seq * decode_seqs
+            + self.d_s_per_kv_token * kv_tokens_read
+        )
+
+    def as_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """The vLLM scheduler settings the twin runs under (vLLM's own names)."""
+
+    max_num_seqs: int = 256
+    """Hard ceiling of RUNNING requests (and of the batch cap)."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (vLLM's ``SchedulerConfig.max_num_batched_tokens``)."""
+    block_size: int = 16
+    """Tokens per KV-cache block."""
+    kv_cache_tokens: int = 65536
+    """KV-cache capacity in tokens; the twin has ``kv_cache_tokens // block_size`` blocks."""
+    max_model_len: int = 2048
+    """Longest prompt + output a request may have; longer ones are refused, as vLLM does."""
+    scheduling_policy: str = "fcfs"
+    """"fcfs" or "priority" (lower ``priority`` first)."""
+    enable_chunked_prefill: bool = True
+    """Split a long prompt over steps; without it a prompt must fit the token budget whole."""
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache_tokens // self.block_size
+
+    def validate(self, where: str) -> None:
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "block_size",
+            "kv_cache_tokens",
+            "max_model_len",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ProfileError(f"{where}: {name} = {value!r}: must be an integer >= 1")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ProfileError(
+                f"{where}: scheduling_policy = {self.scheduling_policy!r}: use one of {SCHEDULING_POLICIES}"
+            )
+        if not isinstance(self.enable_chunked_prefill, bool):
+            raise ProfileError(f"{where}: enable_chunked_prefill must be true or false")
+        if self.num_blocks * self.block_size < self.max_model_len:
+            raise ProfileError(
+                f"{where}: kv_cache_tokens = {self.kv_cache_tokens} holds less than one request of "
+                f"max_model_len = {self.max_model_len} tokens (vLLM refuses to start so); "
+                "raise kv_cache_tokens or lower max_model_len"
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ProfileError(
+                f"{where}: without chunked prefill max_num_batched_tokens = {self.max_num_batched_tokens} "
+                f"must be >= max_model_len = {self.max_model_len} (vLLM's own rule)"
+            )
+
+    def replace(self, overrides: dict[str, Any], where: str) -> EngineLimits:
+        """These limits with a config's ``[engine]`` keys on top (unknown vLLM keys are ignored)."""
+        known = {f.name for f in dataclasses.fields(self)}
+        picked = {k: v for k, v in overrides.items() if k in known}
+        new = dataclasses.replace(self, **picked)
+        new.validate(where)
+        return new
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    cost: CostModel
+    engine: EngineLimits
+    description: str = ""
+    hardware: str = ""
+    model: str = ""
+    sources: tuple[str, ...] = ()
+    fit: dict[str, Any] = field(default_factory=dict)
+    path: str = ""
+    """Where the profile was read from."""
+
+
+def available_profiles() -> list[str]:
+    """Names of the shipped profiles."""
+    return sorted(
+        p.name.removesuffix(".toml")
+        for p in resources.files(PROFILE_PACKAGE).iterdir()
+        if p.name.endswith(".toml")
+    )
+
+
+def load_profile(name_or_path: str | Path) -> Profile:
+    """A shipped profile by name (``cpu-tiny``, ``h200-8b``) or a TOML file by path."""
+    path = Path(name_or_path)
+    if path.suffix == ".toml" or path.exists():
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ProfileError(f"cannot read profile {path}: {exc.strerror}; pass a path or a name") from exc
+        return parse_profile(text, str(path))
+    shipped = resources.files(PROFILE_PACKAGE) / f"{name_or_path}.toml"
+    if not shipped.is_file():
+        raise ProfileError(
+            f"unknown profile '{name_or_path}': use one of {', '.join(available_profiles())} "
+            "or the path of a .toml file (`vllm-autopilot bench calibrate` writes one)"
+        )
+    return parse_profile(shipped.read_text(), f"{PROFILE_PACKAGE}/{name_or_path}.toml")
+
+
+def parse_profile(text: str, where: str) -> Profile:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ProfileError(f"{where}: not valid TOML ({exc})") from exc
+    cost_raw = data.get("cost")
+    if not isinstance(cost_raw, dict):
+        raise ProfileError(f"{where}: the [cost] table is missing (a_s, b_s_per_prefill_token, ...)")
+    cost_fields = [f.name for f in dataclasses.fields(CostModel)]
+    coef: dict[str, float] = {}
+    for key in cost_fields:
+        value = cost_raw.get(key, 0.0 if key == "frontend_s" else None)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            raise ProfileError(f"{where}: [cost] {key} = {value!r}: must be a number >= 0")
+        coef[key] = float(value)
+    unknown = set(cost_raw) - set(cost_fields)
+    if unknown:
+        raise ProfileError(f"{where}: unknown [cost] keys {sorted(unknown)}; known: {cost_fields}")
+    engine_raw = data.get("engine", {})
+    known = {f.name for f in dataclasses.fields(EngineLimits)}
+    if not isinstance(engine_raw, dict) or set(engine_raw) - known:
+        bad = sorted(set(engine_raw) - known) if isinstance(engine_raw, dict) else engine_raw
+        raise ProfileError(f"{where}: unknown [engine] keys {bad}; known: {sorted(known)}")
+    engine = EngineLimits(**engine_raw)
+    engine.validate(where)
+    sources = data.get("sources", [])
+    if not isinstance(sources, list) or not all(isinstance(s, str) for s in sources):
+        raise ProfileError(f"{where}: sources must be a list of strings (URLs)")
+    fit = data.get("fit", {})
+    return Profile(
+        name=str(data.get("name", Path(where).stem)),
+        cost=CostModel(**coef),
+        engine=engine,
+        description=str(data.get("description", "")),
+        hardware=str(data.get("hardware", "")),
+        model=str(data.get("model", "")),
+        sources=tuple(sources),
+        fit=dict(fit) if isinstance(fit, dict) else {},
+        path=where,
+    )
+
+
+def dump_profile(profile: Profile) -> str:
+    """The TOML text of ``profile`` (what ``bench calibrate`` writes)."""
+
+    def value(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, int | float):
+            return repr(v)
+        if isinstance(v, list | tuple):
+            return "[\n" + "".join(f"    {value(x)},\n" for x in v) + "]"
+        return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+    lines = [f"{k} = {value(getattr(profile, k))}" for k in ("name", "description", "hardware", "model")]
+    lines.append(f"sources = {value(list(profile.sources))}")
+    for table, items in (
+        ("cost", profile.cost.as_dict()),
+        ("engine", dataclasses.asdict(profile.engine)),
+        ("fit", profile.fit),
+    ):
+        lines.append(f"\n[{table}]")
+        lines.extend(f"{k} = {value(v)}" for k, v in items.items())
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,321 @@
+"""A simulation: the real gate, telemetry window, policy, normalize stage and control loop around the
+twin's engine, all on one virtual clock.
+
+Only the engine is simulated. Each request of the workload is an asyncio task that does what our
+engine client does (``controller/engine/client.py``): ``check_admission`` (refused -> 429), waits in
+``AdmissionGate.slot`` for a slot, hands the request to the engine and waits for it to finish. The
+driver advances the virtual clock from event to event (an engine step ends, a request arrives, a
+control tick is due, a time-series sample is due) and lets the tasks run after each event, so a slot
+released by a finished request goes to the next waiter before the next step is planned, as it does
+between two steps of the real engine. Time never comes from the wall clock: two runs with the same
+workload, settings and seed give the same records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from controller.benchkit.records import (
+    RequestRecord,
+    SeriesPoint,
+    client_series,
+    merge_series,
+    summarize,
+    tpot,
+)
+from controller.benchkit.workload import RequestSpec, describe
+from controller.clock import FakeClock
+from controller.gate import AdmissionGate, GateRejected
+from controller.loop import Change, ControlLoop
+from controller.normalize import Normalizer
+from controller.sim.engine import SimEngine, SimRequest, StepPlan
+from controller.sim.profile import Profile
+from controller.status import priority_class
+from controller.telemetry import TelemetryWindow
+from policies.base import Observation, Policy
+
+SETTLE_ROUNDS = 4
+"""Event-loop rounds after each event. The longest chain is: the engine finishes a request -> its task
+resumes and releases the slot -> the gate wakes a waiter -> that task resumes and adds its request
+to the engine (three rounds); one more for safety."""
+
+MIN_STEP_S = 1e-6
+"""A step takes at least this long, so virtual time always moves."""
+
+
+@dataclass(frozen=True)
+class ControlSettings:
+    """The ``[control]`` and ``[admission]`` settings a simulation runs under."""
+
+    tick_s: float = 1.0
+    window_s: float = 10.0
+    admission_limit: int = 64
+    max_queue: int = 1024
+    sample_period_s: float = 1.0
+    """Period of the time series written to timeseries.jsonl."""
+    drain_s: float = 600.0
+    """After the last arrival, how long unfinished requests may run before the run stops (they are
+    then recorded as failed)."""
+
+
+@dataclass
+class SimResult:
+    records: list[RequestRecord]
+    series: list[SeriesPoint]
+    changes: list[Change]
+    duration_s: float
+    """Virtual seconds from the start to the last request's end."""
+    steps: int
+    preemptions: int
+    wall_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self, slo_ttft_s: float | None, slo_tpot_s: float | None) -> dict[str, Any]:
+        extra = {
+            "target": "twin",
+            "engine_steps": self.steps,
+            "engine_preemptions": self.preemptions,
+            "limit_changes": len(self.changes),
+            "sim_wall_s": round(self.wall_s, 3),
+            **self.extra,
+        }
+        return summarize(self.records, self.duration_s, slo_ttft_s, slo_tpot_s, self.series, extra)
+
+
+class Simulation:
+    """One run of a workload through the twin under one policy. Use ``run`` once."""
+
+    def __init__(
+        self,
+        profile: Profile,
+        policy: Policy,
+        normalizer: Normalizer,
+        control: ControlSettings | None = None,
+        seed: int = 0,
+        jitter: float = 0.0,
+    ) -> None:
+        if jitter < 0:
+            raise ValueError(f"jitter = {jitter}: must be >= 0 (0.05 = 5 % step-time noise)")
+        self.profile = profile
+        self.control = control or ControlSettings()
+        self.clock = FakeClock(0.0)
+        self.engine = SimEngine(profile.engine, profile.cost)
+        self.window = TelemetryWindow(self.control.window_s, self.clock)
+        self.gate = AdmissionGate(self.control.admission_limit, self.control.max_queue, self.clock)
+        self.changes: list[Change] = []
+        self.loop = ControlLoop(policy, normalizer, self.observe, self, self.changes.append, history=50)
+        self._rng = random.Random(seed)
+        self.jitter = jitter
+        self._records: dict[int, RequestRecord] = {}
+        self._series: list[SeriesPoint] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._open = 0
+        """Client tasks started and not finished."""
+
+    # -- actuator: what the loop's apply stage calls ---------------------------------------------------
+    def set_admission_limit(self, limit: int) -> None:
+        self.gate.set_limit(limit)
+
+    async def set_batch_cap(self, cap: int) -> int:
+        return self.engine.set_batch_cap(cap)
+
+    # -- observation: as Daemon.observe builds it, without NVML and psutil -----------------------------
+    def observe(self) -> Observation:
+        eng = self.window.snapshot()
+        g = self.gate.stats()
+        by_class = {"interactive": 0, "batch": 0}
+        for p in self.gate.queued_priorities():
+            by_class[priority_class(p)] += 1
+        return Observation(
+            now_mono=eng.now_mono,
+            admission_limit=g.limit,
+            batch_cap=self.engine.batch_cap,
+            max_num_seqs=self.engine.max_num_seqs,
+            in_flight=g.in_flight,
+            queued=g.queued,
+            running=eng.running,
+            waiting=eng.waiting,
+            kv_usage=eng.kv_usage,
+            kv_usage_mean=eng.kv_usage_mean,
+            kv_usage_max=eng.kv_usage_max,
+            preemptions_per_s=eng.preemptions_per_s,
+            generated_tokens_per_s=eng.generated_tokens_per_s,
+            ttft_p99_s=eng.ttft_p99_s,
+            itl_p99_s=eng.itl_p99_s,
+            stats_age_s=eng.last_step_age_s,
+            ttft_p50_s=eng.ttft_p50_s,
+            itl_p50_s=eng.itl_p50_s,
+            finished_per_s=eng.finished_per_s,
+            queued_by_class=by_class,
+            window_s=eng.window_s,
+        )
+
+    # -- one request, as our engine client handles it ---------------------------------------------------
+    async def _client(self, spec: RequestSpec) -> None:
+        try:
+            await self._request(spec)
+        finally:
+            self._open -= 1
+
+    async def _request(self, spec: RequestSpec) -> None:
+        t0 = spec.arrival_s  # the task starts frontend_s later: the front end's share of the TTFT
+        limits = self.profile.engine
+        if spec.prompt_tokens + spec.output_tokens > limits.max_model_len:
+            msg = f"prompt + max_tokens = {spec.prompt_tokens + spec.output_tokens} > max_model_len"
+            self._fail(spec, t0, "failed", 400, msg)
+            return
+        try:
+            self.gate.check_admission(1)
+        except GateRejected as exc:
+            self._fail(spec, t0, "refused", exc.status, exc.message)
+            return
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[SimRequest] = loop.create_future()
+        try:
+            async with self.gate.slot(spec.priority):
+                req = SimRequest(
+                    spec.index, spec.prompt_tokens, spec.output_tokens, spec.priority, self.clock()
+                )
+                req.on_finish = done.set_result
+                self.engine.add(req)
+                await done
+        except GateRejected as exc:
+            self._fail(spec, t0, "refused", exc.status, exc.message)
+            return
+        assert req.first_token_t is not None and req.finish_t is not None
+        ttft, e2e = req.first_token_t - t0, req.finish_t - t0
+        self._records[spec.index] = RequestRecord(
+            index=spec.index,
+            priority=spec.priority,
+            prompt_tokens=spec.prompt_tokens,
+            output_tokens_requested=spec.output_tokens,
+            output_tokens=req.output_tokens,
+            arrival_s=t0,
+            status="ok",
+            http_status=200,
+            ttft_s=ttft,
+            tpot_s=tpot(ttft, e2e, req.output_tokens),
+            e2e_s=e2e,
+        )
+
+    def _fail(self, spec: RequestSpec, t0: float, status: str, http: int | None, error: str) -> None:
+        self._records[spec.index] = RequestRecord(
+            index=spec.index,
+            priority=spec.priority,
+            prompt_tokens=spec.prompt_tokens,
+            output_tokens_requested=spec.output_tokens,
+            output_tokens=0,
+            arrival_s=t0,
+            status=status,  # type: ignore[arg-type]
+            http_status=http,
+            e2e_s=self.clock() - t0,
+            error=error,
+        )
+
+    # -- the driver ---------------------------------------------------------------------------------
+    async def _settle(self) -> None:
+        for _ in range(SETTLE_ROUNDS):
+            await asyncio.sleep(0)
+
+    def _step_s(self, plan: StepPlan) -> float:
+        step = self.engine.step_s(plan)
+        if self.jitter:
+            step *= max(0.0, self._rng.gauss(1.0, self.jitter))
+        return max(MIN_STEP_S, step)
+
+    def _sample(self, t: float) -> None:
+        g = self.gate.stats()
+        self._series.append(
+            SeriesPoint(
+                t_s=round(t, 6),
+                admission_limit=g.limit,
+                batch_cap=self.engine.batch_cap,
+                kv_usage=round(self.engine.kv.usage, 6),
+                running=len(self.engine.running),
+                waiting=len(self.engine.waiting),
+                queue_depth=g.queued,
+                preemptions=self.engine.total_preemptions,
+            )
+        )
+
+    async def run(self, specs: Sequence[RequestSpec]) -> SimResult:
+        wall0 = time.perf_counter()
+        arrivals = sorted(specs, key=lambda s: (s.arrival_s, s.index))
+        await self.loop.tick()  # the policy's initial values apply before the first request (Daemon.startup)
+        await self._drive(arrivals)
+        duration = await self._finish(arrivals)
+        records = [self._records[s.index] for s in sorted(specs, key=lambda s: s.index)]
+        series = merge_series(self._series, client_series(records, duration, self.control.sample_period_s))
+        return SimResult(
+            records=records,
+            series=series,
+            changes=self.changes,
+            duration_s=duration,
+            steps=self.engine.steps,
+            preemptions=self.engine.total_preemptions,
+            wall_s=time.perf_counter() - wall0,
+            extra={"profile": self.profile.name, "workload": describe(specs)},
+        )
+
+    async def _drive(self, arrivals: Sequence[RequestSpec]) -> None:
+        """Advance virtual time from event to event until every request is done (or ``drain_s`` after
+        the last arrival). At one instant: the step that ends, then arrivals, then the control tick,
+        then the time-series sample; then the next step is planned from what the tasks did."""
+        c, front = self.control, self.profile.cost.frontend_s
+        next_tick, next_sample = c.tick_s, c.sample_period_s
+        end_by = (arrivals[-1].arrival_s + front if arrivals else 0.0) + c.drain_s
+        i, plan, step_end = 0, None, 0.0
+        while i < len(arrivals) or plan is not None or self.engine.has_work or self._open > 0:
+            next_arrival = arrivals[i].arrival_s + front if i < len(arrivals) else math.inf
+            t = min(step_end if plan is not None else math.inf, next_arrival, next_tick, next_sample)
+            if t > end_by:
+                break
+            self.clock.now = t
+            woken = False  # did anything happen that request tasks must react to?
+            if plan is not None and step_end <= t:
+                woken = self._end_step(plan, t)
+                plan = None
+            while i < len(arrivals) and arrivals[i].arrival_s + front <= t:
+                self._tasks.append(asyncio.create_task(self._client(arrivals[i])))
+                self._open += 1
+                i, woken = i + 1, True
+            if woken:
+                await self._settle()
+            if next_tick <= t:
+                await self.loop.tick()
+                next_tick += c.tick_s
+                await self._settle()
+            if next_sample <= t:
+                self._sample(t)
+                next_sample += c.sample_period_s
+            if plan is None and self.engine.has_work:
+                plan = self.engine.plan()
+                step_end = t + self._step_s(plan)
+
+    def _end_step(self, plan: StepPlan, t: float) -> bool:
+        """Apply a step at its end: the window records it, finished requests' tasks are woken."""
+        sample, done = self.engine.finish_step(plan, t)
+        self.window.record(sample)
+        for req in done:
+            assert req.on_finish is not None
+            req.on_finish(req)
+        return bool(done)
+
+    async def _finish(self, arrivals: Sequence[RequestSpec]) -> float:
+        """Cancel what is still running at the end (recorded as failed); the run's duration."""
+        now = self.clock()
+        unfinished = [t for t in self._tasks if not t.done()]
+        for task in unfinished:
+            task.cancel()
+        await asyncio.gather(*unfinished, return_exceptions=True)
+        for spec in arrivals:
+            if spec.index not in self._records:
+                self._fail(spec, spec.arrival_s, "failed", None, "unfinished when the simulation ended")
+        ends = [r.arrival_s + (r.e2e_s or 0.0) for r in self._records.values()]
+        return max([now if unfinished else 0.0, *ends, 1e-9])

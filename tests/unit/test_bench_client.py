@@ -1,0 +1,93 @@
+"""The load generator's request/record path against an in-process OpenAI-style streaming server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from controller.benchkit.client import Target, parse_event, payload, run_open_loop
+from controller.benchkit.workload import RequestSpec
+
+BODIES = web.AppKey("bodies", list[dict[str, Any]])
+
+
+def _chunk(data: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(data)}\n\n".encode()
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    body = await request.json()
+    request.app[BODIES].append(body)
+    prompt = body["prompt"]
+    if prompt.startswith("refuse"):
+        return web.json_response({"error": "overloaded"}, status=429)
+    if prompt.startswith("break"):
+        return web.json_response({"error": "boom"}, status=500)
+    resp = web.StreamResponse()
+    await resp.prepare(request)
+    n = body["max_tokens"] - (1 if prompt.startswith("short") else 0)
+    for i in range(n):
+        await asyncio.sleep(0.01)
+        await resp.write(_chunk({"choices": [{"index": 0, "text": f" t{i}"}]}))
+    await resp.write(_chunk({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": n}}))
+    await resp.write(b"data: [DONE]\n\n")
+    return resp
+
+
+@pytest.fixture
+async def server() -> Any:
+    app = web.Application()
+    app[BODIES] = []
+    app.router.add_post("/v1/completions", completions)
+    async with TestServer(app) as srv:
+        yield srv
+
+
+def test_payload_forces_the_output_length_and_sends_priority_only_when_set() -> None:
+    t = Target("http://x", "tiny")
+    body = payload(t, RequestSpec(0, 0.0, 5, 12), "hi")
+    assert body["max_tokens"] == body["min_tokens"] == 12
+    assert body["ignore_eos"] is True and body["stream"] is True
+    assert body["stream_options"] == {"include_usage": True}
+    assert "priority" not in body
+    assert payload(t, RequestSpec(0, 0.0, 5, 12, priority=2), "hi")["priority"] == 2
+
+
+def test_parse_event() -> None:
+    assert parse_event(b'data: {"a": 1}\n') == {"a": 1}
+    assert parse_event(b"data: [DONE]\n") is None
+    assert parse_event(b"\n") is None
+    assert parse_event(b": keep-alive\n") is None
+
+
+async def test_records_of_ok_refused_failed_and_short(server: TestServer) -> None:
+    target = Target(str(server.make_url("")).rstrip("/"), "tiny")
+    specs = [RequestSpec(i, 0.05 * i, 7, 5) for i in range(4)]
+    prompts = {0: "ok", 1: "refuse", 2: "break", 3: "short"}
+    start = time.monotonic()
+    records = await run_open_loop(target, specs, lambda s: (prompts[s.index], 7), run_start=start)
+    ok, refused, failed, short = records
+    assert [r.index for r in records] == [0, 1, 2, 3]
+    assert ok.status == "ok" and ok.http_status == 200 and ok.output_tokens == 5 and ok.prompt_tokens == 7
+    assert ok.ttft_s is not None and 0.005 < ok.ttft_s < ok.e2e_s  # type: ignore[operator]
+    assert len(ok.itl_s) == 4  # 5 token chunks, 4 gaps
+    assert ok.tpot_s == pytest.approx((ok.e2e_s - ok.ttft_s) / 4)  # type: ignore[operator]
+    assert refused.status == "refused" and refused.http_status == 429 and refused.ttft_s is None
+    assert failed.status == "failed" and failed.http_status == 500 and "HTTP 500" in (failed.error or "")
+    assert short.status == "failed" and "short output: 4 of 5" in (short.error or "")
+    # open loop: each request left at its scheduled arrival, not after the previous one finished
+    assert [r.arrival_s for r in records] == pytest.approx([0.0, 0.05, 0.1, 0.15], abs=0.03)
+
+
+async def test_connection_error_is_a_failed_record() -> None:
+    target = Target("http://127.0.0.1:9", "tiny")  # discard port: nothing listens
+    [rec] = await run_open_loop(
+        target, [RequestSpec(0, 0.0, 1, 1)], lambda s: ("x", 1), run_start=time.monotonic()
+    )
+    assert rec.status == "failed" and rec.http_status is None and rec.error
