@@ -68,7 +68,7 @@ def test_parse_event() -> None:
 
 async def test_records_of_ok_refused_failed_and_short(server: TestServer) -> None:
     target = Target(str(server.make_url("")).rstrip("/"), "tiny")
-    specs = [RequestSpec(i, 0.05 * i, 7, 5) for i in range(4)]
+    specs = [RequestSpec(i, 0.01 * i, 7, 5) for i in range(4)]
     prompts = {0: "ok", 1: "refuse", 2: "break", 3: "short"}
     start = time.monotonic()
     records = await run_open_loop(target, specs, lambda s: (prompts[s.index], 7), run_start=start)
@@ -81,8 +81,10 @@ async def test_records_of_ok_refused_failed_and_short(server: TestServer) -> Non
     assert refused.status == "refused" and refused.http_status == 429 and refused.ttft_s is None
     assert failed.status == "failed" and failed.http_status == 500 and "HTTP 500" in (failed.error or "")
     assert short.status == "failed" and "short output: 4 of 5" in (short.error or "")
-    # open loop: each request left at its scheduled arrival, not after the previous one finished
-    assert [r.arrival_s for r in records] == pytest.approx([0.0, 0.05, 0.1, 0.15], abs=0.03)
+    # open loop: each request left at (not before) its scheduled arrival, and the later ones left while
+    # the first (5 chunks 10 ms apart) was still streaming, not after it finished; no wall-clock bound
+    assert all(r.arrival_s >= 0.01 * r.index - 1e-3 for r in records)
+    assert all(r.arrival_s < ok.arrival_s + ok.e2e_s for r in (refused, failed, short))  # type: ignore[operator]
 
 
 async def test_connection_error_is_a_failed_record() -> None:
