@@ -14,7 +14,7 @@ from vllm.entrypoints.launchers.api_server.app_state import init_app_state
 from vllm.entrypoints.launchers.app import build_app
 
 from controller.engine import tickets
-from controller.engine.client import GovernedEngineClient
+from controller.engine.client import GateRefusal, GovernedEngineClient
 from controller.gate import AdmissionGate
 
 ASGIApp = Callable[..., Any]
@@ -55,7 +55,7 @@ async def build_data_plane(client: GovernedEngineClient, args: argparse.Namespac
     supported_tasks = await client.get_supported_tasks()
     app = build_app(args, supported_tasks, client.model_config)
     await init_app_state(client, app.state, args, supported_tasks)
-    tickets.capture_priorities(app.state)
+    tickets.capture_priorities(app.state, GateRefusal)
     return app
 
 
@@ -65,7 +65,7 @@ async def refresh_app_state(app: FastAPI, client: GovernedEngineClient, args: ar
     supported_tasks = await client.get_supported_tasks()
     server = app.state.server
     await init_app_state(client, app.state, args, supported_tasks)
-    tickets.capture_priorities(app.state)
+    tickets.capture_priorities(app.state, GateRefusal)
     app.state.server = server
 
 

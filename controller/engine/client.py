@@ -22,8 +22,13 @@ from controller.engine.host import EngineHost
 from controller.gate import AdmissionGate, GateRejected
 
 
-def _http_error(exc: GateRejected) -> GracefulHTTPError:
-    return GracefulHTTPError(exc.message, HTTPStatus(exc.status))
+class GateRefusal(GracefulHTTPError):
+    """The gate refused the request (429 overload, 503 draining or engine unavailable). vLLM turns
+    it into that status, or, in a stream whose 200 already went out, into an error event."""
+
+
+def _http_error(exc: GateRejected) -> GateRefusal:
+    return GateRefusal(exc.message, HTTPStatus(exc.status))
 
 
 class GovernedEngineClient(EngineClient):

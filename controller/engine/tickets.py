@@ -12,6 +12,7 @@ request ends.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -59,13 +60,30 @@ def _wrap(serving: Any, method: Callable[..., Any]) -> Callable[..., Any]:
     return entry
 
 
-def capture_priorities(app_state: Any) -> int:
+class QuietRefusals(logging.Filter):
+    """vLLM logs a traceback when a stream ends in an exception. A gate refusal there (a queue
+    deadline passed) is expected under overload, answered with an error event and counted in the
+    metrics: its record is dropped instead of printing a traceback per refused request."""
+
+    def __init__(self, refusal: type[BaseException]) -> None:
+        super().__init__()
+        self.refusal = refusal
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], self.refusal))
+
+
+def capture_priorities(app_state: Any, refusal: type[BaseException] | None = None) -> int:
     """Wrap the entry points of every generating serving object in ``app_state``; returns how many
-    (run again after ``init_app_state`` builds new ones)."""
+    (run again after ``init_app_state`` builds new ones). With ``refusal``, the serving modules'
+    loggers drop that exception's tracebacks (``QuietRefusals``)."""
     wrapped = 0
     for serving in list(vars(app_state).get("_state", {}).values()):
         if not hasattr(serving, "_get_priority") or not hasattr(serving, "_preflight"):
             continue
+        logger = logging.getLogger(type(serving).__module__)
+        if refusal is not None and not any(isinstance(f, QuietRefusals) for f in logger.filters):
+            logger.addFilter(QuietRefusals(refusal))
         for name in ENTRY_POINTS:
             method = getattr(serving, name, None)
             if method is not None and not getattr(method, "__autopilot_wrapped__", False):

@@ -6,6 +6,7 @@ its pending place back. vLLM's serving object is replaced by a fake with the sam
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from http import HTTPStatus
 from typing import Any
 
 import httpx
@@ -138,3 +139,23 @@ async def test_a_4xx_after_admission_gives_the_pending_place_back() -> None:
         assert gate.stats().pending == 0
         r = await http.post("/v1/completions", json={})
     assert r.status_code == 200
+
+
+def test_gate_refusal_tracebacks_are_dropped_from_the_serving_loggers(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import logging
+
+    from controller.engine.client import GateRefusal
+
+    app = FastAPI()
+    app.state.serving = FakeServing(GovernedEngineClient(FakeHost(), make_gate()[0], lambda: None))  # type: ignore[arg-type]
+    tickets.capture_priorities(app.state, GateRefusal)
+    logger = logging.getLogger(FakeServing.__module__)
+    with caplog.at_level(logging.INFO, logger=FakeServing.__module__):
+        for exc in (GateRefusal("waited too long", HTTPStatus.TOO_MANY_REQUESTS), RuntimeError("a real bug")):
+            try:
+                raise exc
+            except Exception:
+                logger.exception("Error in completion stream generator.")
+    assert [r.exc_info[1].__class__.__name__ for r in caplog.records if r.exc_info] == ["RuntimeError"]
