@@ -61,6 +61,8 @@ class AdmissionGate:
         self._seq = itertools.count()
         self._rate = CompletionRate(clock)
         self._paused = False
+        self._paused_total_s = 0.0
+        self._paused_since: float | None = None
         self._refuse_new: GateRejected | None = None
         self._refuse_queued: GateRejected | None = None
         self.admitted_total = self.rejected_total = self.completed_total = self.timed_out_total = 0
@@ -222,7 +224,7 @@ class AdmissionGate:
         if not self._paused and not urgent_waiting and self._free_for(q) > 0:
             return self._grant(q, self._clock())
         loop = asyncio.get_running_loop()
-        w = Waiter(priority, next(self._seq), self._clock(), loop.create_future(), q)
+        w = Waiter(priority, next(self._seq), self._clock(), loop.create_future(), q, self._paused_s())
         heapq.heappush(q.heap, (priority, w.seq, w))
         q.queued += 1
         self._arm(w)
@@ -306,11 +308,19 @@ class AdmissionGate:
             self.release(granted)
 
     # -- deadlines --------------------------------------------------------------------------------
+    def _paused_s(self) -> float:
+        """Seconds the gate has been paused in all (engine restarts): not counted against deadlines,
+        so requests queued through a restart are kept, as the guard promises."""
+        current = 0.0 if self._paused_since is None else self._clock() - self._paused_since
+        return self._paused_total_s + current
+
     def _deadline(self, w: Waiter) -> float:
-        return w.enqueued_mono + w.queue.spec.queue_deadline_s
+        return w.enqueued_mono + w.queue.spec.queue_deadline_s + self._paused_s() - w.paused_at_enqueue_s
 
     def _arm(self, w: Waiter) -> None:
         delay = max(0.0, self._deadline(w) - self._clock())
+        if self._paused:
+            delay = max(delay, 0.25)  # the deadline moves while paused: look again later
         w.timer = asyncio.get_running_loop().call_later(delay, self._on_timer, w)
 
     def _on_timer(self, w: Waiter) -> None:
@@ -361,10 +371,16 @@ class AdmissionGate:
         self._refuse_queued = None
 
     def pause(self) -> None:
-        """Hold every new slot: requests wait in the queue (not refused) until ``resume``."""
+        """Hold every new slot: requests wait in the queue (not refused, their deadlines stopped)
+        until ``resume``."""
+        if not self._paused:
+            self._paused_since = self._clock()
         self._paused = True
 
     def resume(self) -> None:
+        if self._paused_since is not None:
+            self._paused_total_s += self._clock() - self._paused_since
+            self._paused_since = None
         self._paused = False
         self._wake()
 

@@ -64,6 +64,8 @@ class Waiter:
     enqueued_mono: float
     future: asyncio.Future[Slot]
     queue: ClassQueue
+    paused_at_enqueue_s: float = 0.0
+    """The gate's paused seconds when this request queued (paused time does not count)."""
     timer: asyncio.TimerHandle | None = None
 
 

@@ -225,6 +225,25 @@ async def test_a_waiter_past_its_deadline_gets_429_and_leaves_the_queue() -> Non
     assert reqs.granted == ["hold", "b0"]
 
 
+async def test_time_paused_for_an_engine_restart_does_not_count_against_deadlines() -> None:
+    gate, clock, _ = make(limit=1)
+    reqs = Requests(gate)
+    await reqs.add("hold", 0)
+    await reqs.add("i0", 0)
+    clock.advance(1.0)
+    gate.pause()  # the guard restarts the engine; queued requests are kept
+    clock.advance(30.0)
+    assert gate.expire_overdue() == 0
+    gate.resume()
+    clock.advance(0.9)  # 1.9 s of the 2 s deadline counted
+    assert gate.expire_overdue() == 0
+    clock.advance(0.1)
+    assert gate.expire_overdue() == 1
+    await settle()
+    assert reqs.refused["i0"].reason == "deadline"
+    assert "waited 32.0s" in reqs.refused["i0"].message
+
+
 async def test_deadline_timer_fires_on_the_event_loop() -> None:
     """The production path: a real (short) deadline, the loop's timer, the monotonic clock."""
     gate = AdmissionGate(1, 10, (PriorityClass("all", queue_deadline_s=0.05),))
