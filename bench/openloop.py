@@ -32,9 +32,12 @@ class Mix:
     """Mean arrivals per second, all classes together."""
     duration_s: float
     interactive_share: float = 0.3
-    interactive_tokens: int = 16
-    batch_tokens: int = 96
+    interactive_tokens: int = 32
+    batch_tokens: int = 192
     batch_priority: int = 5
+    batch_stream: bool = False
+    """Batch requests ask for the whole answer at once (no per-token chunks to serve and parse);
+    their "TTFT" is then the time to the whole answer. Interactive requests always stream."""
     prompt_words: int = 24
     timeout_s: float = 60.0
     """A request still unanswered after this long is abandoned (a miss)."""
@@ -71,13 +74,14 @@ async def one_request(
     tokens: int,
     priority: int,
     prompt: str,
+    stream: bool = True,
 ) -> Outcome:
     body = {
         "model": model,
         "prompt": prompt,
         "max_tokens": tokens,
         "ignore_eos": True,
-        "stream": True,
+        "stream": stream,
         "priority": priority,
     }
     sent = time.monotonic()
@@ -89,6 +93,10 @@ async def one_request(
                 return Outcome(
                     cls, resp.status, sent, time.monotonic(), None, resp.headers.get("Retry-After"), text
                 )
+            if not stream:
+                await resp.read()
+                ended = time.monotonic()
+                return Outcome(cls, 200, sent, ended, ended - sent)
             async for line in resp.content:
                 text = line.decode().strip()
                 if not text.startswith("data: ") or text == "data: [DONE]":
@@ -96,7 +104,8 @@ async def one_request(
                 payload = json.loads(text[6:])
                 if "error" in payload:
                     code = int(payload["error"].get("code") or 500)
-                    return Outcome(cls, code, sent, time.monotonic(), None, None, str(payload["error"])[:200])
+                    detail = "stream error event: " + str(payload["error"])[:200]
+                    return Outcome(cls, code, sent, time.monotonic(), None, None, detail)
                 if first is None and payload.get("choices"):
                     first = time.monotonic()
     except (aiohttp.ClientError, TimeoutError) as exc:
@@ -119,15 +128,14 @@ async def run_mix(base_url: str, model: str, mix: Mix) -> list[Outcome]:
                 break
             await asyncio.sleep(max(0.0, start + at - time.monotonic()))
             interactive = rng.random() < mix.interactive_share
-            cls, tokens, priority = (
-                (INTERACTIVE, mix.interactive_tokens, 0)
+            cls, tokens, priority, stream = (
+                (INTERACTIVE, mix.interactive_tokens, 0, True)
                 if interactive
-                else (BATCH, mix.batch_tokens, mix.batch_priority)
+                else (BATCH, mix.batch_tokens, mix.batch_priority, mix.batch_stream)
             )
             prompt = _prompt(mix.prompt_words, rng)
-            tasks.append(
-                asyncio.create_task(one_request(session, base_url, model, cls, tokens, priority, prompt))
-            )
+            request = one_request(session, base_url, model, cls, tokens, priority, prompt, stream)
+            tasks.append(asyncio.create_task(request))
         return list(await asyncio.gather(*tasks))
 
 
@@ -156,9 +164,9 @@ async def capacity(base_url: str, model: str, mix: Mix, concurrency: int, durati
         while time.monotonic() < stop:
             interactive = rng.random() < mix.interactive_share
             tokens = mix.interactive_tokens if interactive else mix.batch_tokens
-            out = await one_request(
-                session, base_url, model, INTERACTIVE, tokens, 0, _prompt(mix.prompt_words, rng)
-            )
+            stream = interactive or mix.batch_stream
+            prompt = _prompt(mix.prompt_words, rng)
+            out = await one_request(session, base_url, model, INTERACTIVE, tokens, 0, prompt, stream)
             if out.status != 200:
                 raise RuntimeError(f"capacity probe failed: {out.status} {out.detail}")
             if time.monotonic() < stop:
@@ -180,11 +188,13 @@ def summarize(outcomes: list[Outcome], slo_s: dict[str, float], duration_s: floa
         served = [o.ttft_s for o in mine if o.served and o.ttft_s is not None]
         good = sum(1 for t in served if t <= slo_s[cls])
         refused = [o for o in mine if o.status == 429]
+        in_stream = [o for o in refused if o.detail.startswith("stream error event")]
         out[cls] = {
             "sent": len(mine),
             "served": len(served),
             "refused_429": len(refused),
             "refused_with_retry_after": sum(1 for o in refused if o.retry_after),
+            "refused_in_stream": len(in_stream),
             "server_errors_5xx": sum(1 for o in mine if o.status >= 500),
             "no_answer": sum(1 for o in mine if o.status == 0),
             "other": sum(1 for o in mine if o.status not in (0, 200, 429) and o.status < 500),
@@ -196,4 +206,7 @@ def summarize(outcomes: list[Outcome], slo_s: dict[str, float], duration_s: floa
             "goodput_per_s": good / duration_s,
         }
     out["goodput_per_s"] = sum(out[c]["goodput_per_s"] for c in (INTERACTIVE, BATCH))
+    out["first_failures"] = [
+        f"{o.cls} {o.status} {o.detail}" for o in outcomes if o.status not in (200, 429)
+    ][:5]
     return out

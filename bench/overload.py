@@ -6,13 +6,14 @@ Run from the repository root, under the machine's engine lock:
     flock /tmp/engine.lock .venv/bin/python bench/overload.py
 
 The daemon runs first (a temporary config: the default one's [engine] with ``--max-num-seqs``, an
-admission limit of ``--limit``, an ``interactive`` class (priority <= 0, 25% of the limit reserved,
+admission limit of ``--limit``, an ``interactive`` class (priority <= 0, half the limit reserved,
 ``--interactive-deadline``) and a ``batch`` class (``--batch-deadline``)). On it the script measures
 the unloaded TTFT (interactive requests one at a time) and what it sustains (closed loop, ``--limit``
 requests in flight, the mix's request shapes): the offered rate is ``--overload`` times that. Then
 each server, started alone, gets its unloaded TTFT measured and the same open-loop mix (Poisson
-arrivals, 30% interactive with 16 output tokens at priority 0, 70% batch with 96 at priority 5) for
-``--duration`` seconds; requests unanswered after ``--timeout`` seconds are abandoned.
+arrivals, 30% interactive streams of 32 output tokens at priority 0, 70% batch requests of 192
+tokens at priority 5, not streamed) for ``--duration`` seconds; requests unanswered after
+``--timeout`` seconds are abandoned. A batch request's "TTFT" is the time to its whole answer.
 
 Figures per server and class: p50/p99 TTFT of the served requests, refusals (429, with Retry-After),
 errors, and goodput: requests served within their class's TTFT SLO per second (interactive:
@@ -74,7 +75,7 @@ def daemon_config(base: dict[str, Any], args: argparse.Namespace) -> dict[str, A
                     "max_priority": 0,
                     "max_queue": 64,
                     "queue_deadline_s": args.interactive_deadline,
-                    "reserved_share": 0.25,
+                    "reserved_share": 0.5,
                 },
                 "batch": {"min_priority": 1, "max_queue": 128, "queue_deadline_s": args.batch_deadline},
             },
@@ -172,7 +173,7 @@ def headline(
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--limit", type=int, default=8, help="the daemon's admission limit")
+    p.add_argument("--limit", type=int, default=6, help="the daemon's admission limit")
     p.add_argument("--max-num-seqs", type=int, default=16, help="engine max_num_seqs, both servers")
     p.add_argument("--overload", type=float, default=3.0, help="offered rate / the daemon's sustained rate")
     p.add_argument("--rate", type=float, default=0.0, help="offered requests/s (0: measure, x --overload)")
@@ -183,7 +184,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--interactive-deadline", type=float, default=2.5, help="the daemon's interactive deadline"
     )
     p.add_argument("--batch-deadline", type=float, default=10.0, help="the daemon's batch queue deadline")
-    p.add_argument("--slo-factor", type=float, default=10.0, help="interactive TTFT SLO / unloaded TTFT")
+    p.add_argument("--slo-factor", type=float, default=25.0, help="interactive TTFT SLO / unloaded TTFT")
     p.add_argument("--batch-slo", type=float, default=20.0, help="batch TTFT SLO, seconds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "overload.json")

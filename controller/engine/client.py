@@ -129,6 +129,7 @@ class GovernedEngineClient(EngineClient):
                 raise _http_error(exc) from None
             from_pending = False
             produced = False
+            held = True
             self._host.in_flight.add(request_id)
             try:
                 llm = self._host.llm
@@ -138,6 +139,12 @@ class GovernedEngineClient(EngineClient):
                 async with contextlib.aclosing(stream):
                     async for output in stream:
                         produced = True
+                        if getattr(output, "finished", False) and held:
+                            # Done in the engine: the slot goes back now, not once a slow client
+                            # has read the last chunk (the limit is about engine concurrency).
+                            held = False
+                            self._host.in_flight.discard(request_id)
+                            self._gate.release(slot)
                         yield output
             except EngineDeadError:
                 self._on_engine_dead()
@@ -145,8 +152,9 @@ class GovernedEngineClient(EngineClient):
                     raise RetryableRequestError("the engine failed during this request; retry it") from None
                 continue  # nothing sent yet: wait for the next engine
             finally:
-                self._host.in_flight.discard(request_id)
-                self._gate.release(slot)
+                if held:
+                    self._host.in_flight.discard(request_id)
+                    self._gate.release(slot)
             reason = self._host.aborted.pop(request_id, None)
             if reason is not None:
                 raise RetryableRequestError(f"request aborted: {reason}; retry it")

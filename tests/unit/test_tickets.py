@@ -159,3 +159,27 @@ def test_gate_refusal_tracebacks_are_dropped_from_the_serving_loggers(
             except Exception:
                 logger.exception("Error in completion stream generator.")
     assert [r.exc_info[1].__class__.__name__ for r in caplog.records if r.exc_info] == ["RuntimeError"]
+
+
+async def test_the_slot_returns_when_the_engine_finishes_not_when_the_client_has_read() -> None:
+    from types import SimpleNamespace
+
+    class FinishingLLM(FakeLLM):
+        async def generate(
+            self, prompt: Any, params: Any, request_id: str, **kwargs: Any
+        ) -> AsyncIterator[Any]:
+            yield SimpleNamespace(finished=False)
+            yield SimpleNamespace(finished=True)
+
+    host = FakeHost()
+    host.llm = FinishingLLM()
+    gate, _ = make_gate()
+    client = GovernedEngineClient(host, gate, lambda: None)  # type: ignore[arg-type]
+    stream = client.generate("p", None, "r1", priority=0)
+    first = await anext(stream)
+    assert not first.finished and gate.stats().in_flight == 1 and host.in_flight == {"r1"}
+    last = await anext(stream)  # the client has not read it yet: the engine is done with it
+    assert last.finished and gate.stats().in_flight == 0 and host.in_flight == set()
+    with pytest.raises(StopAsyncIteration):
+        await anext(stream)
+    assert gate.stats().completed_total == 1  # released once
