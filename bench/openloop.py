@@ -117,7 +117,9 @@ async def run_mix(base_url: str, model: str, mix: Mix) -> list[Outcome]:
     """Send the mix open-loop; wait for every answer (up to ``mix.timeout_s`` each)."""
     rng = random.Random(mix.seed)
     timeout = aiohttp.ClientTimeout(total=mix.timeout_s)
-    connector = aiohttp.TCPConnector(limit=0)
+    # no keep-alive: a pooled connection the server just closed (idle timeout) fails on write, a
+    # client-side error that would count as "no answer"
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
     tasks: list[asyncio.Task[Outcome]] = []
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         start = time.monotonic()

@@ -173,7 +173,9 @@ def headline(
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--limit", type=int, default=6, help="the daemon's admission limit")
+    p.add_argument(
+        "--limit", type=int, default=16, help="the daemon's admission limit (default: max_num_seqs)"
+    )
     p.add_argument("--max-num-seqs", type=int, default=16, help="engine max_num_seqs, both servers")
     p.add_argument("--overload", type=float, default=3.0, help="offered rate / the daemon's sustained rate")
     p.add_argument("--rate", type=float, default=0.0, help="offered requests/s (0: measure, x --overload)")
