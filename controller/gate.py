@@ -276,6 +276,9 @@ class AdmissionGate:
                 return
             w = q.head()
             assert w is not None
+            if now >= self._deadline(w):
+                self._expire(w)  # its timer has not fired yet: never grant past the deadline
+                continue
             heapq.heappop(q.heap)
             self._unqueue(w)
             w.future.set_result(self._grant(q, now, w.enqueued_mono))

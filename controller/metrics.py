@@ -51,7 +51,8 @@ class Metrics:
         )
         self.queue_wait = Histogram(
             "autopilot_queue_wait_seconds",
-            "Time from reaching the gate to getting a slot (or to the deadline), by priority class.",
+            "Time from reaching the gate to getting a slot, by priority class (never above the class's "
+            "queue deadline; expiries are autopilot_queue_timeouts_total).",
             ["priority_class"],
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
             registry=registry,
@@ -108,4 +109,3 @@ class GateMetrics:
 
     def timed_out(self, cls: str, wait_s: float) -> None:
         self.m.queue_timeouts.labels(cls).inc()
-        self.m.queue_wait.labels(cls).observe(wait_s)

@@ -15,6 +15,11 @@ from tests.unit.test_gate import Events, Recorder, settle
 
 INTERACTIVE = PriorityClass("interactive", max_priority=0, max_queue=4, queue_deadline_s=2.0)
 BATCH = PriorityClass("batch", min_priority=1, max_queue=8, queue_deadline_s=30.0)
+PATIENT = (
+    PriorityClass("interactive", max_priority=0, max_queue=4, queue_deadline_s=1e6),
+    PriorityClass("batch", min_priority=1, max_queue=8, queue_deadline_s=1e6),
+)
+"""Deadlines out of the way, for the tests of order and aging."""
 
 
 def make(
@@ -90,7 +95,7 @@ async def test_slots_and_admissions_are_counted_per_class() -> None:
 
 
 async def test_interactive_never_waits_behind_batch_without_aging() -> None:
-    gate, clock, _ = make(limit=1)
+    gate, clock, _ = make(limit=1, classes=PATIENT)
     reqs = Requests(gate)
     await reqs.add("hold", 5)
     for i in range(3):
@@ -102,7 +107,7 @@ async def test_interactive_never_waits_behind_batch_without_aging() -> None:
 
 
 async def test_aging_lets_an_old_batch_request_take_one_slot_per_aging_period() -> None:
-    gate, clock, _ = make(limit=1, aging_s=5.0)
+    gate, clock, _ = make(limit=1, classes=PATIENT, aging_s=5.0)
     reqs = Requests(gate)
     await reqs.add("hold", 0)
     await reqs.add("b0", 3)
@@ -124,7 +129,7 @@ async def test_aging_lets_an_old_batch_request_take_one_slot_per_aging_period() 
 
 
 async def test_aging_of_zero_is_pure_strict_priority() -> None:
-    gate, clock, _ = make(limit=1, aging_s=0.0)
+    gate, clock, _ = make(limit=1, classes=PATIENT, aging_s=0.0)
     reqs = Requests(gate)
     await reqs.add("hold", 0)
     await reqs.add("b0", 3)
@@ -242,6 +247,22 @@ async def test_time_paused_for_an_engine_restart_does_not_count_against_deadline
     await settle()
     assert reqs.refused["i0"].reason == "deadline"
     assert "waited 32.0s" in reqs.refused["i0"].message
+
+
+async def test_a_slot_freed_after_the_deadline_but_before_the_timer_is_not_granted_late() -> None:
+    gate, clock, events = make(limit=1)
+    reqs = Requests(gate)
+    await reqs.add("hold", 0)
+    await reqs.add("i0", 0)
+    await reqs.add("i1", 0)
+    clock.advance(1.0)
+    await reqs.add("i2", 0)
+    clock.advance(1.5)  # i0, i1 are past 2 s; their timers (real time) have not fired
+    await reqs.finish("hold")
+    assert reqs.granted == ["hold", "i2"]
+    assert sorted(reqs.refused) == ["i0", "i1"]
+    assert [cls for cls, _ in events.timed_out] == ["interactive", "interactive"]
+    assert max(wait for _, wait in events.admitted) <= INTERACTIVE.queue_deadline_s
 
 
 async def test_deadline_timer_fires_on_the_event_loop() -> None:
