@@ -157,7 +157,7 @@ async def test_overload_serves_interactive_and_refuses_the_excess(daemon_proc: P
     assert inter["sent"] > 50 and batch["sent"] > 100
     # The target is >= 99% of interactive requests within the SLO. On this shared 2-core machine
     # the API server's event loop, the load generator and the EngineCore compete for the CPU and the
-    # measured share was 18-89% (docs/benchmarks.md, section 5): printed above, not asserted. What the
+    # measured share was 18-96% (docs/benchmarks.md, section 5): printed above, not asserted. What the
     # gate decides is asserted: the least urgent class sheds first, the most urgent is served most.
     inter_refused, batch_refused = (c["refused_429"] / c["sent"] for c in (inter, batch))
     assert inter_refused < batch_refused, (inter_refused, batch_refused)
