@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from controller.admission import DEFAULT_CLASSES, PriorityClass, parse_classes
+
 DEFAULT_CONFIG = Path("config.toml")
 
 
@@ -62,7 +64,22 @@ class AdmissionConfig:
 
     limit: int = _f(64, "Initial admission limit: requests allowed inside the engine at once.", 1, 100_000)
     max_queue: int = _f(
-        1024, "Requests that may wait in the gate beyond the limit; more are refused with 429.", 0, 1_000_000
+        1024,
+        "Requests that may wait in the gate in all (every class together); beyond it the least "
+        "urgent class sheds its newest waiter, or the request is refused with 429.",
+        0,
+        1_000_000,
+    )
+    aging_s: float = _f(
+        10.0,
+        "A class whose oldest waiter waited this long takes one slot per aging_s ahead of more urgent "
+        "classes, so lower classes still progress; 0 = pure strict priority.",
+        0,
+        3600,
+    )
+    classes: tuple[PriorityClass, ...] = field(
+        default=DEFAULT_CLASSES,
+        metadata={"doc": "[admission.classes.NAME]: priority classes (see controller/admission.py)."},
     )
 
 
@@ -161,7 +178,7 @@ _TABLES: dict[str, type[Any]] = {
     "control": ControlConfig,
     "guard": GuardConfig,
 }
-_DICT_FIELDS = {"vllm", "params"}
+_DICT_FIELDS = {"vllm", "params", "classes"}
 """Fields that hold a table of free-form keys rather than one typed value."""
 
 
@@ -196,6 +213,8 @@ def _build_table(name: str, raw: dict[str, Any], errors: list[str]) -> Any:
                 kwargs["params"] = dict(value)
             else:
                 errors.append("[control] params must be a table: write [control.params]")
+        elif name == "admission" and key == "classes":
+            kwargs["classes"] = parse_classes(value, errors)
         elif key in fields:
             problems = _check_value(name, fields[key], value)
             errors.extend(problems)

@@ -25,7 +25,7 @@ from controller.diagnosis import Diagnoser, Diagnosis
 from controller.gate import AdmissionGate
 from controller.guard import Guard
 from controller.loop import Change, ControlLoop
-from controller.metrics import Metrics
+from controller.metrics import GateMetrics, Metrics
 from controller.normalize import Normalizer
 from controller.reload import ConfigDiff, diff_config, engine_overrides, merge_live
 from controller.samplers import GpuSource, HostReadingSource, HostSource, NvmlSource
@@ -75,7 +75,9 @@ class Daemon:
         self.gate = AdmissionGate(
             config.admission.limit,
             config.admission.max_queue,
-            on_reject=lambda reason: self.metrics.rejected.labels(reason, "unknown").inc(),
+            config.admission.classes,
+            config.admission.aging_s,
+            events=GateMetrics(self.metrics),
         )
         self.args = serve_namespace(
             config.engine, {"host": config.server.host, "port": config.server.port, **config.server.vllm}
@@ -150,7 +152,8 @@ class Daemon:
     def _apply_live(self, new: Config, diff: ConfigDiff) -> None:
         old = self.config
         self.config = merge_live(old, new)
-        self.gate.max_queue = new.admission.max_queue
+        a = new.admission
+        self.gate.configure(a.classes, a.aging_s, a.max_queue)
         if new.admission.limit != old.admission.limit:
             self.gate.set_limit(new.admission.limit)
         self.window.window_s = new.control.window_seconds
@@ -215,7 +218,7 @@ class Daemon:
             ttft_p50_s=eng.ttft_p50_s,
             itl_p50_s=eng.itl_p50_s,
             finished_per_s=eng.finished_per_s,
-            queued_by_class=status.queued_by_class(self),
+            queued_by_class=self.gate.queued_by_class(),
             gpu_memory_used_bytes=gpu.used_bytes if gpu else None,
             gpu_memory_total_bytes=gpu.total_bytes if gpu else None,
             gpu_memory_free_bytes=gpu.free_bytes if gpu else None,
@@ -258,9 +261,7 @@ class Daemon:
         client = GovernedEngineClient(self.host, self.gate, self.guard.notice_dead)
         app = await build_data_plane(client, self.args)
         self.host.on_new_engine = lambda: refresh_app_state(app, client, self.host.args)
-        self._server = make_server(
-            app, self.args, self.config.server.shutdown_timeout_s, self.gate.retry_after_s
-        )
+        self._server = make_server(app, self.args, self.config.server.shutdown_timeout_s, self.gate)
         self._server_task = asyncio.create_task(self._server.serve())
         while not self._server.started and not self._server_task.done():
             await asyncio.sleep(0.05)

@@ -253,7 +253,7 @@ class Guard:
             f"the engine died and was restarted {n} times in the last hour (max_restarts_per_hour = {n}); "
             "the daemon stopped restarting it: see its logs, fix the cause, then restart the service"
         )
-        self.gate.refuse_all(GateRejected(message, 503, 60), "engine_unavailable")
+        self.gate.refuse_all(GateRejected(message, 503, 60, "engine_unavailable"))
         self.gate.resume()
         log.critical("restart_budget_spent", max_restarts_per_hour=n)
 

@@ -31,8 +31,30 @@ class Metrics:
         )
         self.rejected = Counter(
             "autopilot_rejected_requests",
-            "Requests refused before they started, by reason and priority class.",
+            "Requests refused before they started, by reason (queue_full, expected_wait, shed, "
+            "shutting_down, engine_unavailable) and priority class. Queue-deadline expiries are "
+            "autopilot_queue_timeouts_total.",
             ["reason", "priority_class"],
+            registry=registry,
+        )
+        self.admitted = Counter(
+            "autopilot_admitted_requests",
+            "Requests that got an admission slot, by priority class.",
+            ["priority_class"],
+            registry=registry,
+        )
+        self.queue_timeouts = Counter(
+            "autopilot_queue_timeouts",
+            "Requests refused (429) because their class's queue deadline passed while they waited.",
+            ["priority_class"],
+            registry=registry,
+        )
+        self.queue_wait = Histogram(
+            "autopilot_queue_wait_seconds",
+            "Time from reaching the gate to getting a slot, by priority class (never above the class's "
+            "queue deadline; expiries are autopilot_queue_timeouts_total).",
+            ["priority_class"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
             registry=registry,
         )
         self.decisions = Counter(
@@ -70,3 +92,20 @@ class Metrics:
             registry=registry,
         )
         self.engine_up = Gauge("autopilot_engine_up", "1 when the engine serves, else 0.", registry=registry)
+
+
+class GateMetrics:
+    """The gate's per-class events as metrics (a ``controller.admission.GateEvents``)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.m = metrics
+
+    def admitted(self, cls: str, wait_s: float) -> None:
+        self.m.admitted.labels(cls).inc()
+        self.m.queue_wait.labels(cls).observe(wait_s)
+
+    def rejected(self, cls: str, reason: str) -> None:
+        self.m.rejected.labels(reason, cls).inc()
+
+    def timed_out(self, cls: str, wait_s: float) -> None:
+        self.m.queue_timeouts.labels(cls).inc()

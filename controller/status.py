@@ -11,17 +11,6 @@ if TYPE_CHECKING:
     from controller.daemon import Daemon
 
 
-def priority_class(priority: int) -> str:
-    return "interactive" if priority <= 0 else "batch"
-
-
-def queued_by_class(d: Daemon) -> dict[str, int]:
-    depth = {"interactive": 0, "batch": 0}
-    for p in d.gate.queued_priorities():
-        depth[priority_class(p)] += 1
-    return depth
-
-
 def health(d: Daemon) -> tuple[bool, str]:
     if d.draining:
         return False, "draining"
@@ -42,7 +31,8 @@ def refresh_metrics(d: Daemon) -> None:
     m.batch_cap.set(d.host.batch_cap)
     m.max_num_seqs.set(d.host.max_num_seqs)
     m.in_flight.set(g.in_flight)
-    for cls, n in queued_by_class(d).items():
+    m.queue_depth.clear()  # a class removed by a reload disappears
+    for cls, n in d.gate.queued_by_class().items():
         m.queue_depth.labels(cls).set(n)
     m.engine_generation.set(d.host.generation)
     m.engine_up.set(1 if d.host.ready else 0)
@@ -75,7 +65,9 @@ def state(d: Daemon) -> dict[str, Any]:
         "gate": {
             "in_flight": g.in_flight,
             "queue_depth": g.queued,
-            "queue_depth_by_class": queued_by_class(d),
+            "queue_depth_by_class": d.gate.queued_by_class(),
+            "in_flight_by_class": d.gate.in_flight_by_class(),
+            "timed_out_total": g.timed_out_total,
             "pending": g.pending,
             "paused": d.gate.paused,
             "admitted_total": g.admitted_total,

@@ -13,37 +13,49 @@ from fastapi import FastAPI
 from vllm.entrypoints.launchers.api_server.app_state import init_app_state
 from vllm.entrypoints.launchers.app import build_app
 
-from controller.engine.client import GovernedEngineClient
+from controller.engine import tickets
+from controller.engine.client import GateRefusal, GovernedEngineClient
+from controller.gate import AdmissionGate
 
 ASGIApp = Callable[..., Any]
 
 
-class RetryAfterMiddleware:
-    """Adds ``Retry-After`` to 429/503 answers; vLLM's error responses carry none."""
+class AdmissionMiddleware:
+    """Gives each request an admission ticket (tickets.py) and adds ``Retry-After`` to 429/503
+    answers (vLLM's error responses carry none): the gate's own figure for the request's class when
+    the gate refused it, else the gate's estimate for the whole queue."""
 
-    def __init__(self, app: ASGIApp, retry_after_s: Callable[[], int]) -> None:
+    def __init__(self, app: ASGIApp, gate: AdmissionGate) -> None:
         self.app = app
-        self.retry_after_s = retry_after_s
+        self.gate = gate
 
     async def __call__(self, scope: dict[str, Any], receive: ASGIApp, send: ASGIApp) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        ticket = tickets.Ticket(priority=tickets.header_priority(scope.get("headers", [])))
 
         async def send_with_retry_after(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start" and message["status"] in (429, 503):
-                headers = list(message.get("headers", []))
-                headers.append((b"retry-after", str(self.retry_after_s()).encode()))
+                retry = ticket.retry_after_s or self.gate.retry_after_s()
+                headers = [*message.get("headers", []), (b"retry-after", str(retry).encode())]
                 message = {**message, "headers": headers}
             await send(message)
 
-        await self.app(scope, receive, send_with_retry_after)
+        token = tickets.current.set(ticket)
+        try:
+            await self.app(scope, receive, send_with_retry_after)
+        finally:
+            tickets.current.reset(token)
+            if ticket.admitted and not ticket.claimed:  # vLLM answered without generating (4xx)
+                self.gate.cancel_pending(ticket.priority)
 
 
 async def build_data_plane(client: GovernedEngineClient, args: argparse.Namespace) -> FastAPI:
     supported_tasks = await client.get_supported_tasks()
     app = build_app(args, supported_tasks, client.model_config)
     await init_app_state(client, app.state, args, supported_tasks)
+    tickets.capture_priorities(app.state, GateRefusal)
     return app
 
 
@@ -53,6 +65,7 @@ async def refresh_app_state(app: FastAPI, client: GovernedEngineClient, args: ar
     supported_tasks = await client.get_supported_tasks()
     server = app.state.server
     await init_app_state(client, app.state, args, supported_tasks)
+    tickets.capture_priorities(app.state, GateRefusal)
     app.state.server = server
 
 
@@ -65,11 +78,11 @@ class DataPlaneServer(uvicorn.Server):
 
 
 def make_server(
-    app: FastAPI, args: argparse.Namespace, shutdown_timeout_s: float, retry_after_s: Callable[[], int]
+    app: FastAPI, args: argparse.Namespace, shutdown_timeout_s: float, gate: AdmissionGate
 ) -> DataPlaneServer:
     # Wrapped outside the app: vLLM's app has built its middleware stack by now.
     config = uvicorn.Config(
-        RetryAfterMiddleware(app, retry_after_s),
+        AdmissionMiddleware(app, gate),
         host=args.host,
         port=args.port,
         log_level=args.uvicorn_log_level,

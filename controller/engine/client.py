@@ -17,12 +17,18 @@ from vllm.engine.protocol import EngineClient
 from vllm.exceptions import GracefulHTTPError, RetryableRequestError
 from vllm.v1.engine.exceptions import EngineDeadError
 
+from controller.engine import tickets
 from controller.engine.host import EngineHost
 from controller.gate import AdmissionGate, GateRejected
 
 
-def _http_error(exc: GateRejected) -> GracefulHTTPError:
-    return GracefulHTTPError(exc.message, HTTPStatus(exc.status))
+class GateRefusal(GracefulHTTPError):
+    """The gate refused the request (429 overload, 503 draining or engine unavailable). vLLM turns
+    it into that status, or, in a stream whose 200 already went out, into an error event."""
+
+
+def _http_error(exc: GateRejected) -> GateRefusal:
+    return GateRefusal(exc.message, HTTPStatus(exc.status))
 
 
 class GovernedEngineClient(EngineClient):
@@ -71,13 +77,19 @@ class GovernedEngineClient(EngineClient):
 
     # -- the governed path ----------------------------------------------------------------------
     def check_admission(self, n: int = 1, request_id: str | None = None) -> None:
+        """vLLM calls this without the priority: the request's ticket carries it (tickets.py)."""
         self._host.llm.check_admission(n, request_id)  # vLLM's own queue limits, if configured
+        ticket = tickets.current.get()
         try:
-            self._gate.check_admission(n)
+            self._gate.check_admission(ticket.priority if ticket else 0, n)
         except GateRejected as exc:
+            if ticket is not None:
+                ticket.retry_after_s = exc.retry_after_s
             raise _http_error(exc) from None
+        if ticket is not None:
+            ticket.admitted = True
 
-    async def generate(  # type: ignore[override]
+    def generate(  # type: ignore[override]
         self,
         prompt: Any,
         sampling_params: Any,
@@ -86,15 +98,38 @@ class GovernedEngineClient(EngineClient):
         priority: int = 0,
         **kwargs: Any,
     ) -> AsyncGenerator[Any, None]:
+        """A plain function, so that it claims the request's ticket when vLLM calls it (in the
+        handler's context), not when the stream is first iterated."""
+        ticket = tickets.current.get()
+        from_pending = ticket is not None and ticket.admitted and not ticket.claimed
+        if ticket is not None and from_pending:
+            ticket.claimed = True
+        return self._generate(prompt, sampling_params, request_id, priority, from_pending, ticket, kwargs)
+
+    async def _generate(
+        self,
+        prompt: Any,
+        sampling_params: Any,
+        request_id: str,
+        priority: int,
+        from_pending: bool,
+        ticket: tickets.Ticket | None,
+        kwargs: dict[str, Any],
+    ) -> AsyncGenerator[Any, None]:
         """Wait for a slot, then stream from the engine. A request the engine died under before its
         first output goes back to the gate and runs on the next engine; one that already streamed,
-        or that a restart had to abort, ends with a retryable error (503)."""
+        or that a restart had to abort, ends with a retryable error (503). A request whose queue
+        deadline passes gets 429 (or, streamed, an error event: its 200 went out already)."""
         while True:
             try:
-                await self._gate.acquire(priority)
+                slot = await self._gate.acquire(priority, from_pending)
             except GateRejected as exc:
+                if ticket is not None:
+                    ticket.retry_after_s = exc.retry_after_s
                 raise _http_error(exc) from None
+            from_pending = False
             produced = False
+            held = True
             self._host.in_flight.add(request_id)
             try:
                 llm = self._host.llm
@@ -104,6 +139,12 @@ class GovernedEngineClient(EngineClient):
                 async with contextlib.aclosing(stream):
                     async for output in stream:
                         produced = True
+                        if getattr(output, "finished", False) and held:
+                            # Done in the engine: the slot goes back now, not once a slow client
+                            # has read the last chunk (the limit is about engine concurrency).
+                            held = False
+                            self._host.in_flight.discard(request_id)
+                            self._gate.release(slot)
                         yield output
             except EngineDeadError:
                 self._on_engine_dead()
@@ -111,8 +152,9 @@ class GovernedEngineClient(EngineClient):
                     raise RetryableRequestError("the engine failed during this request; retry it") from None
                 continue  # nothing sent yet: wait for the next engine
             finally:
-                self._host.in_flight.discard(request_id)
-                self._gate.release()
+                if held:
+                    self._host.in_flight.discard(request_id)
+                    self._gate.release(slot)
             reason = self._host.aborted.pop(request_id, None)
             if reason is not None:
                 raise RetryableRequestError(f"request aborted: {reason}; retry it")

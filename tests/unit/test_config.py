@@ -29,6 +29,7 @@ from controller.config import (
 from policies.base import REGISTRY
 
 ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_ADMISSION = {"limit": 64, "max_queue": 1024, "aging_s": 10.0}
 DEFAULT = ROOT / "config.toml"
 BASE: dict[str, Any] = tomllib.loads(DEFAULT.read_text())
 
@@ -55,12 +56,12 @@ def test_default_config_loads() -> None:
     assert config.max_num_seqs == 64
     assert config.server == ServerConfig(host="127.0.0.1", port=8000, shutdown_timeout_s=30.0, vllm={})
     assert config.admin == AdminConfig(host="127.0.0.1", port=9400)
-    assert config.admission == AdmissionConfig(limit=64, max_queue=1024)
+    assert config.admission == AdmissionConfig(limit=64, max_queue=1024, aging_s=10.0)
     assert config.control == ControlConfig(
         tick_seconds=1.0, policy="static", window_seconds=10.0, history=50, params={}
     )
     described = describe(config)
-    assert described["admission"] == {"limit": 64, "max_queue": 1024}
+    assert {k: v for k, v in described["admission"].items() if k != "classes"} == DEFAULT_ADMISSION
     assert described["engine"]["max_num_seqs"] == 64
 
 
@@ -69,7 +70,7 @@ def test_default_config_loads() -> None:
     [
         ("admission", "limt", "[admission] unknown key 'limt': did you mean 'limit'?"),
         ("admission", "max_queu", "[admission] unknown key 'max_queu': did you mean 'max_queue'?"),
-        ("admission", "xyzzy", "[admission] unknown key 'xyzzy': known keys: limit, max_queue"),
+        ("admission", "xyzzy", "[admission] unknown key 'xyzzy': known keys: aging_s, limit, max_queue"),
         ("admin", "prot", "[admin] unknown key 'prot': did you mean 'port'?"),
         ("control", "polcy", "[control] unknown key 'polcy': did you mean 'policy'?"),
         ("control", "tick_second", "[control] unknown key 'tick_second': did you mean 'tick_seconds'?"),
@@ -366,4 +367,5 @@ def test_cli_check_config_accepts_the_default(cli_runs: dict[str, subprocess.Com
     assert run.returncode == 0, run.stderr
     effective = json.loads(run.stdout)
     assert effective["engine"]["max_num_seqs"] == 64
-    assert effective["admission"] == {"limit": 64, "max_queue": 1024}
+    assert {k: v for k, v in effective["admission"].items() if k != "classes"} == DEFAULT_ADMISSION
+    assert [c["name"] for c in effective["admission"]["classes"]] == ["interactive", "batch"]

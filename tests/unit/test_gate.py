@@ -10,8 +10,12 @@ import asyncio
 
 import pytest
 
+from controller.admission import PriorityClass
 from controller.clock import FakeClock
-from controller.gate import AdmissionGate, GateRejected, GateStats
+from controller.gate import AdmissionGate, GateRejected, GateStats, Slot
+
+ONE_CLASS = (PriorityClass("all", max_queue=100_000, queue_deadline_s=1e6),)
+"""One class for every priority and no deadline to speak of: the tests of the limit and the order."""
 
 
 async def settle() -> None:
@@ -39,11 +43,40 @@ class Waiters:
         return task
 
 
+class Events:
+    """Records the gate's per-class events."""
+
+    def __init__(self) -> None:
+        self.admitted: list[tuple[str, float]] = []
+        self.rejected: list[tuple[str, str]] = []
+        self.timed_out: list[tuple[str, float]] = []
+
+
+class Recorder:
+    def __init__(self, reasons: list[str], events: Events) -> None:
+        self.reasons = reasons
+        self.events = events
+
+    def admitted(self, cls: str, wait_s: float) -> None:
+        self.events.admitted.append((cls, wait_s))
+
+    def rejected(self, cls: str, reason: str) -> None:
+        self.reasons.append(reason)
+        self.events.rejected.append((cls, reason))
+
+    def timed_out(self, cls: str, wait_s: float) -> None:
+        self.events.timed_out.append((cls, wait_s))
+
+
 def make_gate(limit: int = 1, max_queue: int = 100) -> tuple[AdmissionGate, FakeClock, list[str]]:
     clock = FakeClock()
     reasons: list[str] = []
-    gate = AdmissionGate(limit, max_queue, clock=clock, on_reject=reasons.append)
+    gate = AdmissionGate(limit, max_queue, ONE_CLASS, clock=clock, events=Recorder(reasons, Events()))
     return gate, clock, reasons
+
+
+def release(gate: AdmissionGate, cls: str = "all") -> None:
+    gate.release(Slot(cls, 0.0))
 
 
 # -- limit ----------------------------------------------------------------------------------------
@@ -65,7 +98,7 @@ async def test_limit_admits_up_to_limit_and_queues_the_rest() -> None:
         completed_total=0,
         closed=False,
     )
-    gate.release()
+    release(gate)
     await settle()
     assert waiters.granted == ["a", "b", "c"]
     assert (gate.stats().in_flight, gate.stats().queued, gate.stats().completed_total) == (2, 0, 1)
@@ -74,8 +107,8 @@ async def test_limit_admits_up_to_limit_and_queues_the_rest() -> None:
 @pytest.mark.parametrize("limit", [0, -1])
 def test_limit_below_one_is_refused(limit: int) -> None:
     with pytest.raises(ValueError, match="admission limit must be >= 1"):
-        AdmissionGate(limit, 10)
-    gate = AdmissionGate(1, 10)
+        AdmissionGate(limit, 10, ONE_CLASS)
+    gate = AdmissionGate(1, 10, ONE_CLASS)
     with pytest.raises(ValueError, match="admission limit must be >= 1"):
         gate.set_limit(limit)
     assert gate.limit == 1
@@ -100,9 +133,9 @@ async def test_release_order_is_strict_priority_then_fifo(
     for label, priority in arrivals:
         await waiters.add(label, priority)
     assert waiters.granted == []
-    assert sorted(gate.queued_priorities()) == sorted(p for _, p in arrivals)
+    assert gate.queued_by_class() == {"all": len(arrivals)}
     for _ in arrivals:
-        gate.release()
+        release(gate)
         await settle()
     assert waiters.granted == expected_order
     assert gate.stats().in_flight == 1  # the last one still holds its slot
@@ -128,11 +161,11 @@ async def test_lowering_the_limit_never_evicts() -> None:
         await waiters.add(label)
     gate.set_limit(1)
     assert (gate.stats().in_flight, gate.stats().queued) == (3, 1)
-    gate.release()
-    gate.release()
+    release(gate)
+    release(gate)
     await settle()
     assert (gate.stats().in_flight, gate.stats().queued) == (1, 1)  # still above the new limit: d waits
-    gate.release()
+    release(gate)
     await settle()
     assert (gate.stats().in_flight, gate.stats().queued) == (1, 0)
     assert waiters.granted == ["a", "b", "c", "d"]
@@ -162,8 +195,7 @@ async def test_cancelled_waiter_leaves_the_queue() -> None:
     await settle()
     assert cancelled.cancelled()
     assert gate.stats().queued == 2
-    assert sorted(gate.queued_priorities()) == [1, 2]
-    gate.release()
+    release(gate)
     await settle()
     assert waiters.granted == ["a"]  # b's place is skipped, not granted
     assert (gate.stats().in_flight, gate.stats().queued) == (1, 1)
@@ -177,7 +209,7 @@ async def test_cancelling_the_only_waiter_does_not_block_later_requests() -> Non
     task.cancel()
     await settle()
     assert gate.stats().queued == 0
-    gate.release()
+    release(gate)
     assert gate.stats().in_flight == 0
     # the queue is empty, so a new request takes the free slot without waiting
     await asyncio.wait_for(gate.acquire(), timeout=1.0)
@@ -199,14 +231,14 @@ async def test_cancel_racing_with_grant_gives_the_slot_back() -> None:
     waiters = Waiters(gate)
     first = await waiters.add("a", priority=0)
     await waiters.add("b", priority=1)
-    gate.release()  # grants a's future ...
+    release(gate)  # grants a's future ...
     assert (gate.stats().in_flight, gate.stats().queued) == (1, 1)
     first.cancel()  # ... and a is cancelled before it could run
     await settle()
     assert first.cancelled()
     assert waiters.granted == ["b"]  # a's slot went back and on to b
     assert (gate.stats().in_flight, gate.stats().queued) == (1, 0)
-    gate.release()
+    release(gate)
     assert gate.stats().in_flight == 0
 
 
@@ -232,7 +264,7 @@ async def test_check_admission_refuses_beyond_limit_plus_queue_and_counts_pendin
     assert (gate.stats().in_flight, gate.stats().queued, gate.stats().pending) == (1, 2, 0)
     with pytest.raises(GateRejected):
         gate.check_admission()  # 1 in flight + 2 queued = limit + max_queue
-    gate.release()
+    release(gate)
     await settle()
     assert (gate.stats().in_flight, gate.stats().queued) == (1, 1)
     gate.check_admission()  # room for one again
@@ -280,8 +312,8 @@ async def complete_at(gate: AdmissionGate, clock: FakeClock, times: list[float])
     """One request acquires and completes at each clock time in ``times``."""
     for t in times:
         clock.advance(t - clock.now)
-        await gate.acquire()
-        gate.release()
+        slot = await gate.acquire()
+        gate.release(slot)
 
 
 @pytest.mark.parametrize(
@@ -293,10 +325,10 @@ async def complete_at(gate: AdmissionGate, clock: FakeClock, times: list[float])
         ([1000.0, 1002.0, 1004.0, 1006.0, 1008.0], 1010.0, 0, 2),  # 1 / 0.5
         ([1000.0, 1002.0, 1004.0, 1006.0, 1008.0], 1010.0, 3, 8),  # 4 / 0.5
         ([1000.0, 1002.0, 1004.0, 1006.0, 1008.0], 1010.0, 39, 60),  # 40 / 0.5 = 80, capped at 60
-        # 10 completions in 1 s -> 10/s: 2 / 10 = 0.2 rounds to 0, floored at 1
+        # 10 completions in 1 s -> 10/s: 2 / 10 = 0.2 rounds up to 1
         ([1000.0 + i / 10 for i in range(10)], 1001.0, 1, 1),
-        # only completions of the last 30 s count: 1006 and 1008 -> 2 / 30 s; 1 / (1/15) = 15
-        ([1000.0, 1002.0, 1004.0, 1006.0, 1008.0], 1036.0, 0, 15),
+        # only completions of the last 10 s count: 1006 and 1008 -> 2 / 10 s; 1 / 0.2 = 5
+        ([1000.0, 1002.0, 1004.0, 1006.0, 1008.0], 1016.0, 0, 5),
         # all completions at the same instant as now: no measurable span
         ([1000.0, 1000.0], 1000.0, 0, 1),
     ],
@@ -321,7 +353,8 @@ async def test_429_carries_retry_after() -> None:
     gate.check_admission()
     with pytest.raises(GateRejected) as exc:
         gate.check_admission()
-    assert (exc.value.status, exc.value.retry_after_s) == (429, 6)  # backlog 2 pending + 1 -> 3 / 0.5
+    # 3 would wait for a gate that holds 2: the one beyond drains in 1 / 0.5/s
+    assert (exc.value.status, exc.value.retry_after_s, exc.value.reason) == (429, 2, "queue_full")
 
 
 # -- drain ----------------------------------------------------------------------------------------
@@ -338,7 +371,7 @@ async def test_stop_admitting_refuses_new_but_queued_ones_proceed() -> None:
     assert (exc.value.status, exc.value.retry_after_s) == (503, 1)
     assert reasons == ["shutting_down"]
     assert gate.stats().closed is True
-    gate.release()
+    release(gate)
     await settle()
     assert waiters.granted == ["a"]
     assert (gate.stats().in_flight, gate.stats().queued) == (1, 0)
@@ -357,14 +390,14 @@ async def test_close_fails_queued_waiters_and_keeps_in_flight() -> None:
         assert task.exception().status == 503  # type: ignore[union-attr]
     assert waiters.granted == []
     assert (gate.stats().in_flight, gate.stats().queued, gate.stats().closed) == (1, 0, True)
-    assert gate.queued_priorities() == []
+    assert gate.queued_by_class() == {"all": 0}
     with pytest.raises(GateRejected) as exc:
         await gate.acquire()
     assert exc.value.status == 503
     with pytest.raises(GateRejected):
         gate.check_admission()
     assert reasons == ["shutting_down"]
-    gate.release()
+    release(gate)
     assert gate.stats().in_flight == 0
 
 
@@ -378,7 +411,7 @@ async def test_wait_idle_without_waiting() -> None:
 # -- stats ----------------------------------------------------------------------------------------
 
 
-async def test_stats_and_queued_priorities() -> None:
+async def test_stats_and_queue_depth() -> None:
     gate, clock, _ = make_gate(limit=2, max_queue=10)
     gate.check_admission()
     gate.check_admission()
@@ -390,10 +423,10 @@ async def test_stats_and_queued_priorities() -> None:
     gate.check_admission()
     waiters.tasks["c"].cancel()
     await settle()
-    gate.release()
+    release(gate)
     await settle()
     assert waiters.granted == ["b"]
-    assert sorted(gate.queued_priorities()) == [1, 3]
+    assert gate.queued_by_class() == {"all": 2}
     assert gate.stats() == GateStats(
         limit=2,
         in_flight=2,

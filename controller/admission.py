@@ -1,0 +1,179 @@
+"""Priority classes of the admission gate, their validation, and the measured completion rate.
+
+A class owns a contiguous range of vLLM's ``priority`` values (lower is more urgent). Classes are
+ranked by their range: the class with the lowest priorities is served first and shed last. No vLLM
+import: config.py builds these from ``[admission.classes]``, the gate uses them as they are.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from controller.clock import Clock
+
+
+@dataclass(frozen=True)
+class PriorityClass:
+    """One ``[admission.classes.NAME]`` table."""
+
+    name: str
+    """Label of the class in metrics, /state and logs."""
+    min_priority: int | None = None
+    """Lowest ``priority`` of the class (inclusive); None: no lower bound."""
+    max_priority: int | None = None
+    """Highest ``priority`` of the class (inclusive); None: no upper bound."""
+    max_queue: int = 256
+    """Requests of this class that may wait for a slot; more are refused with 429."""
+    queue_deadline_s: float = 10.0
+    """Longest wait for a slot. Refused at once when the expected wait is longer; 429 when it expires."""
+    reserved_share: float = 0.0
+    """Fraction of the admission limit only this class may use (the rest is shared)."""
+
+    def contains(self, priority: int) -> bool:
+        lo_ok = self.min_priority is None or priority >= self.min_priority
+        return lo_ok and (self.max_priority is None or priority <= self.max_priority)
+
+    def reserved_slots(self, limit: int) -> int:
+        return int(self.reserved_share * limit)
+
+
+DEFAULT_CLASSES: tuple[PriorityClass, ...] = (
+    PriorityClass("interactive", max_priority=0, max_queue=256, queue_deadline_s=5.0),
+    PriorityClass("batch", min_priority=1, max_queue=1024, queue_deadline_s=60.0),
+)
+
+_KEYS: dict[str, tuple[type, float, float, str]] = {
+    "min_priority": (int, -(2**31), 2**31 - 1, "lowest priority of the class (inclusive)"),
+    "max_priority": (int, -(2**31), 2**31 - 1, "highest priority of the class (inclusive)"),
+    "max_queue": (int, 0, 1_000_000, "requests of the class that may wait for a slot"),
+    "queue_deadline_s": (float, 0.001, 86_400, "longest wait for a slot, in seconds"),
+    "reserved_share": (float, 0.0, 1.0, "fraction of the admission limit only this class may use"),
+}
+_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+
+
+def parse_classes(raw: Any, errors: list[str]) -> tuple[PriorityClass, ...]:
+    """``[admission.classes]`` -> classes ordered by priority range; problems go to ``errors``."""
+    import difflib
+
+    if not isinstance(raw, dict) or not raw:
+        errors.append("[admission] classes must be tables: write [admission.classes.NAME] per class")
+        return DEFAULT_CLASSES
+    classes = []
+    for name, table in raw.items():
+        where = f"[admission.classes.{name}]"
+        if not _NAME.match(name):
+            errors.append(f"{where}: class names are metric labels; use lowercase letters, digits, '_'")
+        if not isinstance(table, dict):
+            errors.append(f"{where}: must be a table of {', '.join(_KEYS)}")
+            continue
+        kwargs: dict[str, Any] = {}
+        for key, value in table.items():
+            if key not in _KEYS:
+                close = difflib.get_close_matches(key, list(_KEYS), n=1)
+                hint = f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(_KEYS)}"
+                errors.append(f"{where} unknown key '{key}': {hint}")
+                continue
+            want, lo, hi, doc = _KEYS[key]
+            ok = isinstance(value, want) or (want is float and isinstance(value, int))
+            if not ok or isinstance(value, bool):
+                errors.append(f"{where} {key} = {value!r}: must be {want.__name__} ({doc})")
+            elif not lo <= value <= hi:
+                errors.append(f"{where} {key} = {value!r}: out of range; use a value in [{lo}, {hi}] ({doc})")
+            else:
+                kwargs[key] = float(value) if want is float else value
+        classes.append(PriorityClass(name, **kwargs))
+    if not classes:
+        return DEFAULT_CLASSES  # every table was unusable: reported above
+    errors.extend(_range_errors(classes))
+    return tuple(sorted(classes, key=_lower_bound))
+
+
+def _lower_bound(c: PriorityClass) -> float:
+    return float("-inf") if c.min_priority is None else c.min_priority
+
+
+def _range_errors(classes: Sequence[PriorityClass]) -> list[str]:
+    """The ranges must cover every priority exactly once, so each request has one class."""
+    errors = []
+    for c in classes:
+        if c.min_priority is not None and c.max_priority is not None and c.min_priority > c.max_priority:
+            errors.append(
+                f"[admission.classes.{c.name}] min_priority = {c.min_priority} > max_priority = "
+                f"{c.max_priority}: swap them"
+            )
+    if errors:
+        return errors
+    ordered = sorted(classes, key=_lower_bound)
+    if ordered[0].min_priority is not None:
+        errors.append(
+            f"[admission.classes.{ordered[0].name}] min_priority = {ordered[0].min_priority}: lower "
+            "priorities would have no class; drop min_priority from the most urgent class"
+        )
+    if ordered[-1].max_priority is not None:
+        errors.append(
+            f"[admission.classes.{ordered[-1].name}] max_priority = {ordered[-1].max_priority}: higher "
+            "priorities would have no class; drop max_priority from the least urgent class"
+        )
+    for a, b in itertools.pairwise(ordered):
+        if a.max_priority is None or b.min_priority is None or b.min_priority != a.max_priority + 1:
+            errors.append(
+                f"[admission.classes.{a.name}] and [admission.classes.{b.name}]: their priority ranges "
+                f"must meet without gap or overlap; set {b.name}.min_priority = {a.name}.max_priority + 1"
+            )
+    share = sum(c.reserved_share for c in classes)
+    if share > 1.0:
+        errors.append(
+            f"[admission.classes] reserved_share adds up to {share:g}: the shares must total at most 1"
+        )
+    return errors
+
+
+class GateEvents(Protocol):
+    """What the gate reports per class (the daemon turns it into metrics)."""
+
+    def admitted(self, cls: str, wait_s: float) -> None: ...
+
+    def rejected(self, cls: str, reason: str) -> None: ...
+
+    def timed_out(self, cls: str, wait_s: float) -> None: ...
+
+
+class NoEvents:
+    def admitted(self, cls: str, wait_s: float) -> None:
+        pass
+
+    def rejected(self, cls: str, reason: str) -> None:
+        pass
+
+    def timed_out(self, cls: str, wait_s: float) -> None:
+        pass
+
+
+class CompletionRate:
+    """Completions per second over the last ``window_s``, on an injected clock.
+
+    None until two completions are in the window: without a measurement the gate does not refuse on
+    expected wait (the queue bound and the deadline still hold).
+    """
+
+    def __init__(self, clock: Clock, window_s: float = 10.0, max_samples: int = 4096) -> None:
+        self._clock = clock
+        self.window_s = window_s
+        self._times: deque[float] = deque(maxlen=max_samples)
+
+    def record(self) -> None:
+        self._times.append(self._clock())
+
+    def per_second(self) -> float | None:
+        now = self._clock()
+        while self._times and self._times[0] < now - self.window_s:
+            self._times.popleft()
+        if len(self._times) < 2 or now <= self._times[0]:
+            return None
+        return len(self._times) / (now - self._times[0])

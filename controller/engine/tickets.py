@@ -1,0 +1,92 @@
+"""Per-request admission tickets: the request's priority class is known when vLLM calls
+``check_admission`` (which it does without the priority), and a refusal carries its own Retry-After.
+
+The data-plane middleware gives every HTTP request a ``Ticket`` in a context variable (vLLM's
+handler tasks inherit it). The serving objects' entry points are wrapped to fill in the priority with
+vLLM's own resolution (the ``X-Vllm-Priority`` header, else the body's ``priority``) before their
+``_preflight`` runs. ``generate()`` claims the ticket; a ticket admitted but never claimed (vLLM
+answered 4xx after admission: bad input, prompt too long) gives its pending place back when the
+request ends.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+ENTRY_POINTS = ("create_chat_completion", "create_completion", "create_responses")
+"""Serving methods that take (request, raw_request) and call ``_preflight`` before generating."""
+PRIORITY_HEADER = "x-vllm-priority"
+
+
+@dataclass
+class Ticket:
+    priority: int = 0
+    admitted: bool = False
+    """Passed check_admission: counted as pending in its class."""
+    claimed: bool = False
+    """generate() took the pending place."""
+    retry_after_s: int | None = None
+    """Set when the gate refused the request: the Retry-After of its answer."""
+
+
+current: ContextVar[Ticket | None] = ContextVar("autopilot_ticket", default=None)
+
+
+def header_priority(headers: list[tuple[bytes, bytes]]) -> int:
+    """The priority header of a raw ASGI request, as vLLM reads it (bad values ignored)."""
+    for name, value in headers:
+        if name.lower() == PRIORITY_HEADER.encode():
+            try:
+                return int(value)
+            except ValueError:
+                return 0
+    return 0
+
+
+def _wrap(serving: Any, method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    async def entry(request: Any, raw_request: Any = None, *args: Any, **kwargs: Any) -> Any:
+        ticket = current.get()
+        if ticket is not None:
+            ticket.priority = serving._get_priority(request, raw_request)
+        return await method(request, raw_request, *args, **kwargs)
+
+    entry.__autopilot_wrapped__ = True  # type: ignore[attr-defined]
+    return entry
+
+
+class QuietRefusals(logging.Filter):
+    """vLLM logs a traceback when a stream ends in an exception. A gate refusal there (a queue
+    deadline passed) is expected under overload, answered with an error event and counted in the
+    metrics: its record is dropped instead of printing a traceback per refused request."""
+
+    def __init__(self, refusal: type[BaseException]) -> None:
+        super().__init__()
+        self.refusal = refusal
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], self.refusal))
+
+
+def capture_priorities(app_state: Any, refusal: type[BaseException] | None = None) -> int:
+    """Wrap the entry points of every generating serving object in ``app_state``; returns how many
+    (run again after ``init_app_state`` builds new ones). With ``refusal``, the serving modules'
+    loggers drop that exception's tracebacks (``QuietRefusals``)."""
+    wrapped = 0
+    for serving in list(vars(app_state).get("_state", {}).values()):
+        if not hasattr(serving, "_get_priority") or not hasattr(serving, "_preflight"):
+            continue
+        logger = logging.getLogger(type(serving).__module__)
+        if refusal is not None and not any(isinstance(f, QuietRefusals) for f in logger.filters):
+            logger.addFilter(QuietRefusals(refusal))
+        for name in ENTRY_POINTS:
+            method = getattr(serving, name, None)
+            if method is not None and not getattr(method, "__autopilot_wrapped__", False):
+                setattr(serving, name, _wrap(serving, method))
+                wrapped += 1
+    return wrapped
