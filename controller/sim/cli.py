@@ -125,6 +125,8 @@ def _simulation_parts(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
         window_s=control.window_seconds,
         admission_limit=admission.limit,
         max_queue=admission.max_queue,
+        aging_s=admission.aging_s,
+        classes=admission.classes,
     )
     return profile, policy, normalizer, settings
 

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from controller.admission import DEFAULT_CLASSES, PriorityClass
 from controller.benchkit.records import (
     RequestRecord,
     SeriesPoint,
@@ -36,7 +37,6 @@ from controller.loop import Change, ControlLoop
 from controller.normalize import Normalizer
 from controller.sim.engine import SimEngine, SimRequest, StepPlan
 from controller.sim.profile import Profile
-from controller.status import priority_class
 from controller.telemetry import TelemetryWindow
 from policies.base import Observation, Policy
 
@@ -57,6 +57,9 @@ class ControlSettings:
     window_s: float = 10.0
     admission_limit: int = 64
     max_queue: int = 1024
+    aging_s: float = 10.0
+    classes: tuple[PriorityClass, ...] = DEFAULT_CLASSES
+    """The gate's priority classes (their queue limits and deadlines apply, as in the daemon)."""
     sample_period_s: float = 1.0
     """Period of the time series written to timeseries.jsonl."""
     drain_s: float = 600.0
@@ -107,7 +110,8 @@ class Simulation:
         self.clock = FakeClock(0.0)
         self.engine = SimEngine(profile.engine, profile.cost)
         self.window = TelemetryWindow(self.control.window_s, self.clock)
-        self.gate = AdmissionGate(self.control.admission_limit, self.control.max_queue, self.clock)
+        c = self.control
+        self.gate = AdmissionGate(c.admission_limit, c.max_queue, c.classes, c.aging_s, clock=self.clock)
         self.changes: list[Change] = []
         self.loop = ControlLoop(policy, normalizer, self.observe, self, self.changes.append, history=50)
         self._rng = random.Random(seed)
@@ -129,9 +133,6 @@ class Simulation:
     def observe(self) -> Observation:
         eng = self.window.snapshot()
         g = self.gate.stats()
-        by_class = {"interactive": 0, "batch": 0}
-        for p in self.gate.queued_priorities():
-            by_class[priority_class(p)] += 1
         return Observation(
             now_mono=eng.now_mono,
             admission_limit=g.limit,
@@ -152,7 +153,7 @@ class Simulation:
             ttft_p50_s=eng.ttft_p50_s,
             itl_p50_s=eng.itl_p50_s,
             finished_per_s=eng.finished_per_s,
-            queued_by_class=by_class,
+            queued_by_class=self.gate.queued_by_class(),
             window_s=eng.window_s,
         )
 
@@ -171,7 +172,7 @@ class Simulation:
             self._fail(spec, t0, "failed", 400, msg)
             return
         try:
-            self.gate.check_admission(1)
+            self.gate.check_admission(spec.priority)
         except GateRejected as exc:
             self._fail(spec, t0, "refused", exc.status, exc.message)
             return
@@ -277,9 +278,11 @@ class Simulation:
             if t > end_by:
                 break
             self.clock.now = t
-            woken = False  # did anything happen that request tasks must react to?
+            # queue deadlines on virtual time, before any await: the gate's own loop timers (real
+            # time) then find these waiters already refused, so the run stays deterministic
+            woken = self.gate.expire_overdue() > 0  # did anything happen that tasks must react to?
             if plan is not None and step_end <= t:
-                woken = self._end_step(plan, t)
+                woken = self._end_step(plan, t) or woken
                 plan = None
             while i < len(arrivals) and arrivals[i].arrival_s + front <= t:
                 self._tasks.append(asyncio.create_task(self._client(arrivals[i])))
