@@ -20,8 +20,10 @@ seeded open-loop Poisson schedule is replayed against it:
 Goodput counts the requests that arrived in a phase and met both SLOs (TTFT and TPOT); refused and
 failed requests are misses, so shedding cannot game it. Printed per phase and overall, with ratios to
 the best static preset among the files of the results directory, and the ceiling (every arrival
-good). Each configuration's file keeps its per-request records and the batch cap over time. The
-report refuses files measured with other settings (schedule, SLOs, engine) than the first one.
+good), and ``others``: the cores other processes (not the daemon, not this script) used while it
+ran; a row with others above ~0.1 ran on a shared CPU and is noisy. Each configuration's file
+keeps its per-request records and the batch cap over time. The report refuses files measured with
+other settings (schedule, SLOs, engine) than the first one.
 """
 
 from __future__ import annotations
@@ -43,7 +45,16 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.loadgen import RequestResult, completion_payload, make_prompt, percentile, stream_completion
-from bench.serve_vs_daemon import HOST, ROOT, Server, load_base_config, running, to_toml
+from bench.serve_vs_daemon import (
+    HOST,
+    ROOT,
+    Server,
+    _cpu_seconds_outside,
+    load_base_config,
+    other_load,
+    running,
+    to_toml,
+)
 
 
 @dataclass(frozen=True)
@@ -129,16 +140,31 @@ def good(r: dict[str, Any], slo_ttft_s: float, slo_tpot_s: float) -> bool:
     return t is not None and r["ttft_s"] <= slo_ttft_s and t <= slo_tpot_s
 
 
+SCRAPED = {
+    "preemptions": "vllm:num_preemptions_total",
+    "batch_cap": "autopilot_batch_cap",
+    "in_flight": "autopilot_in_flight_requests",
+    "gate_queue": "autopilot_queue_depth",
+    "running": "vllm:num_requests_running",
+    "waiting": "vllm:num_requests_waiting",
+    "kv_usage": "vllm:kv_cache_usage_perc",
+}
+"""What each scrape keeps: a sample name of /metrics, summed over its label sets (NaN if absent)."""
+
+
 def scrape(admin_url: str) -> dict[str, float]:
-    """Preemptions so far (summed over vLLM's label sets) and the batch cap in force."""
+    """One reading of SCRAPED from the control plane's /metrics."""
     with urllib.request.urlopen(admin_url + "/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    pre = re.finditer(r"^vllm:num_preemptions_total\{[^}]*\} (\S+)$", text, re.M)
-    cap = re.search(r"^autopilot_batch_cap(?:\{[^}]*\})? (\S+)$", text, re.M)
-    return {
-        "preemptions": sum(float(m.group(1)) for m in pre),
-        "batch_cap": float(cap.group(1)) if cap else -1.0,
-    }
+        return parse_metrics(resp.read().decode())
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    out = {}
+    for key, metric in SCRAPED.items():
+        pattern = rf"^{re.escape(metric)}(?:\{{[^}}]*\}})? (\S+)$"
+        values = [float(m.group(1)) for m in re.finditer(pattern, text, re.M)]
+        out[key] = sum(values) if values else float("nan")
+    return out
 
 
 async def replay(base_url: str, admin_url: str, arrivals: list[Arrival]) -> dict[str, Any]:
@@ -272,7 +298,8 @@ def report(results: dict[str, dict[str, Any]]) -> str:
                 f"{res[p]['tpot_p99_s']:12.3f}{res[p]['preemptions']:8.0f}"
                 for p in names
             )
-        lines.append(f"{name:20}{row}")
+        others = "" if res is None else f"   others {res.get('others_cores', float('nan')):.2f} cores"
+        lines.append(f"{name:20}{row}{others}")
     if not statics:
         return "\n".join(lines)
     best = max(statics, key=lambda k: results[k]["overall"]["goodput_rps"])
@@ -321,9 +348,11 @@ def main(argv: list[str] | None = None) -> int:
             continue
         server = daemon_server(name, control, args, args.out)
         print(f"{name}: starting", flush=True)
-        with running(server, args.out / "logs" / f"{_file(name)}.log", 240.0, 60.0):
+        with running(server, args.out / "logs" / f"{_file(name)}.log", 240.0, 60.0) as proc:
+            before, start = _cpu_seconds_outside(proc.pgid), time.monotonic()
             run = asyncio.run(replay(server.base_url, server.health_urls[0].rsplit("/", 1)[0], arrivals))
-        summary = summarize(run, args.slo_ttft, args.slo_tpot)
+            others = other_load(before, _cpu_seconds_outside(proc.pgid), time.monotonic() - start)
+        summary = {**summarize(run, args.slo_ttft, args.slo_tpot), "others_cores": others}
         print(f"  overall goodput {summary['overall']['goodput_rps']:.2f}/s", flush=True)
         data = {"name": name, "control": control, "measured_at": time.time(), "settings": run_settings(args)}
         (args.out / f"{_file(name)}.json").write_text(json.dumps({**data, "summary": summary, **run}))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,21 @@ def test_schedule_is_seeded_and_stays_inside_its_phases() -> None:
 def test_tpot_and_good(record: dict[str, Any], tpot: float | None, good: bool) -> None:
     assert phases.tpot(record) == (None if tpot is None else pytest.approx(tpot))
     assert phases.good(record, 1.0, 0.1) is good
+
+
+def test_parse_metrics_sums_label_sets() -> None:
+    text = "\n".join(
+        [
+            'vllm:num_preemptions_total{engine="0",model_name="tiny"} 3.0',
+            'vllm:num_preemptions_total{engine="1",model_name="tiny"} 2.0',
+            "autopilot_batch_cap 64.0",
+            'autopilot_queue_depth{priority_class="0"} 2.0',
+            'autopilot_queue_depth{priority_class="1"} 5.0',
+        ]
+    )
+    out = phases.parse_metrics(text)
+    assert (out["preemptions"], out["batch_cap"], out["gate_queue"]) == (5.0, 64.0, 7.0)
+    assert math.isnan(out["kv_usage"])
 
 
 def test_preemptions_between_scrapes() -> None:
