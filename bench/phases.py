@@ -316,6 +316,32 @@ def report(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def markdown(results: dict[str, dict[str, Any]]) -> str:
+    """The report as two markdown tables: figures per phase, and goodput ratios to the best static preset."""
+    names = [*(p.name for p in PHASES), "overall"]
+    head = ["config", *(f"{p} {m}" for p in names for m in ("goodput/s", "p99 TTFT s", "preempt")), "others"]
+    lines = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
+    any_res = next(iter(results.values()))
+    ceiling = [f"{any_res[p]['ceiling_rps']:.2f}" if i == 0 else "" for p in names for i in range(3)]
+    lines.append("| ceiling (every arrival good) | " + " | ".join(ceiling) + " | |")
+    for name, res in results.items():
+        cells = [
+            f"{res[p]['goodput_rps']:.2f} | {res[p]['ttft_p99_s']:.2f} | {res[p]['preemptions']:.0f}"
+            for p in names
+        ]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {res.get('others_cores', float('nan')):.2f} |")
+    statics = [k for k in results if k.startswith("static:")]
+    if not statics:
+        return "\n".join(lines)
+    best = max(statics, key=lambda k: results[k]["overall"]["goodput_rps"])
+    lines += ["", f"| goodput / {best} | " + " | ".join(names) + " |", "| --- |" + " ---: |" * len(names)]
+    rows = [("ceiling", {p: {"goodput_rps": any_res[p]["ceiling_rps"]} for p in names})]
+    for name, res in [*rows, *((k, v) for k, v in results.items() if k != best)]:
+        ratios = [f"{res[p]['goodput_rps'] / results[best][p]['goodput_rps']:.2f}x" for p in names]
+        lines.append(f"| {name} | " + " | ".join(ratios) + " |")
+    return "\n".join(lines)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=Path, default=ROOT / "config.toml", help="engine settings come from here")
@@ -328,6 +354,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", nargs="*", help="configuration names to run (default: all)")
     p.add_argument("--report", action="store_true", help="only print the report of --out's files")
+    p.add_argument("--markdown", action="store_true", help="print the report as markdown tables")
     p.add_argument("--port", type=int, default=8300)
     p.add_argument("--admin-port", type=int, default=9600)
     p.add_argument("--python", default=sys.executable)
@@ -357,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         data = {"name": name, "control": control, "measured_at": time.time(), "settings": run_settings(args)}
         (args.out / f"{_file(name)}.json").write_text(json.dumps({**data, "summary": summary, **run}))
     _, results = load_results(args.out)
-    print(report(results))
+    print(markdown(results) if args.markdown else report(results))
     return 0
 
 

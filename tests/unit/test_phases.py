@@ -105,6 +105,14 @@ def test_report_ratios_against_the_best_static_preset() -> None:
     assert "ceiling / static:a: interactive_burst 1.25x, long_batch 2.50x, mixed 1.25x, overall 1.67x" in text
 
 
+def test_markdown_tables() -> None:
+    text = phases.markdown({"static:a": summary([8.0, 4.0, 8.0, 6.0]), "pid": summary([8.0, 5.0, 8.8, 6.6])})
+    row = "| static:a | 8.00 | 0.50 | 0 | 4.00 | 0.50 | 0 | 8.00 | 0.50 | 0 | 6.00 | 0.50 | 0 | nan |"
+    assert row in text
+    assert "| pid | 1.00x | 1.25x | 1.10x | 1.10x |" in text
+    assert "| ceiling | 1.25x | 2.50x | 1.25x | 1.67x |" in text
+
+
 def test_results_of_other_settings_are_refused(tmp_path: Path) -> None:
     for i, (name, settings) in enumerate([("static:a", {"seed": "0"}), ("pid", {"seed": "1"})]):
         data = {"name": name, "measured_at": float(i), "settings": settings, "summary": {}}
