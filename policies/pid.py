@@ -47,8 +47,8 @@ class PidPolicy(Policy):
     (KV usage's window max, a p99 latency) wanders, and integrating each excursion moves the cap up
     and down (on the real engine, without it: 1, 6 and 8 direction changes a minute in three runs).
     The band lies below the setpoint: being a little under it costs a little throughput, crossing
-    it costs preemptions or the SLO, so above the setpoint the full error acts. Subtracting the band (rather than zeroing
-    inside it) keeps the P term continuous at its lower edge.
+    it costs preemptions or the SLO, so above the setpoint the full error acts. Subtracting the
+    band (rather than zeroing inside it) keeps the P term continuous at its lower edge.
 
     The first tick starts bumpless: ``I = u(current cap) - kp * e``, no integration, no D.
     Anti-windup: ``I`` is clamped to [-kp, 1 + kp] (just enough to hold any output against the
