@@ -48,7 +48,8 @@ class HysteresisPolicy(Policy):
     On a hold both knobs are left as they are.
 
     Parameters (defaults): ``low`` 0.70, ``high`` 0.95, ``critical`` 0.98 (KV usage fractions);
-    ``kv_source`` "mean" (window mean; or "latest", "max"); ``gpu_low`` / ``gpu_high`` None (off:
+    ``kv_source`` "max" (the window max: a burst's peak is what overflows the cache, and the window
+    mean hides it; or "mean", "latest"); ``gpu_low`` / ``gpu_high`` None (off:
     NVML utilisation is the share of time a kernel ran, near 1.0 under any load, so it is opt-in);
     ``step`` ``max(1, max_num_seqs // 16)``; ``cut_factor`` 0.5; ``cooldown_s`` 5.0; ``cut_cooldown_s``
     10.0; ``min_cap`` 1; ``demand_fraction`` 0.9; ``limit_factor`` 1.0; ``limit_headroom`` 2;
@@ -72,7 +73,7 @@ class HysteresisPolicy(Policy):
         low: float = 0.70,
         high: float = 0.95,
         critical: float = 0.98,
-        kv_source: str = "mean",
+        kv_source: str = "max",
         gpu_low: float | None = None,
         gpu_high: float | None = None,
         step: int | None = None,

@@ -24,19 +24,19 @@ CASES = [
     (
         "idle_is_not_stale",
         {},
-        {"in_flight": 0, "running": 0, "stats_age_s": 100.0, "kv_usage_mean": 0.0},
+        {"in_flight": 0, "running": 0, "stats_age_s": 100.0, "kv_usage_max": 0.0},
         Decision(None, None, "no_demand"),
     ),
     ("kv_critical_halves", {}, {"kv_usage": 0.98}, Decision(18, 16, "kv_critical")),
     ("preemptions_halve", {}, {"preemptions_per_s": 0.1}, Decision(18, 16, "preemptions")),
     ("cut_factor", {"cut_factor": 0.75}, {"kv_usage": 0.99}, Decision(26, 24, "kv_critical")),
-    ("kv_high_steps_down", {}, {"kv_usage_mean": 0.96}, Decision(30, 28, "kv_high")),
-    ("high_is_exclusive", {}, {"kv_usage_mean": 0.95}, Decision(None, None, "within_deadband")),
+    ("kv_high_steps_down", {}, {"kv_usage_max": 0.96}, Decision(30, 28, "kv_high")),
+    ("high_is_exclusive", {}, {"kv_usage_max": 0.95}, Decision(None, None, "within_deadband")),
     ("kv_low_with_queue", {}, {"queued": 3}, Decision(38, 36, "kv_low")),
     ("kv_low_running_near_cap", {}, {"running": 29}, Decision(38, 36, "kv_low")),
     ("kv_low_without_demand", {}, {"running": 28}, Decision(None, None, "no_demand")),
-    ("low_is_exclusive", {}, {"kv_usage_mean": 0.70, "queued": 3}, Decision(None, None, "within_deadband")),
-    ("deadband", {}, {"kv_usage_mean": 0.8, "queued": 3}, Decision(None, None, "within_deadband")),
+    ("low_is_exclusive", {}, {"kv_usage_max": 0.70, "queued": 3}, Decision(None, None, "within_deadband")),
+    ("deadband", {}, {"kv_usage_max": 0.8, "queued": 3}, Decision(None, None, "within_deadband")),
     ("at_max", {}, {"batch_cap": 64, "queued": 3}, Decision(None, None, "at_max")),
     ("at_min", {}, {"batch_cap": 1, "running": 1, "kv_usage": 0.99}, Decision(None, None, "at_min")),
     # a cut waits until the requests admitted under the old cap have drained below the new one
@@ -51,12 +51,13 @@ CASES = [
     ("step", {"step": 10}, {"queued": 3}, Decision(44, 42, "kv_low")),
     ("limit_mapping", {"limit_factor": 1.5, "limit_headroom": 0}, {"queued": 3}, Decision(54, 36, "kv_low")),
     ("kv_source_latest", {"kv_source": "latest"}, {"kv_usage": 0.96}, Decision(30, 28, "kv_high")),
-    ("kv_source_max", {"kv_source": "max"}, {"kv_usage_max": 0.97}, Decision(30, 28, "kv_high")),
+    ("kv_source_mean", {"kv_source": "mean"}, {"kv_usage_mean": 0.97}, Decision(30, 28, "kv_high")),
+    ("default_reads_the_max", {}, {"kv_usage_mean": 0.97}, Decision(None, None, "no_demand")),
     ("gpu_off_by_default", {}, {"gpu_utilization": 1.0, "queued": 3}, Decision(38, 36, "kv_low")),
     (
         "gpu_high",
         {"gpu_low": 0.7, "gpu_high": 0.9},
-        {"gpu_utilization": 0.95, "kv_usage_mean": 0.8},
+        {"gpu_utilization": 0.95, "kv_usage_max": 0.8},
         Decision(30, 28, "gpu_high"),
     ),
     (
@@ -103,8 +104,8 @@ def test_cut_skips_step_cooldown_but_waits_for_its_own() -> None:
         (7.0, 18, {"preemptions_per_s": 0.1, "queued": 1}, Decision(None, None, "cut_cooldown")),
         (8.0, 18, {"kv_usage": 0.99}, Decision(None, None, "cut_cooldown")),
         (11.0, 18, {"kv_usage": 0.99}, Decision(11, 9, "kv_critical")),
-        (12.0, 9, {"kv_usage_mean": 0.96}, Decision(None, None, "cooldown")),
-        (16.0, 9, {"kv_usage_mean": 0.96}, Decision(7, 5, "kv_high")),
+        (12.0, 9, {"kv_usage_max": 0.96}, Decision(None, None, "cooldown")),
+        (16.0, 9, {"kv_usage_max": 0.96}, Decision(7, 5, "kv_high")),
     ]
     for now, cap, fields, expected in steps:
         assert (
@@ -114,7 +115,7 @@ def test_cut_skips_step_cooldown_but_waits_for_its_own() -> None:
 
 def test_hold_does_not_start_cooldown() -> None:
     policy = make()
-    assert policy.decide(obs(now_mono=0.0, kv_usage_mean=0.8), 0.0).reason == "within_deadband"
+    assert policy.decide(obs(now_mono=0.0, kv_usage_max=0.8), 0.0).reason == "within_deadband"
     assert policy.decide(obs(now_mono=0.5, batch_cap=64, queued=1), 0.5).reason == "at_max"
     assert policy.decide(obs(now_mono=1.0, queued=1), 1.0) == Decision(38, 36, "kv_low")
 
@@ -128,6 +129,7 @@ def test_params_are_reported() -> None:
     params = make(step=3).params()
     assert params["step"] == 3
     assert params["low"] == 0.70
+    assert params["kv_source"] == "max"
     assert params["gpu_high"] is None
     assert params["idle_restore_s"] == 60.0
     assert len(params) == 16
@@ -135,11 +137,11 @@ def test_params_are_reported() -> None:
 
 def test_idle_restore_returns_the_cap_to_the_ceiling_after_idle_restore_s() -> None:
     p = make(idle_restore_s=30.0)
-    idle = obs(batch_cap=8, admission_limit=10, in_flight=0, queued=0, running=0, kv_usage_mean=0.0)
+    idle = obs(batch_cap=8, admission_limit=10, in_flight=0, queued=0, running=0, kv_usage_max=0.0)
     assert p.decide(idle, 100.0) == Decision(None, None, "no_demand")
     assert p.decide(idle, 129.0) == Decision(None, None, "no_demand")
     assert p.decide(idle, 130.0) == Decision(66, 64, "idle_restore")
-    busy = obs(batch_cap=8, in_flight=1, running=1, kv_usage_mean=0.0, stats_age_s=0.1)
+    busy = obs(batch_cap=8, in_flight=1, running=1, kv_usage_max=0.0, stats_age_s=0.1)
     assert p.decide(busy, 131.0).reason != "idle_restore"  # load is back: the idle clock restarts
     assert p.decide(idle, 140.0).reason != "idle_restore"
     assert make(idle_restore_s=None).decide(idle, 1e9).reason == "no_demand"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 from typing import Any
 
@@ -12,10 +13,15 @@ from policies.pid import PidPolicy
 from tests.unit.obs import obs
 
 # max_num_seqs 65 and min_cap 1: the output u in [0, 1] spans 64 caps, cap = 1 + round(64 * u).
+# Most tables pin a plain linear PID on the window mean (no deadband), where the arithmetic is easy
+# to follow; the defaults (log output, window max, deadband) have their own tests at the end.
+PLAIN = {
+    "setpoint": 0.8, "kv_source": "mean", "output_scale": "linear", "kp": 0.3, "ki": 0.1, "deadband": 0.0,
+}  # fmt: skip
 
 
 def make(**params: Any) -> PidPolicy:
-    return PidPolicy(max_num_seqs=65, initial_limit=34, **{"setpoint": 0.8, **params})
+    return PidPolicy(max_num_seqs=65, initial_limit=34, **{**PLAIN, **params})
 
 
 def at(now: float, **fields: Any) -> Observation:
@@ -155,7 +161,7 @@ def test_min_cap_equal_to_max_pins_the_cap() -> None:
 
 def test_converges_on_a_toy_engine_without_overshoot() -> None:
     """KV usage lags the cap (half of the gap per tick) and settles at cap / 100: setpoint 0.8 -> cap 80."""
-    policy = PidPolicy(max_num_seqs=128, initial_limit=16, setpoint=0.8)
+    policy = PidPolicy(max_num_seqs=128, initial_limit=16, **PLAIN)
     cap, kv, caps = 16, 0.16, []
     for t in range(60):
         kv += 0.5 * (min(1.0, cap / 100) - kv)
@@ -178,6 +184,7 @@ def test_params() -> None:
         "kp": 0.3,
         "ki": 0.1,
         "kd": 0.0,
+        "deadband": 0.0,
         "min_cap": 1,
         "demand_fraction": 0.9,
         "limit_factor": 1.0,
@@ -185,7 +192,15 @@ def test_params() -> None:
         "stale_after_s": 5.0,
         "idle_restore_s": 60.0,
     }
-    assert PidPolicy(max_num_seqs=8, initial_limit=8).setpoint == 0.85
+    defaults = PidPolicy(max_num_seqs=8, initial_limit=8).params()
+    assert {k: defaults[k] for k in ("setpoint", "kv_source", "output_scale", "kp", "ki", "deadband")} == {
+        "setpoint": 0.9,
+        "kv_source": "max",
+        "output_scale": "log",
+        "kp": 0.2,
+        "ki": 0.2,
+        "deadband": 0.1,
+    }
 
 
 @pytest.mark.parametrize(
@@ -196,6 +211,7 @@ def test_params() -> None:
         ({"setpoint": 1.5}, "setpoint = 1.5: must be > 0.0 and <= 1.0"),
         ({"setpoint": 0}, "setpoint = 0: must be > 0.0"),
         ({"kp": -1}, "kp = -1: must be >= 0.0"),
+        ({"deadband": 1.0}, "deadband = 1.0: must be >= 0.0 and <= 0.99"),
         ({"min_cap": 0}, "min_cap = 0: must be >= 1 and <= 65"),
         ({"limit_headroom": -1}, "limit_headroom = -1: must be >= 0"),
     ],
@@ -206,7 +222,7 @@ def test_bad_params(params: dict[str, Any], message: str) -> None:
 
 
 def test_idle_restore_returns_to_the_ceiling_and_restarts_bumpless() -> None:
-    p = PidPolicy(max_num_seqs=64, initial_limit=64, idle_restore_s=10.0)
+    p = PidPolicy(max_num_seqs=64, initial_limit=64, idle_restore_s=10.0, **PLAIN)
     idle = obs(batch_cap=8, admission_limit=10, in_flight=0, queued=0, running=0, kv_usage_mean=0.0)
     assert p.decide(idle, 0.0).reason != "idle_restore"
     assert p.decide(idle, 10.0) == Decision(66, 64, "idle_restore")
@@ -222,5 +238,51 @@ def test_log_output_scale_maps_u_to_a_ratio_of_the_cap() -> None:
     assert [p._cap_for(u) for u in (0.0, 0.5, 1.0)] == [1, 8, 64]
     assert p._u_for(8) == 0.5
     # bumpless start from the cap in force, at the setpoint: no move
-    at_sp = obs(batch_cap=8, admission_limit=10, in_flight=8, running=8, kv_usage_mean=0.85, stats_age_s=0.1)
+    at_sp = obs(batch_cap=8, admission_limit=10, in_flight=8, running=8, kv_usage_max=0.9, stats_age_s=0.1)
     assert p.decide(at_sp, 0.0) == Decision(10, 8, "steady")
+
+
+# The defaults: setpoint 0.9 on the window max of KV usage, log output (max_num_seqs 64: cap = 64 ** u),
+# kp = ki = 0.2, deadband 0.1 (KV max 0.81..0.9 is on target). Warmed at cap 8 (u = 0.5), KV max 0.9.
+DEFAULT_CASES = [
+    # r = 0.056, inside the band: e = 0, I and u stay 0.5
+    ("within_deadband", {"kv_usage_max": 0.85, "queued": 1}, Decision(10, 8, "steady"), 0.5),
+    # r = 0.5, e = 0.4: I = 0.5 + 0.2 * 0.4 = 0.58, u = 0.08 + 0.58 = 0.66, 64 ** 0.66 = 15.6
+    ("below_the_band", {"kv_usage_max": 0.45, "queued": 1}, Decision(18, 16, "below_setpoint"), 0.58),
+    # above the setpoint the whole error acts: e = -1/9, I = 0.4778, u = 0.4556, 64 ** 0.4556 = 6.7
+    ("above_setpoint", {"kv_usage_max": 1.0}, Decision(9, 7, "above_setpoint"), 0.4778),
+    # the window mean is not what the default reads
+    ("reads_the_max", {"kv_usage_mean": 1.0, "kv_usage_max": 0.88}, Decision(10, 8, "steady"), 0.5),
+]
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected", "integral"), [c[1:] for c in DEFAULT_CASES], ids=[c[0] for c in DEFAULT_CASES]
+)
+def test_defaults_second_tick_table(fields: dict[str, Any], expected: Decision, integral: float) -> None:
+    p = PidPolicy(max_num_seqs=64, initial_limit=64)
+    base = {"batch_cap": 8, "admission_limit": 10, "in_flight": 8, "running": 8, "kv_usage_max": 0.9}
+    assert p.decide(obs(**base), 0.0) == Decision(10, 8, "steady")
+    assert p.decide(obs(**{**base, "now_mono": 1.0, **fields}), 1.0) == expected
+    assert p.terms()["integral"] == pytest.approx(integral, abs=1e-4)
+
+
+def test_deadband_holds_the_cap_under_noise_that_moves_it_without() -> None:
+    """KV max wandering in 0.82..0.90 (inside the band) at steady load, one tick a second for a minute."""
+    noise = [0.82, 0.9, 0.86, 0.84, 0.88, 0.83]
+
+    def caps(deadband: float) -> list[int]:
+        p = PidPolicy(max_num_seqs=64, initial_limit=64, deadband=deadband)
+        cap, out = 8, []
+        for t in range(60):
+            o = obs(batch_cap=cap, admission_limit=cap + 2, in_flight=cap, running=cap, queued=1,
+                    kv_usage_max=noise[t % len(noise)], now_mono=float(t))  # fmt: skip
+            cap = p.decide(o, float(t)).batch_cap or cap
+            out.append(cap)
+        return out
+
+    assert caps(0.1) == [8] * 60
+    without = caps(0.0)
+    assert without[:8] == [8, 7, 8, 9, 8, 9, 10, 10]
+    moves = [b - a for a, b in itertools.pairwise(without) if b != a]
+    assert sum((x > 0) != (y > 0) for x, y in itertools.pairwise(moves)) == 23
