@@ -161,7 +161,9 @@ async def run_open_loop(
 ) -> list[RequestRecord]:
     """Send every spec at ``run_start + arrival_s`` (monotonic clock) and return the records by index."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
-    connector = aiohttp.TCPConnector(limit=max_connections)
+    # pooled connections idle at most 2 s: below the servers' 5 s keep-alive (vLLM's default), so a
+    # connection the server is closing is never reused (a client-side failure, not the server's)
+    connector = aiohttp.TCPConnector(limit=max_connections, keepalive_timeout=2.0)
     records: list[RequestRecord] = []
 
     async def one(session: aiohttp.ClientSession, spec: RequestSpec) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
+from vllm import envs
 from vllm.entrypoints.launchers.api_server.app_state import init_app_state
 from vllm.entrypoints.launchers.app import build_app
 
@@ -87,7 +88,7 @@ def make_server(
         port=args.port,
         log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
-        timeout_keep_alive=5,
+        timeout_keep_alive=envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE,  # as `vllm serve` (default 5 s)
         timeout_graceful_shutdown=int(max(1, shutdown_timeout_s)),
         log_config=None,
     )

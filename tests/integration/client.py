@@ -8,6 +8,18 @@ from typing import Any
 
 import aiohttp
 
+KEEPALIVE_S = 2.0
+"""Client-side idle limit of a pooled connection, below the server's 5 s keep-alive: a connection the
+server is closing for idleness is never reused (that race showed as ServerDisconnectedError or
+"Connection reset by peer" under load)."""
+
+
+def http_session(**kwargs: Any) -> aiohttp.ClientSession:
+    """An aiohttp session for the tests (no connection limit, see ``KEEPALIVE_S``)."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S), **kwargs
+    )
+
 
 async def stream_completion(
     session: aiohttp.ClientSession, base_url: str, max_tokens: int, priority: int = 0, prompt: str = ""

@@ -23,7 +23,7 @@ import pytest_asyncio
 from controller.config import load_config
 from controller.daemon import Daemon
 from tests.conftest import write_config
-from tests.integration.client import stream_completion
+from tests.integration.client import http_session, stream_completion
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -84,7 +84,7 @@ async def test_bursts_lower_cap_and_preemptions_then_idle_restores(daemon: Daemo
     d = daemon
     ceiling = d.host.max_num_seqs
     runs = []
-    async with aiohttp.ClientSession() as s:
+    async with http_session() as s:
         for _ in range(8):
             runs.append(await burst(s, d))
             await asyncio.sleep(0.5)
@@ -116,7 +116,7 @@ async def test_steady_load_changes_direction_at_most_twice_a_minute(daemon: Daem
             assert r["status"] == 200
 
     caps: list[int] = []
-    async with aiohttp.ClientSession() as s:
+    async with http_session() as s:
         clients = [asyncio.create_task(client(s)) for _ in range(24)]
         await asyncio.sleep(20.0)  # settle
         t_end = time.monotonic() + 60.0

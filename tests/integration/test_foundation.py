@@ -13,7 +13,6 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import aiohttp
 import pytest
 import pytest_asyncio
 
@@ -21,7 +20,7 @@ from controller.config import load_config
 from controller.daemon import Daemon
 from tests.assets import vllm_metric_names
 from tests.conftest import write_config
-from tests.integration.client import stream_completion
+from tests.integration.client import http_session, stream_completion
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -48,7 +47,7 @@ def admin_url(d: Daemon, path: str) -> str:
 
 
 async def test_api_and_control_plane_answer(daemon: Daemon) -> None:
-    async with aiohttp.ClientSession() as s:
+    async with http_session() as s:
         async with s.get(url(daemon, "/v1/models")) as r:
             assert r.status == 200
             assert (await r.json())["data"][0]["id"] == "tiny"
@@ -84,7 +83,7 @@ async def test_gate_bounds_the_engine_under_40_streams(daemon: Daemon) -> None:
             await asyncio.sleep(0.005)
 
     watcher = asyncio.create_task(watch())
-    async with aiohttp.ClientSession() as s:
+    async with http_session() as s:
         results = await asyncio.gather(*(stream_completion(s, url(daemon, ""), 64) for _ in range(40)))
     watcher.cancel()
     assert all(r["status"] == 200 and r["tokens"] == 64 for r in results), results
@@ -96,7 +95,7 @@ async def test_gate_bounds_the_engine_under_40_streams(daemon: Daemon) -> None:
 async def test_runtime_batch_cap_changes_running_requests(daemon: Daemon) -> None:
     daemon.set_admission_limit(16)
     try:
-        async with aiohttp.ClientSession() as s:
+        async with http_session() as s:
             for cap in (2, 6):
                 assert await daemon.set_batch_cap(cap) == cap
                 t0 = time.monotonic()
@@ -113,7 +112,7 @@ async def test_runtime_batch_cap_changes_running_requests(daemon: Daemon) -> Non
 
 async def test_disconnect_frees_slot_and_aborts_in_engine(daemon: Daemon) -> None:
     body = {"model": "tiny", "prompt": "x", "max_tokens": 1500, "ignore_eos": True, "stream": True}
-    async with aiohttp.ClientSession() as s:
+    async with http_session() as s:
         resp = await s.post(url(daemon, "/v1/completions"), json=body)
         for _ in range(5):
             await resp.content.readline()
@@ -126,7 +125,7 @@ async def test_disconnect_frees_slot_and_aborts_in_engine(daemon: Daemon) -> Non
     assert daemon.gate.stats().in_flight == 0
     assert daemon.host.llm.get_num_unfinished_requests() == 0  # aborted in the front end
     t0 = time.monotonic()
-    async with aiohttp.ClientSession() as s:
+    async with http_session() as s:
         assert (await stream_completion(s, url(daemon, ""), 16))["tokens"] == 16
     assert daemon.window.max_running_since(t0) == 1  # the aborted one is gone from the engine
 
@@ -134,7 +133,7 @@ async def test_disconnect_frees_slot_and_aborts_in_engine(daemon: Daemon) -> Non
 async def test_queued_requests_leave_in_priority_order(daemon: Daemon) -> None:
     daemon.set_admission_limit(1)
     try:
-        async with aiohttp.ClientSession() as s:
+        async with http_session() as s:
             blocker = asyncio.create_task(stream_completion(s, url(daemon, ""), 400))
             while daemon.gate.stats().in_flight < 1:
                 await asyncio.sleep(0.01)

@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import psutil
 import pytest
 import pytest_asyncio
@@ -26,7 +25,7 @@ from controller.config import load_config
 from controller.daemon import Daemon
 from controller.samplers import FakeHostSource, HostReading
 from tests.conftest import write_config
-from tests.integration.client import stream_completion
+from tests.integration.client import http_session, stream_completion
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -102,7 +101,7 @@ async def wait_for(predicate: Any, timeout_s: float, what: str) -> None:
 async def test_a_memory_risk_restarts_once_with_smaller_kv_and_loses_no_queued_request(
     daemon: Daemon,
 ) -> None:
-    async with aiohttp.ClientSession() as s:
+    async with http_session() as s:
         streaming = [asyncio.create_task(stream_completion(s, base(daemon), 600)) for _ in range(20)]
         await wait_for(lambda: daemon.gate.stats().in_flight >= 20, 30, "20 streams inside the engine")
         set_available(daemon, 256 << 20)  # below the 1 GiB margin: the sampler reads it on each tick
@@ -129,7 +128,7 @@ async def test_a_memory_risk_restarts_once_with_smaller_kv_and_loses_no_queued_r
 
 async def test_b_engine_core_sigkill_under_load_is_recovered(daemon: Daemon) -> None:
     generation = daemon.host.generation
-    async with aiohttp.ClientSession() as s:
+    async with http_session() as s:
         load = [asyncio.create_task(stream_completion(s, base(daemon), 300)) for _ in range(8)]
         await wait_for(lambda: daemon.gate.stats().in_flight >= 8, 30, "load inside the engine")
         os.kill(engine_core_pid(), signal.SIGKILL)
@@ -155,7 +154,7 @@ async def test_c_repeated_crashes_spend_the_budget_then_503_without_hanging(daem
                 "recovery",
             )
     await wait_for(lambda: daemon.guard.unavailable_reason is not None, 60, "the budget to be spent")
-    async with aiohttp.ClientSession() as s:
+    async with http_session() as s:
         r = await asyncio.wait_for(stream_completion(s, base(daemon), 8), 10)
         async with s.get(f"http://{daemon.config.admin.host}:{daemon.config.admin.port}/healthz") as h:
             health = await h.json()

@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 
 from tests.conftest import ROOT, write_config
-from tests.integration.client import stream_completion
+from tests.integration.client import http_session, stream_completion
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -107,7 +107,7 @@ async def _load(session: aiohttp.ClientSession, proc: Proc, stop: asyncio.Event)
 async def test_sighup_applies_new_limit_under_load_and_keeps_old_on_error(daemon_proc: Proc) -> None:
     proc = daemon_proc
     ports = (int(proc.base.rsplit(":", 1)[1]), int(proc.admin.rsplit(":", 1)[1]))
-    async with aiohttp.ClientSession() as s:
+    async with http_session() as s:
         assert await _metric(s, proc, "autopilot_admission_limit") == 4
         stop = asyncio.Event()
         load = asyncio.create_task(_load(s, proc, stop))
@@ -138,7 +138,7 @@ async def test_sighup_applies_new_limit_under_load_and_keeps_old_on_error(daemon
 
 
 async def test_post_reload_reports_errors(daemon_proc: Proc) -> None:
-    async with aiohttp.ClientSession() as s, s.post(daemon_proc.admin + "/reload") as r:
+    async with http_session() as s, s.post(daemon_proc.admin + "/reload") as r:
         body = await r.json()
     assert r.status == 400 and not body["ok"]
     assert any("oops" in e for e in body["errors"]), body
@@ -147,7 +147,7 @@ async def test_post_reload_reports_errors(daemon_proc: Proc) -> None:
 async def test_engine_change_waits_then_restarts_with_restart_on_reload(daemon_proc: Proc) -> None:
     proc = daemon_proc
     ports = (int(proc.base.rsplit(":", 1)[1]), int(proc.admin.rsplit(":", 1)[1]))
-    async with aiohttp.ClientSession() as s:
+    async with http_session() as s:
         _config(proc.path, ports, limit=6, kv_cache_memory_bytes=48 << 20)
         async with s.post(proc.admin + "/reload") as r:
             body = await r.json()
@@ -182,7 +182,7 @@ def await_restarts(state: dict[str, Any]) -> bool:
 
 async def test_sigterm_under_load_drains_and_exits_zero(daemon_proc: Proc) -> None:
     proc = daemon_proc
-    async with aiohttp.ClientSession() as s:
+    async with http_session() as s:
         streams = [asyncio.create_task(stream_completion(s, proc.base, 300)) for _ in range(6)]
         await asyncio.sleep(0.5)
         t0 = time.monotonic()

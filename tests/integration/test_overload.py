@@ -28,6 +28,7 @@ import pytest
 
 from bench.openloop import BATCH, INTERACTIVE, Mix, capacity, run_mix, summarize, unloaded_ttft
 from tests.conftest import ROOT, free_port, write_config
+from tests.integration.client import http_session
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -112,13 +113,13 @@ def daemon_proc(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> I
 
 
 async def _metrics(proc: Proc) -> dict[str, float]:
-    async with aiohttp.ClientSession() as s, s.get(proc.admin + "/metrics") as r:
+    async with http_session() as s, s.get(proc.admin + "/metrics") as r:
         text = await r.text()
     return {m[1]: float(m[2]) for m in re.finditer(r"^(autopilot_[^ ]+) ([0-9.e+-]+)$", text, re.M)}
 
 
 async def _state(proc: Proc) -> dict[str, Any]:
-    async with aiohttp.ClientSession() as s, s.get(proc.admin + "/state") as r:
+    async with http_session() as s, s.get(proc.admin + "/state") as r:
         return dict(await r.json())
 
 
@@ -215,7 +216,7 @@ async def test_disconnect_while_queued_leaves_the_queue(daemon_proc: Proc) -> No
 async def test_bad_requests_keep_vllms_own_4xx(daemon_proc: Proc) -> None:
     proc = daemon_proc
     too_long = {"model": "tiny", "prompt": "the " * 3000, "max_tokens": 8}
-    async with aiohttp.ClientSession() as s:
+    async with http_session() as s:
         for _ in range(3 * LIMIT):  # more than the gate could hold as pending if they leaked
             async with s.post(proc.base + "/v1/completions", json=too_long) as r:
                 assert r.status == 400, await r.text()
