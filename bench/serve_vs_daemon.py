@@ -33,7 +33,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import tomllib
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -49,6 +48,15 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.loadgen import PhaseStats, run_phase  # noqa: E402  (needs ROOT on sys.path when run as a script)
+from controller.benchkit.servers import (  # noqa: E402
+    engine_flags,
+    http_status,
+    load_base_config,
+    served_model,
+    to_toml,
+    wait_healthy,
+)
+from controller.benchkit.servers import stop as stop_group  # noqa: E402
 
 DAEMON = "daemon"
 VLLM_SERVE = "vllm-serve"
@@ -81,46 +89,6 @@ class Server:
 # -- configuration ---------------------------------------------------------------------------------
 
 
-def load_base_config(path: Path) -> dict[str, Any]:
-    """The default config as plain data, with a relative model path made absolute (as the daemon does)."""
-    data = tomllib.loads(path.read_text())
-    engine = dict(data["engine"])
-    model = Path(engine["model"])
-    if not model.is_absolute() and (path.parent / model).exists():
-        engine["model"] = str((path.parent / model).resolve())
-    data["engine"] = engine
-    return data
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # a TOML basic string uses the same escapes
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(f"cannot write {value!r} as TOML")
-
-
-def _toml_table(name: str, table: dict[str, Any]) -> list[str]:
-    lines = [f"[{name}]"]
-    lines += [f"{k} = {_toml_value(v)}" for k, v in table.items() if not isinstance(v, dict)]
-    for key, sub in table.items():
-        if isinstance(sub, dict):
-            lines += ["", *_toml_table(f"{name}.{key}", sub)]
-    return [*lines, ""]
-
-
-def to_toml(data: dict[str, dict[str, Any]]) -> str:
-    """Serialize a document of tables (scalars, lists and nested tables only)."""
-    lines: list[str] = []
-    for name, table in data.items():
-        lines += _toml_table(name, table)
-    return "\n".join(lines)
-
-
 def daemon_config(base: dict[str, Any], data_port: int, admin_port: int) -> dict[str, Any]:
     """The default config on other ports, with an admission limit that never queues."""
     data = {name: dict(table) for name, table in base.items()}
@@ -128,29 +96,6 @@ def daemon_config(base: dict[str, Any], data_port: int, admin_port: int) -> dict
     data["admin"] = {**data.get("admin", {}), "host": HOST, "port": admin_port}
     data["admission"] = {**data.get("admission", {}), "limit": int(data["engine"]["max_num_seqs"])}
     return data
-
-
-def engine_flags(engine: dict[str, Any]) -> list[str]:
-    """The ``vllm serve`` flags for an [engine] table (the model is the positional argument)."""
-    flags: list[str] = [engine["model"]]
-    for key, value in engine.items():
-        if key == "model":
-            continue
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            flags.append(flag if value else "--no-" + key.replace("_", "-"))
-        elif isinstance(value, list):
-            flags += [flag, *(str(v) for v in value)]
-        else:
-            flags += [flag, str(value)]
-    return flags
-
-
-def served_model(engine: dict[str, Any]) -> str:
-    names = engine.get("served_model_name")
-    if isinstance(names, list) and names:
-        return str(names[0])
-    return str(names or engine["model"])
 
 
 def make_servers(args: argparse.Namespace, base: dict[str, Any], workdir: Path) -> dict[str, Server]:
@@ -185,68 +130,6 @@ def port_free(port: int) -> bool:
         except OSError:
             return False
     return True
-
-
-def http_status(url: str, timeout: float = 2.0) -> int | None:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return int(resp.status)
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except (urllib.error.URLError, OSError):
-        return None
-
-
-def log_tail(path: Path, lines: int = 25) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-def wait_healthy(proc: subprocess.Popen[bytes], urls: tuple[str, ...], timeout_s: float, log: Path) -> float:
-    """Seconds until every URL answers 200; raises if the process exits or the timeout passes."""
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited ({proc.returncode}) before it was healthy:\n{log_tail(log)}")
-        if all(http_status(url) == 200 for url in urls):
-            return time.monotonic() - start
-        time.sleep(0.5)
-    raise RuntimeError(f"{urls} not healthy after {timeout_s:.0f} s:\n{log_tail(log)}")
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def stop_group(proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
-    """SIGTERM the server (it shuts its engine down itself), then SIGKILL whatever is left of its group.
-
-    Returns whether anything had to be killed.
-    """
-    pgid = proc.pid  # start_new_session=True: the server leads its own process group
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            print(f"  pid {proc.pid} ignored SIGTERM for {timeout_s:.0f} s: killing its group", flush=True)
-    deadline = time.monotonic() + 10.0
-    while _group_alive(pgid) and time.monotonic() < deadline and proc.poll() is not None:
-        time.sleep(0.2)  # children (EngineCore, resource tracker) finish their own shutdown
-    killed = _group_alive(pgid)
-    if killed:
-        print(f"  process group {pgid} still alive: SIGKILL", flush=True)
-        os.killpg(pgid, signal.SIGKILL)
-    proc.wait()
-    return killed
 
 
 @contextmanager

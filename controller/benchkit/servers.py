@@ -19,7 +19,7 @@ import time
 import tomllib
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,16 +101,20 @@ def _toml_value(value: Any) -> str:
     raise TypeError(f"cannot write {value!r} as TOML")
 
 
+def _toml_table(name: str, table: dict[str, Any]) -> list[str]:
+    lines = [f"[{name}]"]
+    lines += [f"{k} = {_toml_value(v)}" for k, v in table.items() if not isinstance(v, dict)]
+    for key, sub in table.items():
+        if isinstance(sub, dict):  # nested tables at any depth ([admission.classes.interactive])
+            lines += ["", *_toml_table(f"{name}.{key}", sub)]
+    return [*lines, ""]
+
+
 def to_toml(data: dict[str, dict[str, Any]]) -> str:
-    """Tables of scalars, lists and one level of sub-tables (``[control.params]``)."""
+    """Tables of scalars, lists and nested tables (``[control.params]``, ``[admission.classes.NAME]``)."""
     lines: list[str] = []
     for name, table in data.items():
-        lines.append(f"[{name}]")
-        lines += [f"{k} = {_toml_value(v)}" for k, v in table.items() if not isinstance(v, dict)]
-        for key, sub in table.items():
-            if isinstance(sub, dict):
-                lines += ["", f"[{name}.{key}]", *(f"{k} = {_toml_value(v)}" for k, v in sub.items())]
-        lines.append("")
+        lines += _toml_table(name, table)
     return "\n".join(lines)
 
 
@@ -192,7 +196,7 @@ def _health_urls(base_url: str, state_url: str | None) -> list[str]:
     return urls
 
 
-def wait_healthy(proc: subprocess.Popen[bytes], urls: list[str], timeout_s: float, log: Path) -> float:
+def wait_healthy(proc: subprocess.Popen[bytes], urls: Sequence[str], timeout_s: float, log: Path) -> float:
     start = time.monotonic()
     while time.monotonic() - start < timeout_s:
         if proc.poll() is not None:

@@ -1,0 +1,26 @@
+"""The configs the bench writes for the daemons it starts."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+from controller.benchkit.servers import ServerSpec, daemon_config, load_base_config, to_toml
+from controller.config import load_config
+from tests.conftest import ROOT
+
+
+def test_the_default_config_round_trips_with_its_nested_class_tables() -> None:
+    base = load_base_config(ROOT / "config.toml")
+    assert "classes" in base["admission"]  # [admission.classes.NAME]: tables two levels deep
+    assert tomllib.loads(to_toml(base)) == base
+
+
+def test_a_daemon_config_written_for_a_server_loads_as_a_valid_config(tmp_path: Path) -> None:
+    base = load_base_config(ROOT / "config.toml")
+    spec = ServerSpec(name="static", kind="daemon", engine=dict(base["engine"]), admission={"limit": 8})
+    path = tmp_path / "daemon.toml"
+    path.write_text(to_toml(daemon_config(base, spec, 18000, 19000)))
+    config = load_config(path)
+    assert config.server.port == 18000 and config.admission.limit == 8
+    assert [c.name for c in config.admission.classes] == ["interactive", "batch"]
