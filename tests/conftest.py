@@ -47,17 +47,21 @@ def write_config(path: Path, **tables: dict[str, Any]) -> Path:
     }
     for name, values in tables.items():
         base.setdefault(name, {}).update(values)
-    lines = []
+    lines: list[str] = []
     for name, values in base.items():
-        lines.append(f"[{name}]")
-        lines.extend(f"{k} = {_toml_value(v)}" for k, v in values.items() if not isinstance(v, dict))
-        for k, v in values.items():
-            if isinstance(v, dict):
-                lines.append(f"[{name}.{k}]")
-                lines.extend(f"{kk} = {_toml_value(vv)}" for kk, vv in v.items())
-        lines.append("")
+        lines += _toml_table(name, values)
     path.write_text("\n".join(lines))
     return path
+
+
+def _toml_table(name: str, values: dict[str, Any]) -> list[str]:
+    """One table and its sub-tables at any depth (``[admission.classes.interactive]``)."""
+    lines = [f"[{name}]"]
+    lines.extend(f"{k} = {_toml_value(v)}" for k, v in values.items() if not isinstance(v, dict))
+    for k, v in values.items():
+        if isinstance(v, dict):
+            lines += _toml_table(f"{name}.{k}", v)
+    return [*lines, ""]
 
 
 @pytest.fixture(scope="session")

@@ -52,7 +52,16 @@ async def daemon(
     path = write_config(
         tmp_path_factory.mktemp(policy) / "config.toml",
         engine={"kv_cache_memory_bytes": 2 << 20, "max_num_seqs": 64},
-        admission={"limit": 64, "max_queue": 512},
+        # the bursts test the batch cap, not admission: every request must be served, so the class
+        # deadlines are long (with the default 5 s, a burst queued behind a cut limit gets early 429s)
+        admission={
+            "limit": 64,
+            "max_queue": 512,
+            "classes": {
+                "interactive": {"max_priority": 0, "max_queue": 512, "queue_deadline_s": 600.0},
+                "batch": {"min_priority": 1, "queue_deadline_s": 600.0},
+            },
+        },
         control={"tick_seconds": 0.5, "window_seconds": 3.0, "policy": policy, **POLICIES[policy]},
     )
     d = Daemon(load_config(path), install_signals=False)
