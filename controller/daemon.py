@@ -27,6 +27,7 @@ from controller.guard import Guard
 from controller.loop import Change, ControlLoop
 from controller.metrics import GateMetrics, Metrics
 from controller.normalize import Normalizer
+from controller.observation import build_observation
 from controller.reload import ConfigDiff, diff_config, engine_overrides, merge_live
 from controller.samplers import GpuSource, HostReadingSource, HostSource, NvmlSource
 from controller.sdnotify import Notifier, start_watchdog
@@ -194,38 +195,13 @@ class Daemon:
     # -- observation ----------------------------------------------------------------------------
     def observe(self) -> Observation:
         """One tick's observation; the memory guard sees it too."""
-        eng = self.window.snapshot()
-        g = self.gate.stats()
-        gpu = self.gpu_source.read()
-        hostr = self.host_source.read()
-        obs = Observation(
-            now_mono=eng.now_mono,
-            admission_limit=g.limit,
-            batch_cap=self.host.batch_cap,
-            max_num_seqs=self.host.max_num_seqs,
-            in_flight=g.in_flight,
-            queued=g.queued,
-            running=eng.running,
-            waiting=eng.waiting,
-            kv_usage=eng.kv_usage,
-            kv_usage_mean=eng.kv_usage_mean,
-            kv_usage_max=eng.kv_usage_max,
-            preemptions_per_s=eng.preemptions_per_s,
-            generated_tokens_per_s=eng.generated_tokens_per_s,
-            ttft_p99_s=eng.ttft_p99_s,
-            itl_p99_s=eng.itl_p99_s,
-            stats_age_s=eng.last_step_age_s,
-            ttft_p50_s=eng.ttft_p50_s,
-            itl_p50_s=eng.itl_p50_s,
-            finished_per_s=eng.finished_per_s,
-            queued_by_class=self.gate.queued_by_class(),
-            gpu_memory_used_bytes=gpu.used_bytes if gpu else None,
-            gpu_memory_total_bytes=gpu.total_bytes if gpu else None,
-            gpu_memory_free_bytes=gpu.free_bytes if gpu else None,
-            gpu_utilization=gpu.utilization if gpu else None,
-            host_memory_available_bytes=hostr.memory_available_bytes,
-            daemon_cpu_percent=hostr.daemon_cpu_percent,
-            window_s=eng.window_s,
+        obs = build_observation(
+            self.window.snapshot(),
+            self.gate,
+            self.host.batch_cap,
+            self.host.max_num_seqs,
+            self.gpu_source.read(),
+            self.host_source.read(),
         )
         self.diagnosis = self.diagnoser.observe(obs)
         task = self.guard.on_observation(obs)

@@ -35,6 +35,7 @@ from controller.clock import FakeClock
 from controller.gate import AdmissionGate, GateRejected
 from controller.loop import Change, ControlLoop
 from controller.normalize import Normalizer
+from controller.observation import build_observation
 from controller.sim.engine import SimEngine, SimRequest, StepPlan
 from controller.sim.profile import Profile
 from controller.telemetry import TelemetryWindow
@@ -131,30 +132,8 @@ class Simulation:
 
     # -- observation: as Daemon.observe builds it, without NVML and psutil -----------------------------
     def observe(self) -> Observation:
-        eng = self.window.snapshot()
-        g = self.gate.stats()
-        return Observation(
-            now_mono=eng.now_mono,
-            admission_limit=g.limit,
-            batch_cap=self.engine.batch_cap,
-            max_num_seqs=self.engine.max_num_seqs,
-            in_flight=g.in_flight,
-            queued=g.queued,
-            running=eng.running,
-            waiting=eng.waiting,
-            kv_usage=eng.kv_usage,
-            kv_usage_mean=eng.kv_usage_mean,
-            kv_usage_max=eng.kv_usage_max,
-            preemptions_per_s=eng.preemptions_per_s,
-            generated_tokens_per_s=eng.generated_tokens_per_s,
-            ttft_p99_s=eng.ttft_p99_s,
-            itl_p99_s=eng.itl_p99_s,
-            stats_age_s=eng.last_step_age_s,
-            ttft_p50_s=eng.ttft_p50_s,
-            itl_p50_s=eng.itl_p50_s,
-            finished_per_s=eng.finished_per_s,
-            queued_by_class=self.gate.queued_by_class(),
-            window_s=eng.window_s,
+        return build_observation(
+            self.window.snapshot(), self.gate, self.engine.batch_cap, self.engine.max_num_seqs
         )
 
     # -- one request, as our engine client handles it ---------------------------------------------------
