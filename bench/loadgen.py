@@ -18,6 +18,8 @@ from typing import Any
 
 import aiohttp
 
+from controller.benchkit.client import parse_event
+
 # Common English words; also the vocabulary of the tiny CPU model, so there one word is about one token.
 _WORDS = (
     "the engine serves requests while the controller measures cache usage queue depth latency and "
@@ -115,18 +117,6 @@ def completion_payload(model: str, prompt: str, max_tokens: int) -> dict[str, An
     }
 
 
-def _parse_event(line: bytes) -> dict[str, Any] | None:
-    """One SSE line -> its JSON object; None for blank lines, comments and ``[DONE]``."""
-    text = line.decode("utf-8", errors="replace").strip()
-    if not text.startswith("data:"):
-        return None
-    data = text[len("data:") :].strip()
-    if data == "[DONE]":
-        return None
-    parsed: dict[str, Any] = json.loads(data)
-    return parsed
-
-
 async def stream_completion(
     session: aiohttp.ClientSession, url: str, payload: dict[str, Any]
 ) -> RequestResult:
@@ -141,7 +131,7 @@ async def stream_completion(
                 body = (await resp.text())[:200]
                 return RequestResult(ok=False, error=f"HTTP {resp.status}: {body}")
             async for line in resp.content:
-                event = _parse_event(line)
+                event = parse_event(line)
                 if event is None:
                     continue
                 if event.get("choices"):

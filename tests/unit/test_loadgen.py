@@ -8,12 +8,12 @@ import pytest
 
 from bench.loadgen import (
     RequestResult,
-    _parse_event,
     make_prompt,
     percentile,
     summarize,
     tokens_per_second,
 )
+from controller.benchkit.client import parse_event
 
 
 def test_percentile_interpolates_like_numpy() -> None:
@@ -60,10 +60,10 @@ def test_summarize_empty_phase() -> None:
     assert math.isnan(stats.ttft_p99_ms)
 
 
-def test_parse_event() -> None:
-    assert _parse_event(b'data: {"choices": [{"text": "a"}]}\n') == {"choices": [{"text": "a"}]}
-    assert _parse_event(b"data: [DONE]\n") is None
-    assert _parse_event(b"\n") is None
+def testparse_event() -> None:
+    assert parse_event(b'data: {"choices": [{"text": "a"}]}\n') == {"choices": [{"text": "a"}]}
+    assert parse_event(b"data: [DONE]\n") is None
+    assert parse_event(b"\n") is None
 
 
 def test_make_prompt_is_deterministic_and_varies() -> None:
