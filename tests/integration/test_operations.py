@@ -5,11 +5,9 @@ SIGTERM under load lets in-flight requests finish and exits 0 within the deadlin
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,8 +16,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.conftest import ROOT, write_config
+from tests.conftest import write_config
 from tests.integration.client import http_session, stream_completion
+from tests.integration.procs import daemon_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -44,22 +43,6 @@ def _config(path: Path, ports: tuple[int, int], limit: int, extra: str = "", **e
         path.write_text(path.read_text() + extra)
 
 
-def _wait_healthy(proc: Proc, timeout_s: float = 240.0) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert proc.popen.poll() is None, "daemon exited during startup"
-        try:
-            with urllib.request.urlopen(proc.admin + "/healthz", timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError("daemon did not become healthy")
-
-
 @pytest.fixture(scope="module")
 def daemon_proc(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Proc]:
     from tests.conftest import free_port
@@ -67,23 +50,8 @@ def daemon_proc(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> I
     path = tmp_path_factory.mktemp("ops") / "config.toml"
     ports = (free_port(), free_port())
     _config(path, ports, limit=4)
-    log = open(path.parent / "daemon.log", "wb")  # noqa: SIM115
-    popen = subprocess.Popen(
-        [sys.executable, "-m", "controller", "serve", "--config", str(path)],
-        cwd=ROOT,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    proc = Proc(path, *ports, popen)
-    try:
-        _wait_healthy(proc)
-        yield proc
-    finally:
-        if popen.poll() is None:
-            os.killpg(popen.pid, signal.SIGKILL)
-            popen.wait()
-        log.close()
+    with daemon_process(path, f"http://127.0.0.1:{ports[1]}") as popen:
+        yield Proc(path, *ports, popen)
 
 
 async def _metric(session: aiohttp.ClientSession, proc: Proc, name: str) -> float | None:

@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
-import signal
 import statistics
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,8 +24,9 @@ import psutil
 import pytest
 
 from bench.openloop import BATCH, INTERACTIVE, Mix, capacity, run_mix, summarize, unloaded_ttft
-from tests.conftest import ROOT, free_port, write_config
+from tests.conftest import free_port, write_config
 from tests.integration.client import http_session
+from tests.integration.procs import daemon_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -65,22 +63,6 @@ class Proc:
         self.base, self.admin, self.popen = base, admin, popen
 
 
-def _wait_healthy(proc: Proc, timeout_s: float = 240.0) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert proc.popen.poll() is None, "daemon exited during startup"
-        try:
-            with urllib.request.urlopen(proc.admin + "/healthz", timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError("daemon did not become healthy")
-
-
 @pytest.fixture(scope="module")
 def daemon_proc(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Proc]:
     path = tmp_path_factory.mktemp("overload") / "config.toml"
@@ -93,23 +75,9 @@ def daemon_proc(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> I
         control={"tick_seconds": 1.0, "policy": "static"},
     )
     path.write_text(path.read_text() + CLASSES)
-    log = open(path.parent / "daemon.log", "wb")  # noqa: SIM115
-    popen = subprocess.Popen(
-        [sys.executable, "-m", "controller", "serve", "--config", str(path)],
-        cwd=ROOT,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    proc = Proc(f"http://127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}", popen)
-    try:
-        _wait_healthy(proc)
-        yield proc
-    finally:
-        if popen.poll() is None:
-            os.killpg(popen.pid, signal.SIGKILL)
-            popen.wait()
-        log.close()
+    admin = f"http://127.0.0.1:{ports[1]}"
+    with daemon_process(path, admin) as popen:
+        yield Proc(f"http://127.0.0.1:{ports[0]}", admin, popen)
 
 
 async def _metrics(proc: Proc) -> dict[str, float]:
