@@ -187,6 +187,11 @@ class AdmissionGate:
             return 1
         return max(1, min(60, math.ceil(excess / rate)))
 
+    def completion_rate(self) -> float | None:
+        """Completions per second over the last 10 s (what expected waits and Retry-After use);
+        None while fewer than two completions are in that window."""
+        return self._rate.per_second()
+
     def retry_after_s(self) -> int:
         """Seconds until the whole queue has likely drained (for 503s and answers without a class)."""
         return self._retry_after(1 + sum(q.queued + len(q.pending) for q in self._order))

@@ -73,6 +73,7 @@ def state(d: Daemon) -> dict[str, Any]:
             "admitted_total": g.admitted_total,
             "rejected_total": g.rejected_total,
             "completed_total": g.completed_total,
+            "completion_rate_per_s": d.gate.completion_rate(),
         },
         "engine_stats": dataclasses.asdict(d.window.snapshot()),
         "decisions": d.loop.recent(),

@@ -157,13 +157,21 @@ async def test_disconnect_while_queued_leaves_the_queue(daemon_proc: Proc) -> No
     proc = daemon_proc
     long = {"model": "tiny", "prompt": "x", "max_tokens": 600, "ignore_eos": True, "stream": True}
     long["priority"] = 5
+    # Start from a quiet gate: with the tail of an earlier test's completions in its 10 s window the
+    # measured rate is tiny, the expected wait of the 4 queued requests passes batch's deadline and
+    # they are refused early (429) instead of queued (CI flake, stop 10).
+    t0 = time.monotonic()
+    while (gate := (await _state(proc))["gate"])["in_flight"] or gate["completion_rate_per_s"] is not None:
+        assert time.monotonic() - t0 < 60, gate
+        await asyncio.sleep(0.5)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         holders = [await s.post(proc.base + "/v1/completions", json=long) for _ in range(LIMIT - RESERVED)]
         # a stream's 200 goes out before its request waits in the gate
         queued = [await s.post(proc.base + "/v1/completions", json=long) for _ in range(4)]
         t0 = time.monotonic()
         while (await _state(proc))["gate"]["queue_depth_by_class"]["batch"] < 4:
-            assert time.monotonic() - t0 < 10, await _state(proc)
+            statuses = [r.status for r in holders + queued]
+            assert time.monotonic() - t0 < 10, (statuses, (await _state(proc))["gate"])
             await asyncio.sleep(0.1)
         for resp in queued:
             resp.close()  # the clients go away while their requests wait for a slot

@@ -439,3 +439,21 @@ async def test_stats_and_queue_depth() -> None:
     )
     clock.advance(31.0)
     assert gate.stats().pending == 0
+
+
+async def test_completion_rate_is_measured_over_the_last_ten_seconds() -> None:
+    gate, clock, _ = make_gate(limit=4)
+    for _ in range(3):
+        await gate.acquire(0)
+    assert gate.completion_rate() is None  # nothing completed yet
+    release(gate)
+    assert gate.completion_rate() is None  # one completion is no rate
+    clock.advance(2.0)
+    release(gate)
+    clock.advance(2.0)
+    release(gate)
+    assert gate.completion_rate() == pytest.approx(3 / 4.0)
+    clock.advance(7.0)  # t = 11: the completion at t = 0 left the window, those at 2 and 4 remain
+    assert gate.completion_rate() == pytest.approx(2 / 9.0)
+    clock.advance(10.0)
+    assert gate.completion_rate() is None  # an idle gate has no rate, so it refuses nothing on it
