@@ -7,7 +7,10 @@ Run it under the engine lock (it starts the daemon with config.toml's engine set
 For each time scale it replays the window of the Azure conversation trace against the daemon (open loop,
 streaming ``/v1/completions`` with prompts of exactly the trace's token counts, as token ids), then
 simulates the same requests with the profile (static policy, the daemon's admission limit and queue), and
-prints throughput and p50/p99 TTFT of both with the ratio twin / real. ``--json`` keeps the figures.
+prints throughput and p50/p99 TTFT of both with the ratio twin / real: the twin with the profile's
+measured front-end and step-time spread (``[variance]``, seed 0; its p99 over seeds 0-4 too) and the mean
+model (constant ``frontend_s``, mean steps). ``--json`` keeps the figures; ``--real-from`` a previous run's
+JSON reruns only the twin against that run's real figures (no engine).
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ from controller.sim.run import ControlSettings, Simulation  # noqa: E402
 from policies.base import build_policy  # noqa: E402
 
 TRACE = ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
+RATIO_KEYS = ("throughput_tok_s", "ttft_p50", "ttft_p99", "tpot_p50")
+SEEDS = 5
+"""The twin with measured spread runs with seeds 0..SEEDS-1: the spread of its own p99."""
 
 
 async def send(
@@ -114,7 +120,14 @@ async def replay(url: str, specs: list[RequestSpec]) -> tuple[list[RequestRecord
         return sorted(records, key=lambda r: r.index), time.monotonic() - start
 
 
-def simulate(specs: list[RequestSpec], profile_name: str, limit: int, max_queue: int) -> dict[str, Any]:
+def simulate(
+    specs: list[RequestSpec],
+    profile_name: str,
+    limit: int,
+    max_queue: int,
+    seed: int = 0,
+    variance: bool = True,
+) -> dict[str, Any]:
     profile = load_profile(profile_name)
     seqs = profile.engine.max_num_seqs
     policy = build_policy("static", {}, max_num_seqs=seqs, initial_limit=limit)
@@ -123,9 +136,30 @@ def simulate(specs: list[RequestSpec], profile_name: str, limit: int, max_queue:
         policy,
         Normalizer(limit_max=4096),
         ControlSettings(admission_limit=limit, max_queue=max_queue),
+        seed=seed,
+        use_variance=variance,
     )
     result = asyncio.run(sim.run(specs))
     return result.summary(None, None)
+
+
+def twin_rows(specs: list[RequestSpec], real: dict[str, Any], profile: str) -> dict[str, Any]:
+    """The twin with the profile's measured spread (seed 0), its p99 TTFT over seeds 0-4, and the
+    mean model (no [variance]), each against the real figures."""
+    twin = figures(simulate(specs, profile, limit=64, max_queue=1024))
+    mean = figures(simulate(specs, profile, limit=64, max_queue=1024, variance=False))
+    seeds = [figures(simulate(specs, profile, 64, 1024, seed=k))["ttft_p99"] for k in range(1, SEEDS)]
+    return {
+        "twin": twin,
+        "twin_over_real": ratios(twin, real),
+        "twin_p99_over_seeds": [twin["ttft_p99"], *seeds],
+        "twin_mean_model": mean,
+        "twin_mean_model_over_real": ratios(mean, real),
+    }
+
+
+def ratios(twin: dict[str, Any], real: dict[str, Any]) -> dict[str, float | None]:
+    return {k: (twin[k] / real[k] if real.get(k) and twin.get(k) is not None else None) for k in RATIO_KEYS}
 
 
 def free_port() -> int:
@@ -181,10 +215,17 @@ def main() -> int:
     p.add_argument("--config", type=Path, default=ROOT / "config.toml")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--keep", type=Path, default=None, help="write the real runs' records.jsonl here")
+    p.add_argument("--real-from", type=Path, default=None,
+                   help="a previous run's --json: reuse its real figures (no engine, no lock)")  # fmt: skip
     args = p.parse_args()
     rows = read_azure_trace(args.trace)
     out: list[dict[str, Any]] = []
-    proc, url, _ = start_daemon(args.config, Path("/tmp/validate_sim_daemon.log"))
+    previous = {}
+    if args.real_from:
+        previous = {r["time_scale"]: r["real"] for r in json.loads(args.real_from.read_text())}
+    proc = None
+    if not args.real_from:
+        proc, url, _ = start_daemon(args.config, Path("/tmp/validate_sim_daemon.log"))
     try:
         for ts in args.time_scale:
             window = trace_window(
@@ -195,37 +236,48 @@ def main() -> int:
                 token_scale=args.token_scale,
             )
             specs = clamp_lengths(window, 2048)
-            records, duration = asyncio.run(replay(url, specs))
-            if args.keep:
-                run = args.keep / f"real-x{ts:g}"
-                run.mkdir(parents=True, exist_ok=True)
-                write_jsonl(run / "records.jsonl", records)
-            end = max(duration, max((r.arrival_s + (r.e2e_s or 0)) for r in records))
-            real = figures(summarize(records, end, None, None))
-            twin = figures(simulate(specs, args.profile, limit=64, max_queue=1024))
-            ratio = {k: (twin[k] / real[k] if real.get(k) and twin.get(k) is not None else None)
-                     for k in ("throughput_tok_s", "ttft_p50", "ttft_p99", "tpot_p50")}  # fmt: skip
-            out.append({"time_scale": ts, "real": real, "twin": twin, "twin_over_real": ratio})
+            real = previous[ts] if args.real_from else replay_real(url, specs, ts, args.keep)
+            out.append({"time_scale": ts, "real": real, **twin_rows(specs, real, args.profile)})
             print(json.dumps(out[-1]), flush=True)
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-    print("\n| time scale | requests | throughput tok/s real / twin | TTFT p50 ms real / twin ", end="")
-    print("| TTFT p99 ms real / twin | TPOT p50 ms real / twin |\n" + "|---" * 6 + "|")
-    for row in out:
-        cells = [f"{row['time_scale']:g}", str(row["real"]["requests"])]
-        for key, scale in (
-            ("throughput_tok_s", 1.0),
-            ("ttft_p50", 1e3),
-            ("ttft_p99", 1e3),
-            ("tpot_p50", 1e3),
-        ):
-            real, twin, ratio = row["real"][key], row["twin"][key], row["twin_over_real"][key]
-            cells.append(f"{real * scale:.1f} / {twin * scale:.1f} ({ratio:.2f}x)")
-        print("| " + " | ".join(cells) + " |")
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=60)
+    print_table(out)
     if args.json:
         args.json.write_text(json.dumps(out, indent=2) + "\n")
     return 0
+
+
+def replay_real(url: str, specs: list[RequestSpec], ts: float, keep: Path | None) -> dict[str, Any]:
+    records, duration = asyncio.run(replay(url, specs))
+    if keep:
+        run = keep / f"real-x{ts:g}"
+        run.mkdir(parents=True, exist_ok=True)
+        write_jsonl(run / "records.jsonl", records)
+    end = max(duration, max((r.arrival_s + (r.e2e_s or 0)) for r in records))
+    return figures(summarize(records, end, None, None))
+
+
+def print_table(out: list[dict[str, Any]]) -> None:
+    print("\n| time scale | twin | requests | throughput tok/s real / twin ", end="")
+    print("| TTFT p50 ms real / twin | TTFT p99 ms real / twin | TPOT p50 ms real / twin |")
+    print("|---" * 7 + "|")
+    for row in out:
+        for label, twin_key in (("measured spread", "twin"), ("mean model", "twin_mean_model")):
+            cells = [f"{row['time_scale']:g}", label, str(row["real"]["requests"])]
+            for key, scale in (
+                ("throughput_tok_s", 1.0),
+                ("ttft_p50", 1e3),
+                ("ttft_p99", 1e3),
+                ("tpot_p50", 1e3),
+            ):
+                real, twin, ratio = row["real"][key], row[twin_key][key], row[twin_key + "_over_real"][key]
+                cells.append(f"{real * scale:.1f} / {twin * scale:.1f} ({ratio:.2f}x)")
+            print("| " + " | ".join(cells) + " |")
+    for row in out:
+        p99 = [round(v * 1e3, 1) for v in row["twin_p99_over_seeds"]]
+        print(f"time scale {row['time_scale']:g}: twin p99 TTFT over seeds 0-{SEEDS - 1}: {p99} ms")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,20 @@ so two kinds of controlled load, measured from the client, give rows of a least-
   the KV read of the chunks, plus the server's fixed HTTP/tokenizer cost, which a fifth column (1 on
   TTFT rows only) absorbs so that it does not leak into ``a``.
 
+Spread (the profile's ``[variance]``, ``controller/sim/quantiles.py``). The fit gives mean costs;
+two measurements give their distributions, stored as 101-point quantile tables:
+
+* Front end: ``frontend_probes`` single requests of ``frontend_prompt`` tokens and ``max_tokens = 1``,
+  one at a time with a random pause of 0-20 ms between them (light load; the pause keeps them from
+  falling into step with the engine's idle loop). Each one's TTFT minus the fitted prefill step
+  ``step_s(P, 0, P)`` is one front-end delay: HTTP, tokenizer, the event loops and the first chunk's
+  way back, plus that one step's own noise. Delays below 0 are kept at 0.
+* Step: from each decode batch, one stream whose chunk count equals its token count (a stream with
+  fewer chunks had tokens coalesced and is skipped), its inter-token gaps after every request of the
+  batch had its first token (pure lockstep decode: one gap is one step), each over the stream's mean
+  gap. Normalising by the mean, not the median, keeps the fit's mean step the twin's mean step.
+  Gaps are seen from the client, so the table also holds the output path's jitter.
+
 Each point is measured ``repeats`` times after a warm-up of every prompt length, and the median of
 the repeats is its row (a shared machine gives outliers). Prompts are random token ids (a new draw
 per request, so a prefix cache cannot hit). The fit is non-negative least squares
@@ -31,6 +45,7 @@ R^2 and each sample, measured and predicted, so a poor fit is visible.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import random
@@ -44,7 +59,8 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from controller.sim.profile import CostModel, EngineLimits, Profile
+from controller.sim.profile import CostModel, EngineLimits, Profile, Variance
+from controller.sim.quantiles import QuantileTable
 
 COLUMNS = ("a_s", "b_s_per_prefill_token", "c_s_per_decode_seq", "d_s_per_kv_token", "http_s")
 
@@ -151,16 +167,41 @@ class Server:
         return t0, times
 
 
-async def decode_samples(server: Server, n: int, prompt: int, out: int) -> list[Sample]:
+async def decode_samples(server: Server, n: int, prompt: int, out: int) -> tuple[list[Sample], list[float]]:
     """``n`` concurrent requests of ``out`` tokens: one sample, the median over the requests of their
-    mean step (first to last token over ``out - 1`` steps). Timing whole decodes rather than single
-    chunk gaps keeps the figure right when the server coalesces several tokens into one chunk."""
+    mean step (first to last token over ``out - 1`` steps), and one stream's step ratios. Timing whole
+    decodes rather than single chunk gaps keeps the sample right when the server coalesces several
+    tokens into one chunk."""
     results = await asyncio.gather(*(server.stream(prompt, out) for _ in range(n)))
     steps = [(times[-1] - times[0]) / (out - 1) for _, times in results if len(times) >= 2]
     if not steps:
-        return []
+        return [], []
     context = prompt + out // 2
-    return [Sample("decode", 1, 0, n, n * context, statistics.median(steps))]
+    return [Sample("decode", 1, 0, n, n * context, statistics.median(steps))], step_ratios(results, out)
+
+
+def step_ratios(results: Sequence[tuple[float, list[float]]], out: int, min_gaps: int = 8) -> list[float]:
+    """The first stream with one chunk per token: its gaps once every stream has its first token,
+    each over their mean (see the module docstring); [] when no stream qualifies."""
+    lockstep_from = max((times[0] for _, times in results if times), default=math.inf)
+    for _, times in results:
+        if len(times) != out:
+            continue  # coalesced chunks: one gap would span several steps
+        gaps = [b - a for a, b in itertools.pairwise(times) if a >= lockstep_from]
+        mean = sum(gaps) / len(gaps) if gaps else 0.0
+        if len(gaps) >= min_gaps and mean > 0:
+            return [g / mean for g in gaps]
+    return []
+
+
+async def frontend_ttfts(server: Server, probes: int, prompt: int) -> list[float]:
+    """TTFTs of ``probes`` single ``max_tokens = 1`` requests, one at a time, 0-20 ms apart."""
+    ttfts = []
+    for _ in range(probes):
+        await asyncio.sleep(server.rng.uniform(0.0, 0.02))
+        t0, times = await server.stream(prompt, 1)
+        ttfts.append(times[0] - t0)
+    return ttfts
 
 
 async def prefill_sample(server: Server, prompt: int, budget: int) -> Sample:
@@ -177,12 +218,27 @@ class CalibrationPlan:
     output_tokens: int = 96
     prefill_prompts: tuple[int, ...] = (32, 128, 256, 512, 1024, 1536)
     repeats: int = 5
+    frontend_probes: int = 200
+    """Single light-load requests whose TTFT spread gives the front-end table (0: no tables)."""
+    frontend_prompt: int = 32
+
+
+@dataclass
+class Measurements:
+    samples: list[Sample]
+    """The fit's rows."""
+    step_ratios: list[float]
+    """Single decode steps over their stream's mean step."""
+    frontend_ttfts: list[float]
+    """TTFTs of the front-end probes (``plan.frontend_prompt`` tokens each)."""
+    frontend_prompt: int
 
 
 async def measure(
     url: str, plan: CalibrationPlan, limits: EngineLimits, vocab: int, seed: int, log: Any = print
-) -> list[Sample]:
+) -> Measurements:
     samples: list[Sample] = []
+    ratios: list[float] = []
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         server = Server(session, url, vocab, seed)
@@ -190,28 +246,31 @@ async def measure(
         for prompt in plan.prefill_prompts:  # warm up: the CPU backend prepares kernels per shape
             if prompt + 1 <= limits.max_model_len:
                 await server.stream(prompt, 4)
+        ttfts = await frontend_ttfts(server, plan.frontend_probes, plan.frontend_prompt)
+        if ttfts:
+            log(f"front end: {len(ttfts)} probes, TTFT median {statistics.median(ttfts) * 1e3:.2f} ms")
         for prompt in plan.prefill_prompts:
             if prompt + 1 > limits.max_model_len:
                 continue
-            got = [
+            prefills = [
                 await prefill_sample(server, prompt, limits.max_num_batched_tokens)
                 for _ in range(plan.repeats)
             ]
-            samples.append(median_sample(got))
+            samples.append(median_sample(prefills))
             log(f"prefill P={prompt}: ttft {samples[-1].seconds:.4f} s")
         for prompt in plan.decode_prompts:
             for n in plan.concurrency:
                 if n > limits.max_num_seqs or prompt + plan.output_tokens > limits.max_model_len:
                     continue
-                got = [
-                    s
-                    for _ in range(plan.repeats)
-                    for s in await decode_samples(server, n, prompt, plan.output_tokens)
-                ]
+                got: list[Sample] = []
+                for _ in range(plan.repeats):
+                    rows, gaps = await decode_samples(server, n, prompt, plan.output_tokens)
+                    got += rows
+                    ratios += gaps
                 if got:
                     samples.append(median_sample(got))
                     log(f"decode N={n} P={prompt}: step {samples[-1].seconds * 1e3:.2f} ms")
-    return samples
+    return Measurements(samples, ratios if plan.frontend_probes else [], ttfts, plan.frontend_prompt)
 
 
 def median_sample(repeats: Sequence[Sample]) -> Sample:
@@ -239,9 +298,20 @@ async def engine_limits(
     return limits, 1000
 
 
+def variance(cost: CostModel, m: Measurements) -> Variance:
+    """The quantile tables of the measured spread (empty where nothing was measured)."""
+    p = m.frontend_prompt
+    delays = [max(0.0, t - cost.step_s(p, 0, p)) for t in m.frontend_ttfts]
+    return Variance(
+        frontend=QuantileTable.from_samples(delays) if delays else None,
+        step=QuantileTable.from_samples(m.step_ratios) if m.step_ratios else None,
+    )
+
+
 def build_profile(
-    name: str, url: str, limits: EngineLimits, samples: Sequence[Sample], hardware: str, model: str
+    name: str, url: str, limits: EngineLimits, m: Measurements, hardware: str, model: str
 ) -> Profile:
+    samples = m.samples
     cost, http_s, r2 = fit(samples)
     rows = [
         {
@@ -274,4 +344,5 @@ def build_profile(
             "ttft_http_overhead_s": http_s,
             "rows": json.dumps(rows),
         },
+        variance=variance(cost, m),
     )

@@ -51,8 +51,11 @@ def add_simulate_parser(sub: Any) -> None:
     p.add_argument("--slo-ttft", type=float, required=True, help="TTFT SLO in seconds (goodput)")
     p.add_argument("--slo-tpot", type=float, required=True, help="TPOT SLO in seconds (goodput)")
     p.add_argument("--out", type=Path, required=True, help="output directory")
-    p.add_argument("--seed", type=int, default=0, help="seed of the step-time jitter")
-    p.add_argument("--jitter", type=float, default=0.0, help="step-time noise, e.g. 0.05 = 5 %% (0: exact)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the front-end and step-time draws")
+    p.add_argument("--jitter", type=float, default=0.0,
+                   help="extra Gaussian step-time noise, e.g. 0.05 = 5 %% (0: none)")  # fmt: skip
+    p.add_argument("--no-variance", action="store_true",
+                   help="ignore the profile's [variance]: constant frontend_s, mean steps")  # fmt: skip
     p.add_argument("--no-report", action="store_true", help="skip the plots and report.md in DIR/report")
 
 
@@ -73,6 +76,8 @@ def add_calibrate_parser(bench_sub: Any) -> None:
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV capacity when /metrics lacks it")
     p.add_argument("--max-concurrency", type=int, default=64, help="largest decode batch to measure")
     p.add_argument("--repeats", type=int, default=5, help="measurements of each point (the median is fitted)")
+    p.add_argument("--frontend-probes", type=int, default=200,
+                   help="light-load requests timing the front end's spread (0: no [variance])")  # fmt: skip
     p.add_argument("--hardware", default="", help="recorded in the profile")
     p.add_argument("--model", default="", help="recorded in the profile")
 
@@ -147,7 +152,15 @@ def run_simulate(args: argparse.Namespace) -> int:
             time_scale=args.time_scale,
             token_scale=args.token_scale,
         )
-        sim = Simulation(profile, policy, normalizer, settings, seed=args.seed, jitter=args.jitter)
+        sim = Simulation(
+            profile,
+            policy,
+            normalizer,
+            settings,
+            seed=args.seed,
+            jitter=args.jitter,
+            use_variance=not args.no_variance,
+        )
     except ConfigError as exc:
         print(f"{args.config}: invalid config: {'; '.join(exc.errors)}", file=sys.stderr)
         return 1
@@ -227,15 +240,24 @@ def run_calibrate(args: argparse.Namespace) -> int:
     plan = CalibrationPlan(
         concurrency=tuple(n for n in CalibrationPlan.concurrency if n <= args.max_concurrency),
         repeats=args.repeats,
+        frontend_probes=args.frontend_probes,
     )
-    samples = asyncio.run(measure(args.url, plan, limits, vocab, seed=0))
-    profile = build_profile(args.name or args.out.stem, args.url, limits, samples, args.hardware, args.model)
+    measured = asyncio.run(measure(args.url, plan, limits, vocab, seed=0))
+    profile = build_profile(args.name or args.out.stem, args.url, limits, measured, args.hardware, args.model)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(dump_profile(profile))
     c = profile.cost
     print(
         f"wrote {args.out}: a={c.a_s * 1e3:.3f} ms, b={c.b_s_per_prefill_token * 1e6:.3f} us/token, "
         f"c={c.c_s_per_decode_seq * 1e6:.3f} us/seq, d={c.d_s_per_kv_token * 1e9:.3f} ns/kv-token, "
-        f"R^2={profile.fit['r2']} over {len(samples)} samples"
+        f"R^2={profile.fit['r2']} over {len(measured.samples)} samples"
     )
+    v = profile.variance
+    if v.frontend:
+        f = v.frontend
+        print(f"front end over {f.samples} probes: p50 {f.sample(0.5) * 1e3:.2f} ms, "
+              f"p99 {f.sample(0.99) * 1e3:.2f} ms, max {f.values[-1] * 1e3:.2f} ms")  # fmt: skip
+    if v.step:
+        print(f"step / mean step over {v.step.samples} gaps: p1 {v.step.sample(0.01):.2f}, "
+              f"p50 {v.step.sample(0.5):.2f}, p99 {v.step.sample(0.99):.2f}")  # fmt: skip
     return 0

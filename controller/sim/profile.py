@@ -29,6 +29,17 @@ A profile is a TOML file. The shipped ones live in ``controller/sim/profiles/`` 
     samples = 40
     r2 = 0.99
 
+    [variance.frontend]                      # optional: measured front-end delay (seconds)
+    samples = 200
+    quantiles = [0.004, ..., 0.031]          # p0, p1, ..., p100 (any n >= 2, evenly spaced)
+    [variance.step]                          # optional: measured step-time multiplier
+    samples = 5000
+    quantiles = [0.62, ..., 2.9]
+
+Without ``[variance]`` the twin is the mean model: every request's front end takes ``frontend_s``
+and every step exactly ``step_s``. With it, the twin draws each request's front-end delay and each
+step's multiplier from the tables (``controller/sim/run.py``, ``controller/sim/quantiles.py``).
+
 Engine keys may be overridden by a config file's ``[engine]`` table (``simulate --config``); the cost
 coefficients may not, they belong to the hardware and the model.
 """
@@ -41,6 +52,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
+
+from controller.sim.quantiles import QuantileTable, parse_table
 
 PROFILE_PACKAGE = "controller.sim.profiles"
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -149,6 +162,21 @@ class EngineLimits:
 
 
 @dataclass(frozen=True)
+class Variance:
+    """Measured spread around the cost model (``bench calibrate`` fills it; both are optional)."""
+
+    frontend: QuantileTable | None = None
+    """Seconds a request spends in the front end before the engine sees it (its TTFT minus the
+    predicted prefill step, one light-load request at a time). Replaces ``frontend_s`` when set."""
+    step: QuantileTable | None = None
+    """A step's duration over the mean step (single inter-token gaps of lockstep decodes over their
+    stream's mean gap). The twin rescales it to mean 1, so the cost model stays the mean step."""
+
+    def as_dict(self) -> dict[str, dict[str, Any]]:
+        return {k: t.as_dict() for k, t in (("frontend", self.frontend), ("step", self.step)) if t}
+
+
+@dataclass(frozen=True)
 class Profile:
     name: str
     cost: CostModel
@@ -158,6 +186,8 @@ class Profile:
     model: str = ""
     sources: tuple[str, ...] = ()
     fit: dict[str, Any] = field(default_factory=dict)
+    variance: Variance = Variance()
+    """Measured front-end and step-time distributions; empty for a derived profile."""
     path: str = ""
     """Where the profile was read from."""
 
@@ -218,6 +248,7 @@ def parse_profile(text: str, where: str) -> Profile:
     if not isinstance(sources, list) or not all(isinstance(s, str) for s in sources):
         raise ProfileError(f"{where}: sources must be a list of strings (URLs)")
     fit = data.get("fit", {})
+    variance = parse_variance(data.get("variance", {}), where)
     return Profile(
         name=str(data.get("name", Path(where).stem)),
         cost=CostModel(**coef),
@@ -227,8 +258,24 @@ def parse_profile(text: str, where: str) -> Profile:
         model=str(data.get("model", "")),
         sources=tuple(sources),
         fit=dict(fit) if isinstance(fit, dict) else {},
+        variance=variance,
         path=where,
     )
+
+
+def parse_variance(raw: Any, where: str) -> Variance:
+    if not isinstance(raw, dict) or set(raw) - {"frontend", "step"}:
+        raise ProfileError(f"{where}: [variance] may hold only [variance.frontend] and [variance.step]")
+    tables: dict[str, QuantileTable] = {}
+    for key in ("frontend", "step"):
+        if key in raw:
+            try:
+                tables[key] = parse_table(raw[key], f"{where}: [variance.{key}]")
+            except ValueError as exc:
+                raise ProfileError(str(exc)) from exc
+    if "step" in tables and tables["step"].mean() <= 0:
+        raise ProfileError(f"{where}: [variance.step] has mean 0; a step multiplier table needs values > 0")
+    return Variance(**tables)
 
 
 def dump_profile(profile: Profile) -> str:
@@ -252,4 +299,8 @@ def dump_profile(profile: Profile) -> str:
     ):
         lines.append(f"\n[{table}]")
         lines.extend(f"{k} = {value(v)}" for k, v in items.items())
+    for key, qt in profile.variance.as_dict().items():
+        lines.append(f"\n[variance.{key}]")
+        lines.append(f"samples = {qt['samples']}")
+        lines.append("quantiles = [" + ", ".join(repr(v) for v in qt["quantiles"]) + "]")
     return "\n".join(lines) + "\n"

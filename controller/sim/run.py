@@ -9,6 +9,19 @@ control tick is due, a time-series sample is due) and lets the tasks run after e
 released by a finished request goes to the next waiter before the next step is planned, as it does
 between two steps of the real engine. Time never comes from the wall clock: two runs with the same
 workload, settings and seed give the same records.
+
+Noise. With the mean model (a profile without ``[variance]``, or ``use_variance=False``) request ``i``
+reaches the gate at ``arrival_i + frontend_s`` and a step lasts ``step_s(plan)``. With a profile's
+measured tables (``controller/sim/quantiles.py``), one seeded ``random.Random(seed)`` draws, first the
+front-end delays of all requests in arrival order, then one multiplier per step::
+
+    entry_i = arrival_i + F^-1(u_i)                    F: the [variance.frontend] table, u_i ~ U[0,1)
+    step    = step_s(plan) * S^-1(u) / mean(S)         S: the [variance.step] table
+            * max(0, N(1, jitter))                     only with jitter > 0
+
+so the step table changes a step's spread, not the cost model's mean step. The request's TTFT is
+counted from ``arrival_i``, as a client counts it; a request whose front end is slow may enter the
+engine after one that arrived later, as on a real server.
 """
 
 from __future__ import annotations
@@ -38,6 +51,7 @@ from controller.normalize import Normalizer
 from controller.observation import build_observation
 from controller.sim.engine import SimEngine, SimRequest, StepPlan
 from controller.sim.profile import Profile
+from controller.sim.quantiles import QuantileTable
 from controller.telemetry import TelemetryWindow
 from policies.base import Observation, Policy
 
@@ -103,6 +117,7 @@ class Simulation:
         control: ControlSettings | None = None,
         seed: int = 0,
         jitter: float = 0.0,
+        use_variance: bool = True,
     ) -> None:
         if jitter < 0:
             raise ValueError(f"jitter = {jitter}: must be >= 0 (0.05 = 5 % step-time noise)")
@@ -117,6 +132,10 @@ class Simulation:
         self.loop = ControlLoop(policy, normalizer, self.observe, self, self.changes.append, history=50)
         self._rng = random.Random(seed)
         self.jitter = jitter
+        variance = profile.variance if use_variance else None
+        self._front_table = variance.frontend if variance else None
+        self._step_table = variance.step if variance else None
+        self._step_mean = self._step_table.mean() if self._step_table else 1.0
         self._records: dict[int, RequestRecord] = {}
         self._series: list[SeriesPoint] = []
         self._tasks: list[asyncio.Task[None]] = []
@@ -144,7 +163,7 @@ class Simulation:
             self._open -= 1
 
     async def _request(self, spec: RequestSpec) -> None:
-        t0 = spec.arrival_s  # the task starts frontend_s later: the front end's share of the TTFT
+        t0 = spec.arrival_s  # the task starts its front-end delay later: the front end's share of the TTFT
         limits = self.profile.engine
         if spec.prompt_tokens + spec.output_tokens > limits.max_model_len:
             msg = f"prompt + max_tokens = {spec.prompt_tokens + spec.output_tokens} > max_model_len"
@@ -205,6 +224,8 @@ class Simulation:
 
     def _step_s(self, plan: StepPlan) -> float:
         step = self.engine.step_s(plan)
+        if self._step_table is not None:
+            step *= self._step_table.sample(self._rng.random()) / self._step_mean
         if self.jitter:
             step *= max(0.0, self._rng.gauss(1.0, self.jitter))
         return max(MIN_STEP_S, step)
@@ -224,11 +245,22 @@ class Simulation:
             )
         )
 
+    def _tables(self) -> tuple[tuple[str, QuantileTable | None], ...]:
+        return (("frontend", self._front_table), ("step", self._step_table))
+
+    def _entries(self, arrivals: Sequence[RequestSpec]) -> list[tuple[float, RequestSpec]]:
+        """When each request reaches the gate: its arrival plus its front-end delay, earliest first."""
+        table, front = self._front_table, self.profile.cost.frontend_s
+        if table is None:
+            return [(s.arrival_s + front, s) for s in arrivals]
+        entries = [(s.arrival_s + table.sample(self._rng.random()), s) for s in arrivals]
+        return sorted(entries, key=lambda e: (e[0], e[1].index))
+
     async def run(self, specs: Sequence[RequestSpec]) -> SimResult:
         wall0 = time.perf_counter()
         arrivals = sorted(specs, key=lambda s: (s.arrival_s, s.index))
         await self.loop.tick()  # the policy's initial values apply before the first request (Daemon.startup)
-        await self._drive(arrivals)
+        await self._drive(self._entries(arrivals))
         duration = await self._finish(arrivals)
         records = [self._records[s.index] for s in sorted(specs, key=lambda s: s.index)]
         series = merge_series(self._series, client_series(records, duration, self.control.sample_period_s))
@@ -240,19 +272,24 @@ class Simulation:
             steps=self.engine.steps,
             preemptions=self.engine.total_preemptions,
             wall_s=time.perf_counter() - wall0,
-            extra={"profile": self.profile.name, "workload": describe(specs)},
+            extra={
+                "profile": self.profile.name,
+                "workload": describe(specs),
+                "variance": [k for k, t in self._tables() if t],
+            },
         )
 
-    async def _drive(self, arrivals: Sequence[RequestSpec]) -> None:
+    async def _drive(self, arrivals: Sequence[tuple[float, RequestSpec]]) -> None:
         """Advance virtual time from event to event until every request is done (or ``drain_s`` after
-        the last arrival). At one instant: the step that ends, then arrivals, then the control tick,
-        then the time-series sample; then the next step is planned from what the tasks did."""
-        c, front = self.control, self.profile.cost.frontend_s
+        the last entry). ``arrivals``: (time the request reaches the gate, request), in that order. At
+        one instant: the step that ends, then arrivals, then the control tick, then the time-series
+        sample; then the next step is planned from what the tasks did."""
+        c = self.control
         next_tick, next_sample = c.tick_s, c.sample_period_s
-        end_by = (arrivals[-1].arrival_s + front if arrivals else 0.0) + c.drain_s
+        end_by = (arrivals[-1][0] if arrivals else 0.0) + c.drain_s
         i, plan, step_end = 0, None, 0.0
         while i < len(arrivals) or plan is not None or self.engine.has_work or self._open > 0:
-            next_arrival = arrivals[i].arrival_s + front if i < len(arrivals) else math.inf
+            next_arrival = arrivals[i][0] if i < len(arrivals) else math.inf
             t = min(step_end if plan is not None else math.inf, next_arrival, next_tick, next_sample)
             if t > end_by:
                 break
@@ -263,8 +300,8 @@ class Simulation:
             if plan is not None and step_end <= t:
                 woken = self._end_step(plan, t) or woken
                 plan = None
-            while i < len(arrivals) and arrivals[i].arrival_s + front <= t:
-                self._tasks.append(asyncio.create_task(self._client(arrivals[i])))
+            while i < len(arrivals) and arrivals[i][0] <= t:
+                self._tasks.append(asyncio.create_task(self._client(arrivals[i][1])))
                 self._open += 1
                 i, woken = i + 1, True
             if woken:
