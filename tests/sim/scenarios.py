@@ -53,13 +53,14 @@ def simulate(
     control: ControlSettings | None = None,
     seed: int = 0,
     jitter: float = 0.0,
+    use_variance: bool = True,
 ) -> SimResult:
     control = control or ControlSettings(admission_limit=profile.engine.max_num_seqs)
     pol = build_policy(
         policy, params or {}, max_num_seqs=profile.engine.max_num_seqs, initial_limit=control.admission_limit
     )
     norm = Normalizer(limit_max=4096, **(normalizer or {}))
-    sim = Simulation(profile, pol, norm, control, seed=seed, jitter=jitter)
+    sim = Simulation(profile, pol, norm, control, seed=seed, jitter=jitter, use_variance=use_variance)
     return asyncio.run(sim.run(specs))
 
 
