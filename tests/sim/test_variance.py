@@ -137,3 +137,12 @@ def test_front_end_delays_are_ttft_minus_the_predicted_prefill_step() -> None:
     assert v.frontend.values[-1] == pytest.approx(0.005) and v.frontend.samples == 2
     assert v.step is not None and v.step.mean() == pytest.approx(1.0)
     assert variance(cost, Measurements([], [], [], 32)) == Variance()
+
+
+def test_the_step_table_keeps_the_cost_models_mean_step() -> None:
+    one_long = [RequestSpec(0, 0.0, 100, 2000)]  # 1999 decode steps of one request, alone
+    skewed = QuantileTable((0.5, 0.6, 1.0, 5.0), 5000)  # mean 1.45: rescaled to 1 by the twin
+    mean_model = simulate(one_long, "static", profile=with_variance()).records[0]
+    spread = simulate(one_long, "static", profile=with_variance(step=skewed), seed=1).records[0]
+    assert mean_model.tpot_s is not None and spread.tpot_s is not None
+    assert spread.tpot_s == pytest.approx(mean_model.tpot_s, rel=0.05)
