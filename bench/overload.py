@@ -64,7 +64,12 @@ DAEMON, VLLM_SERVE = "daemon", "vllm-serve"
 def daemon_config(base: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     return {
         "engine": base["engine"],
-        "server": {"host": HOST, "port": args.daemon_port, "shutdown_timeout_s": 10.0},
+        "server": {
+            "host": HOST,
+            "port": args.daemon_port,
+            "shutdown_timeout_s": 10.0,
+            **({} if args.engine_poll_sleep is None else {"engine_poll_sleep_s": args.engine_poll_sleep}),
+        },
         "admin": {"host": HOST, "port": args.admin_port},
         "admission": {
             "limit": args.limit,
@@ -167,7 +172,7 @@ def headline(
         f"{base_d:.1f} ms, vllm serve {base_v:.1f} ms; "
         f"SLO interactive {1000 * slo[INTERACTIVE]:.0f} ms, batch {slo[BATCH]:.0f} s\n"
         f"goodput daemon / vllm serve: {d['goodput_per_s'] / max(v['goodput_per_s'], 1e-9):.2f}x; "
-        f"interactive p99 TTFT daemon / vllm serve: {p99:.2f}x"
+        f"interactive p99 TTFT daemon / vllm serve: {p99:.3g}x"
     )
 
 
@@ -188,6 +193,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-deadline", type=float, default=10.0, help="the daemon's batch queue deadline")
     p.add_argument("--slo-factor", type=float, default=25.0, help="interactive TTFT SLO / unloaded TTFT")
     p.add_argument("--batch-slo", type=float, default=20.0, help="batch TTFT SLO, seconds")
+    p.add_argument(
+        "--engine-poll-sleep",
+        type=float,
+        default=None,
+        help="the daemon's [server] engine_poll_sleep_s (default: the daemon's own; 0: vLLM's spin)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "overload.json")
     p.add_argument("--python", default=sys.executable, help="interpreter that runs both servers")

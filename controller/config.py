@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,16 @@ class ConfigError(Exception):
         self.errors = errors
 
 
+SMALL_HOST_CPUS = 8
+"""Below this many usable CPUs the daemon's engine processes poll with a sleep by default."""
+
+
+def default_engine_poll_sleep() -> float:
+    """[server] engine_poll_sleep_s when the file does not set it (controller/engine/ipc.py): on a
+    small host vLLM's two spinning processes take the cores the API server needs."""
+    return 0.0002 if len(os.sched_getaffinity(0)) < SMALL_HOST_CPUS else 0.0
+
+
 def _f(default: Any, doc: str, lo: float | None = None, hi: float | None = None) -> Any:
     return field(default=default, metadata={"doc": doc, "lo": lo, "hi": hi})
 
@@ -39,6 +50,14 @@ class ServerConfig:
     port: int = _f(8000, "Port of the OpenAI-compatible API.", 1, 65535)
     shutdown_timeout_s: float = _f(
         30.0, "On SIGTERM/SIGINT, how long in-flight requests may run before they are aborted.", 0, 3600
+    )
+    engine_poll_sleep_s: float = _f(
+        default_engine_poll_sleep(),
+        "While vLLM's EngineCore and worker wait for each other, each poll sleeps this long instead of "
+        f"spinning on a core (0: vLLM's own spin). Default 0.0002 below {SMALL_HOST_CPUS} CPUs, where "
+        "the spin starves the API server, else 0.",
+        0,
+        0.01,
     )
     vllm: dict[str, Any] = field(
         default_factory=dict,

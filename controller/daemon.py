@@ -83,7 +83,7 @@ class Daemon:
         self.args = serve_namespace(
             config.engine, {"host": config.server.host, "port": config.server.port, **config.server.vllm}
         )
-        self.host = EngineHost(self.args, self.window)
+        self.host = EngineHost(self.args, self.window, config.server.engine_poll_sleep_s)
         self.guard = Guard(config.guard, self.gate, self.host, self._on_restart)
         self.gpu_source: GpuSource = gpu_source or NvmlSource()
         self.host_source: HostReadingSource = host_source or HostSource()

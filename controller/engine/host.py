@@ -13,6 +13,7 @@ import structlog
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from controller.engine.args import engine_args
+from controller.engine.ipc import plugin_problem, set_poll_sleep
 from controller.engine.scheduler import UTILITY_SET, scheduler_path
 from controller.engine.stats import stat_logger_factory
 from controller.telemetry import TelemetryWindow
@@ -27,9 +28,11 @@ engine was swapped still finish their preprocessing (else they would get a 500).
 class EngineHost:
     """The current engine, its generation number, its batch cap and the requests inside it."""
 
-    def __init__(self, args: argparse.Namespace, window: TelemetryWindow) -> None:
+    def __init__(self, args: argparse.Namespace, window: TelemetryWindow, poll_sleep_s: float = 0.0) -> None:
         self.args = args
         self._window = window
+        self.poll_sleep_s = poll_sleep_s
+        """[server] engine_poll_sleep_s, handed to the engine's processes (controller/engine/ipc.py)."""
         self._llm: AsyncLLM | None = None
         self._restarting = False
         self._retired: list[AsyncLLM] = []
@@ -64,6 +67,9 @@ class EngineHost:
         vllm_config = eargs.create_engine_config()
         # Match vLLM's own choice (async scheduling or not) with our capped subclass of it.
         eargs.scheduler_cls = scheduler_path(bool(vllm_config.scheduler_config.async_scheduling))
+        set_poll_sleep(self.poll_sleep_s)  # the EngineCore and its workers inherit the environment
+        if self.poll_sleep_s and (problem := plugin_problem()):
+            log.warning("engine_poll_sleep_ignored", reason=problem)
         return AsyncLLM.from_engine_args(eargs, stat_loggers=[stat_logger_factory(self._window)])
 
     async def start(self) -> None:

@@ -43,6 +43,9 @@ SHAPES = {"interactive_tokens": 16, "batch_tokens": 512}
 the engine's work (offered 3x the sustained request rate, interactive alone ~0.9x in requests)."""
 OVERLOAD = 3.0
 DURATION_S = 40.0
+POLL_SLEEP_S = 0.0002
+"""[server] engine_poll_sleep_s: with vLLM's own spin the EngineCore and its worker hold both cores
+while they generate and the API server answers in seconds (docs/benchmarks.md, section 7)."""
 
 CLASSES = f"""
 [admission.classes.interactive]
@@ -69,7 +72,7 @@ def daemon_proc(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> I
     ports = (free_port(), free_port())
     write_config(
         path,
-        server={"port": ports[0], "shutdown_timeout_s": 10.0},
+        server={"port": ports[0], "shutdown_timeout_s": 10.0, "engine_poll_sleep_s": POLL_SLEEP_S},
         admin={"port": ports[1]},
         admission={"limit": LIMIT, "max_queue": 128, "aging_s": 5.0},
         control={"tick_seconds": 1.0, "policy": "static"},
@@ -124,10 +127,10 @@ async def test_overload_serves_interactive_and_refuses_the_excess(daemon_proc: P
     )
     inter, batch = summary[INTERACTIVE], summary[BATCH]
     assert inter["sent"] > 50 and batch["sent"] > 100
-    # The issue's target is >= 99% of interactive requests within the SLO. On this shared 2-core machine
-    # the API server's event loop, the load generator and the EngineCore compete for the CPU and the
-    # measured share was 18-96% (docs/benchmarks.md, section 7): printed above, not asserted. What the
-    # gate decides is asserted: the least urgent class sheds first, the most urgent is served most.
+    # The issue's target is >= 99% of interactive requests within the SLO: printed above, not asserted
+    # (a latency on a shared machine). Measured 100% in every run with POLL_SLEEP_S, 18-96% with vLLM's
+    # spin (docs/benchmarks.md, section 7). What the gate decides is asserted: the least urgent class
+    # sheds first, the most urgent is served most.
     inter_refused, batch_refused = (c["refused_429"] / c["sent"] for c in (inter, batch))
     assert inter_refused < batch_refused, (inter_refused, batch_refused)
     assert inter["served"] / inter["sent"] > batch["served"] / batch["sent"]
