@@ -128,7 +128,7 @@ async def test_overload_serves_interactive_and_refuses_the_excess(daemon_proc: P
     inter, batch = summary[INTERACTIVE], summary[BATCH]
     assert inter["sent"] > 50 and batch["sent"] > 100
     # The target is >= 99% of interactive requests within the SLO: printed above, not asserted
-    # (a latency on a shared machine). Measured 100% in every run with POLL_SLEEP_S, 18-96% with vLLM's
+    # (a latency on a shared machine). Measured 100% in every run with a poll sleep, 18-96% with vLLM's
     # spin (docs/benchmarks.md, section 7). What the gate decides is asserted: the least urgent class
     # sheds first, the most urgent is served most.
     inter_refused, batch_refused = (c["refused_429"] / c["sent"] for c in (inter, batch))
