@@ -36,7 +36,7 @@ from tests.integration import test_overload as overload_test
 from tests.integration.procs import daemon_process
 
 
-def _config(path: Path, sleep_s: float, limit: int, classes: str = "") -> tuple[str, str]:
+def _throughput_config(path: Path, sleep_s: float, limit: int) -> tuple[str, str]:
     ports = (free_port(), free_port())
     write_config(
         path,
@@ -45,7 +45,6 @@ def _config(path: Path, sleep_s: float, limit: int, classes: str = "") -> tuple[
         admission={"limit": limit, "max_queue": 128, "aging_s": 5.0},
         control={"tick_seconds": 1.0, "policy": "static"},
     )
-    path.write_text(path.read_text() + classes)
     return f"http://127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}"
 
 
@@ -56,7 +55,7 @@ def _cpu_s(process: psutil.Process) -> float:
 
 async def overload(sleep_s: float, rate: float, workdir: Path) -> dict[str, Any]:
     t = overload_test
-    base, admin = _config(workdir / "config.toml", sleep_s, t.LIMIT, t.CLASSES)
+    base, admin = t.write_overload_config(workdir / "config.toml", sleep_s)
     with daemon_process(workdir / "config.toml", admin) as popen:
         unloaded = await unloaded_ttft(base, "tiny")
         shape = Mix(rate_per_s=1.0, duration_s=t.DURATION_S, **t.SHAPES)
@@ -93,7 +92,7 @@ async def overload(sleep_s: float, rate: float, workdir: Path) -> dict[str, Any]
 
 
 async def throughput(sleep_s: float, concurrency: int, seconds: float, workdir: Path) -> float:
-    base, admin = _config(workdir / "config.toml", sleep_s, concurrency)
+    base, admin = _throughput_config(workdir / "config.toml", sleep_s, concurrency)
     tokens = 128
     shape = Mix(rate_per_s=1.0, duration_s=1.0, interactive_share=1.0, interactive_tokens=tokens)
     with daemon_process(workdir / "config.toml", admin):

@@ -34,6 +34,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from controller.benchkit.client import Target, parse_event, payload  # noqa: E402
 from controller.benchkit.records import RequestRecord, summarize, tpot, write_jsonl  # noqa: E402
 from controller.benchkit.workload import (  # noqa: E402
     RequestSpec,
@@ -59,16 +60,8 @@ async def send(
     if delay > 0:
         await asyncio.sleep(delay)
     rng = random.Random(spec.index)
-    body = {
-        "model": model,
-        "prompt": [rng.randrange(10, 1000) for _ in range(spec.prompt_tokens)],
-        "max_tokens": spec.output_tokens,
-        "min_tokens": spec.output_tokens,
-        "ignore_eos": True,
-        "temperature": 0.0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    prompt = [rng.randrange(10, 1000) for _ in range(spec.prompt_tokens)]
+    body = payload(Target(url, model), spec, prompt)
     t0 = time.monotonic()
     times: list[float] = []
     tokens = 0
@@ -78,10 +71,9 @@ async def send(
             status = resp.status
             if status == 200:
                 async for raw in resp.content:
-                    line = raw.decode().strip()
-                    if not line.startswith("data:") or line == "data: [DONE]":
+                    event = parse_event(raw)
+                    if event is None:
                         continue
-                    event = json.loads(line[5:])
                     if event.get("choices"):
                         times.append(time.monotonic())
                     if event.get("usage"):  # the final chunk: the true count (chunks may carry several)

@@ -32,8 +32,9 @@ class Target:
     """Served model name (the ``model`` field of each request)."""
 
 
-def payload(target: Target, spec: RequestSpec, prompt: str) -> dict[str, Any]:
-    """A streaming completion forced to exactly ``spec.output_tokens`` tokens."""
+def payload(target: Target, spec: RequestSpec, prompt: str | list[int]) -> dict[str, Any]:
+    """A streaming completion forced to exactly ``spec.output_tokens`` tokens (``prompt``: text or
+    token ids)."""
     body: dict[str, Any] = {
         "model": target.model,
         "prompt": prompt,

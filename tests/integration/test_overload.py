@@ -66,21 +66,26 @@ class Proc:
         self.base, self.admin, self.popen = base, admin, popen
 
 
-@pytest.fixture(scope="module")
-def daemon_proc(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Proc]:
-    path = tmp_path_factory.mktemp("overload") / "config.toml"
+def write_overload_config(path: Path, poll_sleep_s: float = POLL_SLEEP_S) -> tuple[str, str]:
+    """This test's daemon config (also bench/poll_sleep.py's); (data-plane URL, control-plane URL)."""
     ports = (free_port(), free_port())
     write_config(
         path,
-        server={"port": ports[0], "shutdown_timeout_s": 10.0, "engine_poll_sleep_s": POLL_SLEEP_S},
+        server={"port": ports[0], "shutdown_timeout_s": 10.0, "engine_poll_sleep_s": poll_sleep_s},
         admin={"port": ports[1]},
         admission={"limit": LIMIT, "max_queue": 128, "aging_s": 5.0},
         control={"tick_seconds": 1.0, "policy": "static"},
     )
     path.write_text(path.read_text() + CLASSES)
-    admin = f"http://127.0.0.1:{ports[1]}"
+    return f"http://127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}"
+
+
+@pytest.fixture(scope="module")
+def daemon_proc(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Proc]:
+    path = tmp_path_factory.mktemp("overload") / "config.toml"
+    base, admin = write_overload_config(path)
     with daemon_process(path, admin) as popen:
-        yield Proc(f"http://127.0.0.1:{ports[0]}", admin, popen)
+        yield Proc(base, admin, popen)
 
 
 async def _metrics(proc: Proc) -> dict[str, float]:
