@@ -48,6 +48,8 @@ class EngineStats:
     steps: int
     """Engine steps recorded inside the window."""
     running: int
+    running_max: int
+    """Largest RUNNING count over the window (the count behind ``kv_usage_max``'s peak, or above it)."""
     waiting: int
     kv_usage: float
     kv_usage_mean: float
@@ -122,6 +124,7 @@ class TelemetryWindow:
             window_s=span,
             steps=len(steps),
             running=last.running if last else 0,
+            running_max=max((s.running for s in steps), default=0),
             waiting=last.waiting if last else 0,
             kv_usage=last.kv_usage if last else 0.0,
             kv_usage_mean=sum(kv) / len(kv) if kv else 0.0,

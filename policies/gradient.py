@@ -31,13 +31,29 @@ class GradientPolicy(Policy):
         gradient = clamp(b * (1 + tolerance) / s, 0.5, 1.0)
         L' = L * gradient + sqrt(L)                  # sqrt(L): queue headroom, lets the limit probe up
         L  = clamp((1 - smoothing) * L + smoothing * L', min_limit, max_limit)
-        admission_limit = floor(L)
+        admission_limit = floor(L)     # only once |floor(L) - limit| >= max(1, min_change * limit)
 
-    ``L`` follows the applied limit: when the limit in force is not ``floor(L)`` (the normalize stage
-    clamped or rate-limited it, or a reload changed it), ``L`` restarts from the limit in force.
-    A growth of ``L`` needs demand (requests queued in the gate, or ``in_flight >= demand_fraction *
-    limit``), else hold, "no_demand" (Gradient2's "app limited"). Reasons: "latency_high" (gradient
-    < 1), "latency_ok" (gradient = 1), "no_measurement" (no sample in the window: hold), "stale_stats".
+    One update per sample: the sample is a window percentile, so after an update of ``L`` or a move
+    of the limit the policy holds ("dwell") until ``dwell_s`` has passed (by default the
+    Observation's window, ``[control] window_seconds``), as Gradient2 updates once per sample window.
+    Updating every tick applied the same reading up to ten times: one latency spike cut the limit
+    from 29 to 8 in 12 s, and the limit then crept back one request every few ticks (tests/sim:
+    8 and 31 moves a minute at a steady load).
+
+    Minimum change: ``L`` moves freely, the limit in force only once ``floor(L)`` is at least
+    ``max(1, min_change * limit)`` away from it ("below_min_change" otherwise: hold): quantisation
+    with hysteresis, so an estimate that drifts around an integer does not flip the limit.
+
+    A limit that does not bind: with a gradient below 1 and fewer requests in flight than the
+    limit, a cut to any value above ``in_flight`` changes nothing, so ``L`` starts from ``in_flight``
+    (not from the limit) on that update: the first cut bites.
+
+    ``L`` follows the applied limit: when the limit in force is not the one this policy set last (the
+    normalize stage clamped, rate-limited or dropped it, or a reload changed it), ``L`` restarts from
+    the limit in force. A growth of ``L`` needs demand (requests queued in the gate, or ``in_flight >=
+    demand_fraction * limit``), else hold, "no_demand" (Gradient2's "app limited"). Reasons:
+    "latency_high" (gradient < 1), "latency_ok" (gradient = 1), "no_measurement" (no sample in the
+    window: hold), "dwell", "below_min_change", "stale_stats".
 
     States: "measuring" -> "normal" -> (every ``baseline_interval_s``) "measuring" -> ... The first
     tick enters "measuring": the limit is pinned to ``baseline_limit`` ("measuring_baseline") for at
@@ -53,13 +69,14 @@ class GradientPolicy(Policy):
     Parameters (defaults): ``latency`` "ttft_p50" (or "ttft_p99", "itl_p50", "itl_p99");
     ``tolerance`` 0.5; ``smoothing`` 0.2; ``min_limit`` 1; ``max_limit`` 2 * max_num_seqs;
     ``baseline_interval_s`` 300.0; ``baseline_window_s`` 10.0; ``baseline_limit`` 4;
-    ``demand_fraction`` 0.9; ``cap_follows_limit`` false; ``stale_after_s`` 5.0.
+    ``demand_fraction`` 0.9; ``cap_follows_limit`` false; ``stale_after_s`` 5.0; ``dwell_s`` None
+    (the telemetry window; 0: update every tick); ``min_change`` 0.1 (0: any whole step).
     """
 
     name = "gradient"
     param_names = tuple(
         "latency tolerance smoothing min_limit max_limit baseline_interval_s baseline_window_s "
-        "baseline_limit demand_fraction cap_follows_limit stale_after_s".split()
+        "baseline_limit demand_fraction cap_follows_limit stale_after_s dwell_s min_change".split()
     )
 
     def __init__(
@@ -78,6 +95,8 @@ class GradientPolicy(Policy):
         demand_fraction: float = 0.9,
         cap_follows_limit: bool = False,
         stale_after_s: float = 5.0,
+        dwell_s: float | None = None,
+        min_change: float = 0.1,
     ) -> None:
         self.max_num_seqs = max_num_seqs
         self.latency = check_choice("latency", latency, LATENCIES)
@@ -97,6 +116,8 @@ class GradientPolicy(Policy):
         self.demand_fraction = check_float("demand_fraction", demand_fraction, 0.0, 1.0, lo_open=True)
         self.cap_follows_limit = check_bool("cap_follows_limit", cap_follows_limit)
         self.stale_after_s = check_float("stale_after_s", stale_after_s, 0.0, lo_open=True)
+        self.dwell_s = None if dwell_s is None else check_float("dwell_s", dwell_s, 0.0)
+        self.min_change = check_float("min_change", min_change, 0.0, 1.0)
         self.state = MEASURING
         self._estimate = clamp(float(initial_limit), self.min_limit, self.max_limit)
         self._deferred = self._estimate  # the estimate to go back to after a measuring window
@@ -106,8 +127,22 @@ class GradientPolicy(Policy):
         self._baseline_mono = 0.0
         self._sample: float | None = None
         self._gradient = math.nan
+        self._applied: int | None = None  # the limit this policy set last
+        self._limit_seen: int | None = None  # the limit in force at the previous tick
+        self._asked_at: float | None = None  # when the previous tick asked for a new limit
+        self._moved_at: float | None = None  # when the limit last moved (start of a dwell)
+        self._updated_at: float | None = None  # when the estimate last changed (start of a dwell)
 
     def decide(self, obs: Observation, now_mono: float) -> Decision:
+        seen, self._limit_seen = self._limit_seen, obs.admission_limit
+        if seen is not None and obs.admission_limit != seen:  # the limit moved since the previous tick
+            self._moved_at = now_mono if self._asked_at is None else self._asked_at
+        decision = self._decide(obs, now_mono)
+        asks = decision.admission_limit is not None and decision.admission_limit != obs.admission_limit
+        self._asked_at = now_mono if asks else None
+        return decision
+
+    def _decide(self, obs: Observation, now_mono: float) -> Decision:
         if is_stale(obs, self.stale_after_s):
             return Decision(None, None, "stale_stats")
         self._sample = latency_sample(obs, self.latency)
@@ -117,7 +152,13 @@ class GradientPolicy(Policy):
             return self._measure(now_mono)
         if self._sample is None:
             return Decision(None, None, "no_measurement")
-        return self._update(obs, self._sample)
+        dwell = obs.window_s if self.dwell_s is None else self.dwell_s
+        last = max(self._moved_at or -math.inf, self._updated_at or -math.inf)
+        if dwell > 0 and now_mono - last <= dwell:
+            # The sample (a window percentile) still covers time before the last update or move:
+            # applying it again would compound the same reading.
+            return Decision(None, None, "dwell")
+        return self._update(obs, self._sample, now_mono)
 
     def _measure(self, now_mono: float) -> Decision:
         if self._window_start is None:
@@ -128,21 +169,35 @@ class GradientPolicy(Policy):
             return self._decision(self.baseline_limit, "measuring_baseline")
         self.state, self._baseline, self._baseline_mono = NORMAL, self._best, now_mono
         self._estimate = self._deferred
-        return self._decision(math.floor(self._estimate), "baseline_measured")
+        self._applied = math.floor(self._estimate)
+        return self._decision(self._applied, "baseline_measured")
 
-    def _update(self, obs: Observation, sample: float) -> Decision:
-        if math.floor(self._estimate) != obs.admission_limit:
-            self._estimate = float(obs.admission_limit)
+    def _update(self, obs: Observation, sample: float, now_mono: float) -> Decision:
+        if obs.admission_limit != self._applied:
+            # Not the limit this policy set last (first tick, the loop clamped or rate-limited it,
+            # dropped it, or a reload changed it): restart from the limit in force.
+            self._estimate, self._applied = float(obs.admission_limit), obs.admission_limit
         estimate = self._estimate
         baseline = self._baseline if self._baseline is not None else sample
         self._gradient = 1.0 if sample <= 0 else clamp(baseline * (1 + self.tolerance) / sample, 0.5, 1.0)
+        if self._gradient < 1.0 and obs.in_flight < obs.admission_limit:
+            # The limit does not bind: a cut to any value above the requests in flight changes
+            # nothing, so the cut starts from them.
+            estimate = min(estimate, max(float(self.min_limit), float(obs.in_flight)))
         target = estimate * self._gradient + math.sqrt(estimate)
         new = (1 - self.smoothing) * estimate + self.smoothing * target
         new = clamp(new, self.min_limit, self.max_limit)
         if new > estimate and not has_demand(obs, obs.in_flight, obs.admission_limit, self.demand_fraction):
             return Decision(None, None, "no_demand")
-        self._estimate = new
-        return self._decision(math.floor(new), "latency_high" if self._gradient < 1.0 else "latency_ok")
+        self._estimate, self._updated_at = new, now_mono
+        reason = "latency_high" if self._gradient < 1.0 else "latency_ok"
+        limit = obs.admission_limit
+        if abs(math.floor(new) - limit) < max(1.0, self.min_change * limit):
+            # Quantisation with hysteresis: the estimate keeps moving, the limit in force only once
+            # the estimate is a whole step away from it, so noise around an integer does not flip it.
+            return Decision(None, None, "below_min_change")
+        self._applied = math.floor(new)
+        return self._decision(self._applied, reason)
 
     def _decision(self, limit: int, reason: str) -> Decision:
         return limit_decision(limit, reason, self.cap_follows_limit, self.max_num_seqs)

@@ -12,9 +12,13 @@ from policies.base import Decision, Observation, PolicyError
 from policies.gradient import MEASURING, NORMAL, GradientPolicy
 from tests.unit.obs import obs
 
+# Most tables pin the plain Gradient2 update, one per tick (no dwell, no minimum change), where the
+# arithmetic is easy to follow; the defaults (dwell, min_change) have their own tests at the end.
+PLAIN = {"dwell_s": 0.0, "min_change": 0.0}
+
 
 def make(**params: Any) -> GradientPolicy:
-    return GradientPolicy(max_num_seqs=64, initial_limit=64, **params)
+    return GradientPolicy(max_num_seqs=64, initial_limit=64, **{**PLAIN, **params})
 
 
 def at(now: float, ttft: float | None, **fields: Any) -> Observation:
@@ -73,7 +77,9 @@ CASES = [
     ("smoothing", {"smoothing": 1.0}, 0.25, {}, Decision(72, None, "latency_ok")),
     ("no_demand", {}, 0.25, {"in_flight": 57}, Decision(None, None, "no_demand")),
     ("queue_is_demand", {}, 0.25, {"in_flight": 10, "queued": 1}, Decision(65, None, "latency_ok")),
-    ("lower_without_demand", {}, 0.75, {"in_flight": 10}, Decision(59, None, "latency_high")),
+    # the limit (64) does not bind 10 requests in flight: the cut starts from 10;
+    # L' = 5 + 3.16, L = 8 + 1.63 = 9.63
+    ("cut_from_in_flight", {}, 0.75, {"in_flight": 10}, Decision(9, None, "latency_high")),
     ("no_measurement", {}, None, {}, Decision(None, None, "no_measurement")),
     ("stale", {}, 0.25, {"stats_age_s": 9.0}, Decision(None, None, "stale_stats")),
     ("max_limit", {"max_limit": 65}, 0.25, {}, Decision(65, None, "latency_ok")),
@@ -122,6 +128,57 @@ def test_settles_where_latency_growth_balances_the_headroom() -> None:
     assert policy.terms()["limit_estimate"] == pytest.approx(55.9, abs=0.2)
 
 
+def test_defaults_hold_still_where_the_plain_update_chatters() -> None:
+    """The toy above (L settles at 55.9) with the defaults: one update per window (dwell_s None: the
+    Observation's 10 s), and the limit moves only once the estimate is 10 % away from it. The limit
+    steps between the integers around 55.9 that the band allows, once every few minutes, instead of
+    every tick."""
+    policy = GradientPolicy(max_num_seqs=64, initial_limit=64)
+    for now, ttft in ((0.0, 0.5), (5.0, 0.25), (10.0, 0.3)):
+        policy.decide(at(now, ttft, admission_limit=4), now)
+    limit, moves, reasons = 64, [], set()
+    for t in range(11, 600):
+        ttft = 0.25 * max(1.0, limit / 32)
+        decision = policy.decide(at(float(t), ttft, admission_limit=limit, in_flight=limit), float(t))
+        reasons.add(decision.reason)
+        if decision.admission_limit is not None and decision.admission_limit != limit:
+            moves.append((t, limit, decision.admission_limit, decision.reason))
+        limit = decision.admission_limit if decision.admission_limit is not None else limit
+    assert {"dwell", "below_min_change"} <= reasons
+    # t = 11..20: dwell after the baseline window (the limit went 4 -> 64 at t = 10); updates at
+    # t = 21, 32, 43 stay within 6.4 of 64; the one at t = 54 is not
+    assert moves[0] == (54, 64, 57, "latency_high")
+    assert [m[3] for m in moves[1:3]] == ["measuring_baseline", "baseline_measured"]  # t = 310, 320
+    # between the integers around 55.9, twice in the next four and a half minutes
+    assert moves[3:] == [(430, 52, 58, "latency_high"), (573, 58, 52, "latency_high")]
+
+
+def test_a_change_below_min_change_accumulates_in_the_estimate() -> None:
+    policy = measured(dwell_s=0.0, min_change=0.1)
+    # g = 1: L = 65.6; floor 65 is 1 away from 64, less than 6.4: hold, the estimate keeps it
+    assert policy.decide(at(11.0, 0.25), 11.0) == Decision(None, None, "below_min_change")
+    assert policy.terms()["limit_estimate"] == pytest.approx(65.6)
+    estimates = []
+    for t in range(12, 16):
+        decision = policy.decide(at(float(t), 0.25), float(t))
+        estimates.append(policy.terms()["limit_estimate"])
+    # 67.2, 68.9, 70.5 (held), then 72.2: floor 72 is 8 away from 64
+    assert estimates == pytest.approx([67.22, 68.86, 70.52, 72.2], abs=0.01)
+    assert decision == Decision(72, None, "latency_ok")
+
+
+def test_dwell_waits_after_each_move_and_each_update() -> None:
+    policy = measured(dwell_s=5.0, min_change=0.0)
+    # the limit went 4 -> 64 at t = 10: dwell through t = 15
+    assert policy.decide(at(15.0, 0.75), 15.0) == Decision(None, None, "dwell")
+    assert policy.decide(at(16.0, 0.75), 16.0) == Decision(59, None, "latency_high")  # 59.2, as above
+    for t in (17.0, 21.0):  # the sample still covers the time before this move
+        assert policy.decide(at(t, 0.75, admission_limit=59, in_flight=59), t) == Decision(
+            None, None, "dwell"
+        )
+    assert policy.decide(at(22.0, 0.75, admission_limit=59, in_flight=59), 22.0).reason == "latency_high"
+
+
 def test_terms_before_any_baseline() -> None:
     terms = make().terms()
     assert terms["limit_estimate"] == 64.0
@@ -139,6 +196,8 @@ def test_terms_before_any_baseline() -> None:
         ({"min_limit": 10, "max_limit": 5}, "max_limit = 5: must be >= 10"),
         ({"baseline_limit": 200}, "baseline_limit = 200: must be >= 1 and <= 128"),
         ({"cap_follows_limit": "yes"}, "cap_follows_limit = 'yes': must be true or false"),
+        ({"dwell_s": -1}, "dwell_s = -1: must be >= 0.0"),
+        ({"min_change": 1.5}, "min_change = 1.5: must be >= 0.0 and <= 1.0"),
     ],
 )
 def test_bad_params(params: dict[str, Any], message: str) -> None:

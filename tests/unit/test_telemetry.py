@@ -65,6 +65,7 @@ def test_empty_window_snapshot() -> None:
         window_s=10.0,
         steps=0,
         running=0,
+        running_max=0,
         waiting=0,
         kv_usage=0.0,
         kv_usage_mean=0.0,
@@ -110,6 +111,7 @@ def test_snapshot_math() -> None:
         window_s=4.0,
         steps=3,
         running=4,  # the latest step's values
+        running_max=6,
         waiting=1,
         kv_usage=0.5,
         kv_usage_mean=0.5,  # (0.25 + 0.75 + 0.5) / 3
