@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Refit cpu-tiny and validate the twin against the real CPU engine in one hold of the engine lock,
 # so both see the same machine. Usage: flock /tmp/engine.lock bench/calibrate_and_validate.sh OUT_DIR
-# (about 11 minutes).
+# (about 8 minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-/tmp/calibrate-and-validate}

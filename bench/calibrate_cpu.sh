@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Fit the cpu-tiny profile against the real CPU engine (our daemon, config.toml's engine settings).
-# Usage: flock /tmp/engine.lock bench/calibrate_cpu.sh [OUT.toml]   (about 3 minutes)
+# Usage: flock /tmp/engine.lock bench/calibrate_cpu.sh [OUT.toml]   (about 4 minutes)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-controller/sim/profiles/cpu-tiny.toml}

@@ -103,7 +103,9 @@ async def warm_up(session: aiohttp.ClientSession, url: str, model: str) -> None:
 
 
 async def replay(url: str, specs: list[RequestSpec]) -> tuple[list[RequestRecord], float]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
+    connector = aiohttp.TCPConnector(limit=256, keepalive_timeout=2.0)  # below vLLM's 5 s keep-alive
+    timeout = aiohttp.ClientTimeout(total=900)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         async with session.get(f"{url}/v1/models") as resp:
             model = (await resp.json())["data"][0]["id"]
         await warm_up(session, url, model)

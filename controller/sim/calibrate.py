@@ -32,6 +32,19 @@ two measurements give their distributions, stored as 101-point quantile tables:
   gap. Normalising by the mean, not the median, keeps the fit's mean step the twin's mean step.
   Gaps are seen from the client, so the table also holds the output path's jitter.
 
+* Front end under load (``[variance.frontend_loaded]``): the light-load probes miss what a busy
+  server adds (its event loop streams every running request's tokens and takes new requests one at
+  a time, and on a small host it shares the CPU with the engine). So the calibration ends with
+  open-loop phases of Poisson arrivals (prompts log-uniform in 16-1024 tokens, outputs 8-128; at
+  least ``load_phase_s`` seconds and ``load_requests`` requests each), each at the rate that should
+  keep ``load_in_flight[k]`` requests in flight by the fitted model.
+  The twin then replays each phase as it was sent (mean model, no front end): a request's delay is
+  its measured TTFT minus the twin's TTFT for it, i.e. everything the engine model does not
+  explain. Delays are binned by how many requests were in flight when the request was sent (from
+  the measured send and end times; the first ``LOAD_RAMP_S`` of a phase are not recorded, the load
+  is still ramping up) into one quantile table per level (1, 2, 4, 8, ...; a level
+  with fewer than ``LOAD_MIN_SAMPLES`` delays joins its neighbour).
+
 Each point is measured ``repeats`` times after a warm-up of every prompt length, and the median of
 the repeats is its row (a shared machine gives outliers). Prompts are random token ids (a new draw
 per request, so a prefix cache cannot hit). The fit is non-negative least squares
@@ -45,6 +58,7 @@ R^2 and each sample, measured and predicted, so a poor fit is visible.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import itertools
 import json
 import math
@@ -53,16 +67,27 @@ import re
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
 import numpy as np
 
+from controller.benchkit.workload import RequestSpec
+from controller.normalize import Normalizer
 from controller.sim.profile import CostModel, EngineLimits, Profile, Variance
-from controller.sim.quantiles import QuantileTable
+from controller.sim.quantiles import LoadTables, QuantileTable
+from controller.sim.run import ControlSettings, Simulation
+from policies.base import build_policy
 
 COLUMNS = ("a_s", "b_s_per_prefill_token", "c_s_per_decode_seq", "d_s_per_kv_token", "http_s")
+LOAD_EDGES = (1, 2, 4, 8, 16, 32, 64)
+"""Lowest in-flight count of each ``[variance.frontend_loaded]`` table."""
+LOAD_RAMP_S = 2.0
+"""Requests sent in a load phase's first seconds are replayed but not recorded: the load is still
+ramping up to its level, and the client opens the extra connections it needs then."""
+LOAD_MIN_SAMPLES = 100
+"""A load level with fewer measured delays joins its neighbour (its p99 needs about 100)."""
 
 
 @dataclass(frozen=True)
@@ -221,6 +246,25 @@ class CalibrationPlan:
     frontend_probes: int = 200
     """Single light-load requests whose TTFT spread gives the front-end table (0: no tables)."""
     frontend_prompt: int = 32
+    load_in_flight: tuple[int, ...] = (2, 6, 12, 24)
+    """In-flight targets of the open-loop phases that measure the front end under load (empty: none)."""
+    load_phase_s: float = 30.0
+    """Seconds of arrivals per phase at least: a phase must last long enough to meet the server's
+    occasional stalls as often as a real run does, or the tables' tails are noise."""
+    load_requests: int = 300
+    """Requests per phase at least (a low-load phase lasts longer)."""
+
+
+@dataclass(frozen=True)
+class LoadPhase:
+    """One open-loop phase: what was sent and what came back."""
+
+    specs: tuple[RequestSpec, ...]
+    """As sent: ``arrival_s`` is the measured send time, seconds after the phase's start."""
+    ttft_s: dict[int, float]
+    """Measured TTFT by request index (failed requests are absent)."""
+    e2e_s: dict[int, float]
+    """Measured send-to-last-token time by request index."""
 
 
 @dataclass
@@ -232,6 +276,8 @@ class Measurements:
     frontend_ttfts: list[float]
     """TTFTs of the front-end probes (``plan.frontend_prompt`` tokens each)."""
     frontend_prompt: int
+    load_phases: list[LoadPhase] = field(default_factory=list)
+    """The open-loop phases under load (``plan.load_in_flight``)."""
 
 
 async def measure(
@@ -240,7 +286,10 @@ async def measure(
     samples: list[Sample] = []
     ratios: list[float] = []
     timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    # pooled connections idle at most 2 s, below vLLM's 5 s keep-alive: a connection the server is
+    # closing is never reused (as in controller/benchkit/client.py)
+    connector = aiohttp.TCPConnector(limit=256, keepalive_timeout=2.0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         server = Server(session, url, vocab, seed)
         await server.model_info()
         for prompt in plan.prefill_prompts:  # warm up: the CPU backend prepares kernels per shape
@@ -270,7 +319,64 @@ async def measure(
                 if got:
                     samples.append(median_sample(got))
                     log(f"decode N={n} P={prompt}: step {samples[-1].seconds * 1e3:.2f} ms")
-    return Measurements(samples, ratios if plan.frontend_probes else [], ttfts, plan.frontend_prompt)
+        phases = []
+        if plan.load_in_flight and len(samples) >= len(COLUMNS):
+            cost = fit(samples)[0]
+            for k, target in enumerate(plan.load_in_flight):
+                specs = load_workload(cost, limits, target, plan.load_requests, server.rng, plan.load_phase_s)
+                phases.append(await load_phase(server, specs))
+                ok = len(phases[-1].ttft_s)
+                log(f"load phase {k + 1}: {len(specs)} requests for ~{target} in flight, {ok} answered")
+                await asyncio.sleep(1.0)
+    return Measurements(samples, ratios if plan.frontend_probes else [], ttfts, plan.frontend_prompt, phases)
+
+
+def load_workload(
+    cost: CostModel,
+    limits: EngineLimits,
+    in_flight: int,
+    requests: int,
+    rng: random.Random,
+    seconds: float = 0.0,
+) -> list[RequestSpec]:
+    """Poisson arrivals, at least ``requests`` of them and for at least ``seconds``, at the rate that
+    keeps ``in_flight`` requests in flight by Little's law with the fitted model: rate = in_flight /
+    (prefill + mean output * decode step)."""
+    hi = max(17, min(1024, limits.max_model_len // 2))
+    mean_prompt, mean_out = (hi - 16) / math.log(hi / 16), 68.0
+    decode = cost.step_s(0, in_flight, int(in_flight * (mean_prompt + mean_out / 2)))
+    latency = cost.frontend_s + cost.step_s(int(mean_prompt), 0, int(mean_prompt)) + mean_out * decode
+    rate = in_flight / latency
+    specs: list[RequestSpec] = []
+    t = rng.expovariate(rate)
+    while len(specs) < requests or t < seconds:
+        prompt = int(math.exp(rng.uniform(math.log(16), math.log(hi))))
+        out = max(1, min(rng.randint(8, 128), limits.max_model_len - prompt))
+        specs.append(RequestSpec(len(specs), t, prompt, out))
+        t += rng.expovariate(rate)
+    return specs
+
+
+async def load_phase(server: Server, specs: Sequence[RequestSpec]) -> LoadPhase:
+    """Send ``specs`` open loop (each at its ``arrival_s``) and record what each one got."""
+    start = time.perf_counter() + 0.05
+
+    async def one(spec: RequestSpec) -> tuple[RequestSpec, float, list[float]]:
+        await asyncio.sleep(max(0.0, start + spec.arrival_s - time.perf_counter()))
+        try:
+            t0, times = await server.stream(spec.prompt_tokens, spec.output_tokens)
+        except (aiohttp.ClientError, RuntimeError):
+            return spec, time.perf_counter(), []
+        return spec, t0, times
+
+    results = await asyncio.gather(*(one(s) for s in specs))
+    sent = tuple(replace(spec, arrival_s=t0 - start) for spec, t0, _ in results)
+    ok = [(spec, t0, times) for spec, t0, times in results if times]
+    return LoadPhase(
+        sent,
+        {spec.index: times[0] - t0 for spec, t0, times in ok},
+        {spec.index: times[-1] - t0 for spec, t0, times in ok},
+    )
 
 
 def median_sample(repeats: Sequence[Sample]) -> Sample:
@@ -298,14 +404,53 @@ async def engine_limits(
     return limits, 1000
 
 
-def variance(cost: CostModel, m: Measurements) -> Variance:
-    """The quantile tables of the measured spread (empty where nothing was measured)."""
+def variance(cost: CostModel, m: Measurements, limits: EngineLimits | None = None) -> Variance:
+    """The quantile tables of the measured spread (empty where nothing was measured; the tables
+    under load need the server's ``limits`` for the twin's replay)."""
     p = m.frontend_prompt
     delays = [max(0.0, t - cost.step_s(p, 0, p)) for t in m.frontend_ttfts]
+    loaded = None
+    if m.load_phases and limits is not None:
+        pairs = [pair for phase in m.load_phases for pair in loaded_delays(cost, limits, phase)]
+        loaded = LoadTables.from_samples(pairs, LOAD_EDGES, LOAD_MIN_SAMPLES)
     return Variance(
         frontend=QuantileTable.from_samples(delays) if delays else None,
         step=QuantileTable.from_samples(m.step_ratios) if m.step_ratios else None,
+        frontend_loaded=loaded,
     )
+
+
+def in_flight_at_send(phase: LoadPhase) -> dict[int, int]:
+    """For each answered request, how many others were in flight (sent, not ended) when it was sent:
+    those sent before it less those ended by then (an end always follows its own send)."""
+    ended = [s for s in phase.specs if s.index in phase.e2e_s]
+    starts = sorted(s.arrival_s for s in ended)
+    ends = sorted(s.arrival_s + phase.e2e_s[s.index] for s in ended)
+    return {
+        s.index: bisect.bisect_left(starts, s.arrival_s) - bisect.bisect_right(ends, s.arrival_s)
+        for s in phase.specs
+        if s.index in phase.ttft_s
+    }
+
+
+def loaded_delays(
+    cost: CostModel, limits: EngineLimits, phase: LoadPhase, ramp_s: float = LOAD_RAMP_S
+) -> list[tuple[int, float]]:
+    """(requests in flight at its send, measured TTFT - the twin's TTFT) for each answered request
+    sent after the first ``ramp_s`` seconds. The twin replays the whole phase as sent: mean model,
+    no front end, no gate in the way."""
+    profile = Profile("calibration", replace(cost, frontend_s=0.0), limits)
+    policy = build_policy("static", {}, max_num_seqs=limits.max_num_seqs, initial_limit=4096)
+    control = ControlSettings(admission_limit=4096, max_queue=len(phase.specs) + 1, drain_s=3600.0)
+    sim = Simulation(profile, policy, Normalizer(limit_max=4096), control, use_variance=False)
+    twin = {r.index: r.ttft_s for r in asyncio.run(sim.run(phase.specs)).records}
+    n = in_flight_at_send(phase)
+    sent = {s.index: s.arrival_s for s in phase.specs}
+    return [
+        (n[i], max(0.0, ttft - twin_ttft))
+        for i, ttft in phase.ttft_s.items()
+        if (twin_ttft := twin.get(i)) is not None and sent[i] >= ramp_s
+    ]
 
 
 def build_profile(
@@ -344,5 +489,5 @@ def build_profile(
             "ttft_http_overhead_s": http_s,
             "rows": json.dumps(rows),
         },
-        variance=variance(cost, m),
+        variance=variance(cost, m, limits),
     )

@@ -60,6 +60,9 @@ def add_simulate_parser(sub: Any) -> None:
 
 
 def add_calibrate_parser(bench_sub: Any) -> None:
+    from controller.sim.calibrate import CalibrationPlan
+
+    plan = CalibrationPlan()
     p = bench_sub.add_parser(
         "calibrate",
         help="fit the twin's cost model from a running vLLM server and write a profile",
@@ -78,6 +81,13 @@ def add_calibrate_parser(bench_sub: Any) -> None:
     p.add_argument("--repeats", type=int, default=5, help="measurements of each point (the median is fitted)")
     p.add_argument("--frontend-probes", type=int, default=200,
                    help="light-load requests timing the front end's spread (0: no [variance])")  # fmt: skip
+    p.add_argument("--load-in-flight", type=in_flight_list, default=plan.load_in_flight,
+                   help="in-flight targets of the open-loop phases that time the front end under load "
+                        "('' for none; default 2,6,12,24)")  # fmt: skip
+    p.add_argument("--load-phase-s", type=float, default=plan.load_phase_s,
+                   help="seconds per load phase, at least (default 30)")  # fmt: skip
+    p.add_argument("--load-requests", type=int, default=plan.load_requests,
+                   help="requests per load phase, at least (default 300)")  # fmt: skip
     p.add_argument("--hardware", default="", help="recorded in the profile")
     p.add_argument("--model", default="", help="recorded in the profile")
 
@@ -241,6 +251,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
         concurrency=tuple(n for n in CalibrationPlan.concurrency if n <= args.max_concurrency),
         repeats=args.repeats,
         frontend_probes=args.frontend_probes,
+        load_in_flight=args.load_in_flight,
+        load_requests=args.load_requests,
+        load_phase_s=args.load_phase_s,
     )
     measured = asyncio.run(measure(args.url, plan, limits, vocab, seed=0))
     profile = build_profile(args.name or args.out.stem, args.url, limits, measured, args.hardware, args.model)
@@ -260,4 +273,20 @@ def run_calibrate(args: argparse.Namespace) -> int:
     if v.step:
         print(f"step / mean step over {v.step.samples} gaps: p1 {v.step.sample(0.01):.2f}, "
               f"p50 {v.step.sample(0.5):.2f}, p99 {v.step.sample(0.99):.2f}")  # fmt: skip
+    if v.frontend_loaded:
+        for level, t in zip(v.frontend_loaded.levels, v.frontend_loaded.tables, strict=True):
+            print(f"front end with >= {level} in flight over {t.samples} requests: "
+                  f"p50 {t.sample(0.5) * 1e3:.2f} ms, p99 {t.sample(0.99) * 1e3:.2f} ms")  # fmt: skip
     return 0
+
+
+def in_flight_list(text: str) -> tuple[int, ...]:
+    """``--load-in-flight``: comma-separated counts >= 1, or empty for none."""
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError as exc:
+        msg = f"{text!r}: write in-flight counts like 2,6,12,24 (or '' for none)"
+        raise argparse.ArgumentTypeError(msg) from exc
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: in-flight counts must be >= 1")
+    return values

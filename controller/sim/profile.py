@@ -35,10 +35,16 @@ A profile is a TOML file. The shipped ones live in ``controller/sim/profiles/`` 
     [variance.step]                          # optional: measured step-time multiplier
     samples = 5000
     quantiles = [0.62, ..., 2.9]
+    [variance.frontend_loaded]               # optional: front-end delay by requests in flight
+    levels = [1, 4, 8, 16]                   # table i: levels[i] .. levels[i+1]-1 in flight
+    samples = [310, 420, 650, 380]
+    quantiles = [[...], [...], [...], [...]] # one p0..p100 table per level
 
 Without ``[variance]`` the twin is the mean model: every request's front end takes ``frontend_s``
 and every step exactly ``step_s``. With it, the twin draws each request's front-end delay and each
-step's multiplier from the tables (``controller/sim/run.py``, ``controller/sim/quantiles.py``).
+step's multiplier from the tables (``controller/sim/run.py``, ``controller/sim/quantiles.py``); with
+``[variance.frontend_loaded]`` a request that finds other requests in flight draws its front-end
+delay from the table of that load instead.
 
 Engine keys may be overridden by a config file's ``[engine]`` table (``simulate --config``); the cost
 coefficients may not, they belong to the hardware and the model.
@@ -53,7 +59,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from controller.sim.quantiles import QuantileTable, parse_table
+from controller.sim.quantiles import LoadTables, QuantileTable, parse_load_tables, parse_table
 
 PROFILE_PACKAGE = "controller.sim.profiles"
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -171,9 +177,18 @@ class Variance:
     step: QuantileTable | None = None
     """A step's duration over the mean step (single inter-token gaps of lockstep decodes over their
     stream's mean gap). The twin rescales it to mean 1, so the cost model stays the mean step."""
+    frontend_loaded: LoadTables | None = None
+    """Front-end delay of a request that finds ``n >= 1`` requests in flight, by ``n``: its TTFT
+    minus the twin's own TTFT for it, measured under open-loop load. ``frontend`` stays the idle
+    case (``n = 0``)."""
 
     def as_dict(self) -> dict[str, dict[str, Any]]:
-        return {k: t.as_dict() for k, t in (("frontend", self.frontend), ("step", self.step)) if t}
+        tables: tuple[tuple[str, QuantileTable | LoadTables | None], ...] = (
+            ("frontend", self.frontend),
+            ("step", self.step),
+            ("frontend_loaded", self.frontend_loaded),
+        )
+        return {k: t.as_dict() for k, t in tables if t}
 
 
 @dataclass(frozen=True)
@@ -263,19 +278,26 @@ def parse_profile(text: str, where: str) -> Profile:
     )
 
 
+VARIANCE_TABLES = ("frontend", "step", "frontend_loaded")
+
+
 def parse_variance(raw: Any, where: str) -> Variance:
-    if not isinstance(raw, dict) or set(raw) - {"frontend", "step"}:
-        raise ProfileError(f"{where}: [variance] may hold only [variance.frontend] and [variance.step]")
+    if not isinstance(raw, dict) or set(raw) - set(VARIANCE_TABLES):
+        names = ", ".join(f"[variance.{k}]" for k in VARIANCE_TABLES)
+        raise ProfileError(f"{where}: [variance] may hold only {names}")
     tables: dict[str, QuantileTable] = {}
-    for key in ("frontend", "step"):
-        if key in raw:
-            try:
+    loaded = None
+    try:
+        for key in ("frontend", "step"):
+            if key in raw:
                 tables[key] = parse_table(raw[key], f"{where}: [variance.{key}]")
-            except ValueError as exc:
-                raise ProfileError(str(exc)) from exc
+        if "frontend_loaded" in raw:
+            loaded = parse_load_tables(raw["frontend_loaded"], f"{where}: [variance.frontend_loaded]")
+    except ValueError as exc:
+        raise ProfileError(str(exc)) from exc
     if "step" in tables and tables["step"].mean() <= 0:
         raise ProfileError(f"{where}: [variance.step] has mean 0; a step multiplier table needs values > 0")
-    return Variance(**tables)
+    return Variance(tables.get("frontend"), tables.get("step"), loaded)
 
 
 def dump_profile(profile: Profile) -> str:
@@ -301,6 +323,12 @@ def dump_profile(profile: Profile) -> str:
         lines.extend(f"{k} = {value(v)}" for k, v in items.items())
     for key, qt in profile.variance.as_dict().items():
         lines.append(f"\n[variance.{key}]")
+        if key == "frontend_loaded":
+            lines.append(f"levels = {qt['levels']}")
+            lines.append(f"samples = {qt['samples']}")
+            rows = ("    [" + ", ".join(repr(v) for v in row) + "],\n" for row in qt["quantiles"])
+            lines.append("quantiles = [\n" + "".join(rows) + "]")
+            continue
         lines.append(f"samples = {qt['samples']}")
         lines.append("quantiles = [" + ", ".join(repr(v) for v in qt["quantiles"]) + "]")
     return "\n".join(lines) + "\n"

@@ -13,6 +13,7 @@ piecewise-linear curve through those points, and a draw is its inverse at a unif
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from collections.abc import Sequence
@@ -85,5 +86,88 @@ def parse_table(raw: Any, where: str, low: float = 0.0) -> QuantileTable:
         raise ValueError(f"{where}: quantiles must be >= {low}, got {min(values)}")
     try:
         return QuantileTable(tuple(float(v) for v in values), samples)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class LoadTables:
+    """One quantity's quantile tables by load: ``tables[i]`` holds what was measured while the server
+    had ``levels[i]`` up to ``levels[i + 1] - 1`` requests in flight (the last: ``levels[-1]`` or more).
+
+    ``bench calibrate`` fills it with the front-end delay under open-loop load (see
+    ``controller/sim/calibrate.py``); the twin picks the table of the in-flight count a request finds
+    when it arrives."""
+
+    levels: tuple[int, ...]
+    """Lowest in-flight count of each table, ascending, the first >= 1."""
+    tables: tuple[QuantileTable, ...]
+
+    def __post_init__(self) -> None:
+        if not self.levels or len(self.levels) != len(self.tables):
+            raise ValueError("give one quantile table per level (levels and quantiles of equal length)")
+        if self.levels[0] < 1 or any(b <= a for a, b in itertools.pairwise(self.levels)):
+            raise ValueError(f"levels = {list(self.levels)}: must be in-flight counts >= 1, ascending")
+
+    def table_for(self, in_flight: int) -> QuantileTable:
+        """The table of the level ``in_flight`` falls in (below the first level: the first)."""
+        return self.tables[max(0, bisect.bisect_right(self.levels, in_flight) - 1)]
+
+    @classmethod
+    def from_samples(
+        cls, samples: Sequence[tuple[int, float]], edges: Sequence[int], min_samples: int
+    ) -> LoadTables | None:
+        """Tables from (in-flight count, value) pairs binned at ``edges`` (ascending, >= 1). Going up,
+        a bin still short of ``min_samples`` values takes in the next one; a short last bin joins the
+        one below. None when fewer than ``min_samples`` values have in-flight >= ``edges[0]``."""
+        bins: list[tuple[int, list[float]]] = [(e, []) for e in edges]
+        for n, v in samples:
+            if n >= edges[0]:
+                bins[bisect.bisect_right(edges, n) - 1][1].append(v)
+        merged: list[tuple[int, list[float]]] = []
+        for level, values in bins:
+            if merged and len(merged[-1][1]) < min_samples:
+                merged[-1] = (merged[-1][0], merged[-1][1] + values)
+            else:
+                merged.append((level, list(values)))
+        if len(merged) > 1 and len(merged[-1][1]) < min_samples:
+            level, values = merged.pop()
+            merged[-1] = (merged[-1][0], merged[-1][1] + values)
+        merged = [(level, values) for level, values in merged if values]
+        if not merged or len(merged[0][1]) < min_samples:
+            return None
+        return cls(
+            tuple(level for level, _ in merged),
+            tuple(QuantileTable.from_samples(values) for _, values in merged),
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "levels": list(self.levels),
+            "samples": [t.samples for t in self.tables],
+            "quantiles": [list(t.values) for t in self.tables],
+        }
+
+
+def parse_load_tables(raw: Any, where: str) -> LoadTables:
+    """``LoadTables`` from ``{levels = [...], samples = [...], quantiles = [[...], ...]}``."""
+    if not isinstance(raw, dict) or set(raw) != {"levels", "samples", "quantiles"}:
+        raise ValueError(
+            f"{where}: write it as levels = [in-flight counts], samples = [one count per level] and "
+            "quantiles = [[p0, ..., p100] per level]"
+        )
+    levels, samples, quantiles = raw["levels"], raw["samples"], raw["quantiles"]
+    if not all(isinstance(x, list) for x in (levels, samples, quantiles)) or not (
+        len(levels) == len(samples) == len(quantiles)
+    ):
+        raise ValueError(f"{where}: levels, samples and quantiles must be lists of the same length")
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in levels):
+        raise ValueError(f"{where}: levels must be integers (requests in flight)")
+    tables = tuple(
+        parse_table({"samples": s, "quantiles": q}, f"{where} level {n}")
+        for n, s, q in zip(levels, samples, quantiles, strict=True)
+    )
+    try:
+        return LoadTables(tuple(levels), tables)
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from exc

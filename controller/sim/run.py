@@ -19,14 +19,19 @@ front-end delays of all requests in arrival order, then one multiplier per step:
     step    = step_s(plan) * S^-1(u) / mean(S)         S: the [variance.step] table
             * max(0, N(1, jitter))                     only with jitter > 0
 
-so the step table changes a step's spread, not the cost model's mean step. The request's TTFT is
-counted from ``arrival_i``, as a client counts it; a request whose front end is slow may enter the
-engine after one that arrived later, as on a real server.
+so the step table changes a step's spread, not the cost model's mean step. With a
+``[variance.frontend_loaded]`` table, a request that finds ``n >= 1`` requests in flight when it
+arrives (arrived at the server and not finished, those still in their own front end included) draws
+``F_n^-1(u_i)`` from the table of that load instead: the front end's queueing and CPU share under
+load, measured by ``bench calibrate``. The request's TTFT is counted from ``arrival_i``, as a client
+counts it; a request whose front end is slow may enter the engine after one that arrived later, as
+on a real server.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
 import math
 import random
 import time
@@ -51,7 +56,7 @@ from controller.normalize import Normalizer
 from controller.observation import build_observation
 from controller.sim.engine import SimEngine, SimRequest, StepPlan
 from controller.sim.profile import Profile
-from controller.sim.quantiles import QuantileTable
+from controller.sim.quantiles import LoadTables, QuantileTable
 from controller.telemetry import TelemetryWindow
 from policies.base import Observation, Policy
 
@@ -134,6 +139,7 @@ class Simulation:
         self.jitter = jitter
         variance = profile.variance if use_variance else None
         self._front_table = variance.frontend if variance else None
+        self._front_loaded = variance.frontend_loaded if variance else None
         self._step_table = variance.step if variance else None
         self._step_mean = self._step_table.mean() if self._step_table else 1.0
         self._records: dict[int, RequestRecord] = {}
@@ -141,6 +147,8 @@ class Simulation:
         self._tasks: list[asyncio.Task[None]] = []
         self._open = 0
         """Client tasks started and not finished."""
+        self._in_flight = 0
+        """Requests arrived and not finished (in the front end, queued or in the engine)."""
 
     # -- actuator: what the loop's apply stage calls ---------------------------------------------------
     def set_admission_limit(self, limit: int) -> None:
@@ -161,6 +169,7 @@ class Simulation:
             await self._request(spec)
         finally:
             self._open -= 1
+            self._in_flight -= 1
 
     async def _request(self, spec: RequestSpec) -> None:
         t0 = spec.arrival_s  # the task starts its front-end delay later: the front end's share of the TTFT
@@ -245,22 +254,34 @@ class Simulation:
             )
         )
 
-    def _tables(self) -> tuple[tuple[str, QuantileTable | None], ...]:
-        return (("frontend", self._front_table), ("step", self._step_table))
+    def _tables(self) -> tuple[tuple[str, QuantileTable | LoadTables | None], ...]:
+        return (
+            ("frontend", self._front_table),
+            ("step", self._step_table),
+            ("frontend_loaded", self._front_loaded),
+        )
 
-    def _entries(self, arrivals: Sequence[RequestSpec]) -> list[tuple[float, RequestSpec]]:
-        """When each request reaches the gate: its arrival plus its front-end delay, earliest first."""
-        table, front = self._front_table, self.profile.cost.frontend_s
-        if table is None:
-            return [(s.arrival_s + front, s) for s in arrivals]
-        entries = [(s.arrival_s + table.sample(self._rng.random()), s) for s in arrivals]
-        return sorted(entries, key=lambda e: (e[0], e[1].index))
+    def _draws(self, arrivals: Sequence[RequestSpec]) -> list[float]:
+        """One uniform per request, in arrival order, for its front-end delay (none for the mean model)."""
+        if self._front_table is None and self._front_loaded is None:
+            return []
+        return [self._rng.random() for _ in arrivals]
+
+    def _front_end_s(self, u: float | None) -> float:
+        """A front-end delay for a request arriving now, with ``self._in_flight`` others in flight."""
+        if u is None:
+            return self.profile.cost.frontend_s
+        if self._front_loaded is not None and self._in_flight >= 1:
+            return self._front_loaded.table_for(self._in_flight).sample(u)
+        if self._front_table is not None:
+            return self._front_table.sample(u)
+        return self.profile.cost.frontend_s
 
     async def run(self, specs: Sequence[RequestSpec]) -> SimResult:
         wall0 = time.perf_counter()
         arrivals = sorted(specs, key=lambda s: (s.arrival_s, s.index))
         await self.loop.tick()  # the policy's initial values apply before the first request (Daemon.startup)
-        await self._drive(self._entries(arrivals))
+        await self._drive(arrivals, self._draws(arrivals))
         duration = await self._finish(arrivals)
         records = [self._records[s.index] for s in sorted(specs, key=lambda s: s.index)]
         series = merge_series(self._series, client_series(records, duration, self.control.sample_period_s))
@@ -279,18 +300,22 @@ class Simulation:
             },
         )
 
-    async def _drive(self, arrivals: Sequence[tuple[float, RequestSpec]]) -> None:
+    async def _drive(self, arrivals: Sequence[RequestSpec], draws: Sequence[float]) -> None:
         """Advance virtual time from event to event until every request is done (or ``drain_s`` after
-        the last entry). ``arrivals``: (time the request reaches the gate, request), in that order. At
-        one instant: the step that ends, then arrivals, then the control tick, then the time-series
-        sample; then the next step is planned from what the tasks did."""
+        the last arrival). ``arrivals`` in arrival order; ``draws[i]`` the uniform of request ``i``'s
+        front-end delay. At one instant: the step that ends, then arrivals (each draws its front-end
+        delay from the load it finds), then entries into the gate, then the control tick, then the
+        time-series sample; then the next step is planned from what the tasks did."""
         c = self.control
         next_tick, next_sample = c.tick_s, c.sample_period_s
-        end_by = (arrivals[-1][0] if arrivals else 0.0) + c.drain_s
+        end_by = (arrivals[-1].arrival_s if arrivals else 0.0) + c.drain_s
+        entries: list[tuple[float, int, RequestSpec]] = []
         i, plan, step_end = 0, None, 0.0
-        while i < len(arrivals) or plan is not None or self.engine.has_work or self._open > 0:
-            next_arrival = arrivals[i][0] if i < len(arrivals) else math.inf
-            t = min(step_end if plan is not None else math.inf, next_arrival, next_tick, next_sample)
+        while i < len(arrivals) or entries or plan is not None or self.engine.has_work or self._open > 0:
+            next_arrival = arrivals[i].arrival_s if i < len(arrivals) else math.inf
+            next_entry = entries[0][0] if entries else math.inf
+            t = min(step_end if plan is not None else math.inf, next_arrival, next_entry, next_tick)
+            t = min(t, next_sample)
             if t > end_by:
                 break
             self.clock.now = t
@@ -300,10 +325,16 @@ class Simulation:
             if plan is not None and step_end <= t:
                 woken = self._end_step(plan, t) or woken
                 plan = None
-            while i < len(arrivals) and arrivals[i][0] <= t:
-                self._tasks.append(asyncio.create_task(self._client(arrivals[i][1])))
+            while i < len(arrivals) and arrivals[i].arrival_s <= t:
+                spec = arrivals[i]
+                delay = self._front_end_s(draws[i] if draws else None)
+                heapq.heappush(entries, (spec.arrival_s + delay, spec.index, spec))
+                self._in_flight += 1
+                i += 1
+            while entries and entries[0][0] <= t:
+                self._tasks.append(asyncio.create_task(self._client(heapq.heappop(entries)[2])))
                 self._open += 1
-                i, woken = i + 1, True
+                woken = True
             if woken:
                 await self._settle()
             if next_tick <= t:
