@@ -35,12 +35,16 @@ def test_a_2x_load_step_settles_within_10s_without_overshoot(policy: str) -> Non
     assert all(r.status == "ok" for r in result.records)
 
 
+@pytest.mark.xfail(
+    strict=True, reason="finding: pid (defaults) keeps moving the cap when a step puts KV at its setpoint"
+)
 def test_pid_settles_when_a_2x_step_puts_kv_at_its_setpoint() -> None:
     # 7 -> 14 requests/s: the KV max after the step is 0.91, just above pid's default setpoint 0.9.
-    # Before the deadband above the setpoint, the dwell and the cut from the running count, KV settled
-    # (5 s, 0.1 % overshoot) but the integral walked the cap down one request a tick through caps far
-    # above the running count (33 moves in the minute after settling should be over; at a steady 14
-    # requests/s it reached the running count, throttled the load and p99 TTFT rose to 5 s).
+    # Measured: KV settles (5 s, 0.1 % overshoot) but the integral walks the cap down one request a
+    # tick through caps far above the running count (33 moves in the minute after settling should be
+    # over). A fix on branch policy-settle (a band above the setpoint, a dwell, cuts from the running
+    # count) passed here but made the cap cycle on the real engine (tests/integration/test_control.py:
+    # 8 <-> 11-12, 7 direction changes a minute), so it was not merged (docs/benchmarks.md, section 5).
     result = simulate(uniform_step(7.0, STEP_AT, END - STEP_AT), "pid", profile=KV_BOUND)
     settle_s, overshoot = settling(result.series, "kv_usage", STEP_AT, END, band=0.05)
     per_minute = changes_per_minute(result.changes, STEP_AT + 60, END, "batch_cap")
@@ -48,27 +52,17 @@ def test_pid_settles_when_a_2x_step_puts_kv_at_its_setpoint() -> None:
     assert settle_s <= 10.0 and overshoot < 0.10 and max(per_minute) <= 2
 
 
-def test_pid_defaults_cut_once_on_kv_overflow_and_hold() -> None:
-    # 7.5 -> 15 requests/s overflows the KV cache without control (static: ~600 preemptions a minute).
-    # pid's defaults cut the cap at the first tick above their band, from the running count, by the
-    # relative error, then hold: one move, no preemption.
-    specs = uniform_step(7.5, STEP_AT, END - STEP_AT)
-    static = simulate(specs, "static", profile=KV_BOUND)
-    result = simulate(specs, "pid", profile=KV_BOUND)
-    cuts = [(c.t_mono, c.old, c.new, c.reason) for c in result.changes if c.knob == "batch_cap"]
-    print(f"pid: cap moves {cuts}, preemptions {result.preemptions} (static {static.preemptions})")
-    assert static.preemptions > 1000
-    assert result.preemptions == 0
-    assert max(changes_per_minute(result.changes, 0.0, END, "batch_cap")) <= 2
-    assert cuts and all(reason == "above_setpoint" for *_, reason in cuts)
+DITHERS = "finding: at a steady load that keeps KV near its setpoint, pid's integral walks the cap"
 
 
 @pytest.mark.parametrize(
     ("policy", "rate"),
     [
-        # At 14 requests/s (KV max 0.91) pid moved 21 and 1 times a minute and gradient 8 then 31
-        # before their deadband / dwell / minimum change (docs/benchmarks.md, section 5).
-        *((p, r) for r in (10.0, 14.0) for p in ("hysteresis", "pid", "aimd", "gradient", "static")),
+        *((p, 10.0) for p in ("hysteresis", "pid", "aimd", "gradient", "static")),
+        # At 14 requests/s (KV max 0.91) gradient moved 8 then 31 times a minute before its dwell and
+        # minimum change (docs/benchmarks.md, section 5); pid still moves 21 and 1 times.
+        *((p, 14.0) for p in ("hysteresis", "aimd", "gradient", "static")),
+        pytest.param("pid", 14.0, marks=pytest.mark.xfail(strict=True, reason=DITHERS)),
     ],
 )
 def test_at_most_2_limit_changes_per_minute_at_steady_load(policy: str, rate: float) -> None:
@@ -94,8 +88,6 @@ def _preempted(result: SimResult, t0: float, t1: float) -> int:
 def test_kv_overflow_preemptions_clear(policy: str, params: dict[str, Any]) -> None:
     # 7.5 -> 15 requests/s: after the step the running set outgrows the KV cache and vLLM preempts
     # (static: about 600 preemptions a minute, for good). The policy cuts the batch cap until they stop.
-    # hysteresis cuts in steps after the overflow (179 preemptions in the first minute); pid cuts
-    # from the running count at its first tick above the band and prevents it (0; 11 before that cut).
     specs = uniform_step(7.5, STEP_AT, END - STEP_AT)
     static = simulate(specs, "static", profile=KV_BOUND)
     controlled = simulate(specs, policy, params, profile=KV_BOUND)
