@@ -31,21 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.loadgen import percentile
 from bench.openloop import INTERACTIVE, Mix, capacity, run_mix, unloaded_ttft
-from tests.conftest import free_port, write_config
 from tests.integration import test_overload as overload_test
 from tests.integration.procs import daemon_process
-
-
-def _throughput_config(path: Path, sleep_s: float, limit: int) -> tuple[str, str]:
-    ports = (free_port(), free_port())
-    write_config(
-        path,
-        server={"port": ports[0], "shutdown_timeout_s": 10.0, "engine_poll_sleep_s": sleep_s},
-        admin={"port": ports[1]},
-        admission={"limit": limit, "max_queue": 128, "aging_s": 5.0},
-        control={"tick_seconds": 1.0, "policy": "static"},
-    )
-    return f"http://127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}"
 
 
 def _cpu_s(process: psutil.Process) -> float:
@@ -92,7 +79,7 @@ async def overload(sleep_s: float, rate: float, workdir: Path) -> dict[str, Any]
 
 
 async def throughput(sleep_s: float, concurrency: int, seconds: float, workdir: Path) -> float:
-    base, admin = _throughput_config(workdir / "config.toml", sleep_s, concurrency)
+    base, admin = overload_test.write_daemon_config(workdir / "config.toml", sleep_s, concurrency)
     tokens = 128
     shape = Mix(rate_per_s=1.0, duration_s=1.0, interactive_share=1.0, interactive_tokens=tokens)
     with daemon_process(workdir / "config.toml", admin):

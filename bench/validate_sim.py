@@ -34,7 +34,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from controller.benchkit.client import Target, parse_event, payload  # noqa: E402
+from controller.benchkit.client import Target, parse_event, payload, pooled_connector  # noqa: E402
 from controller.benchkit.records import RequestRecord, summarize, tpot, write_jsonl  # noqa: E402
 from controller.benchkit.workload import (  # noqa: E402
     RequestSpec,
@@ -103,9 +103,8 @@ async def warm_up(session: aiohttp.ClientSession, url: str, model: str) -> None:
 
 
 async def replay(url: str, specs: list[RequestSpec]) -> tuple[list[RequestRecord], float]:
-    connector = aiohttp.TCPConnector(limit=256, keepalive_timeout=2.0)  # below vLLM's 5 s keep-alive
     timeout = aiohttp.ClientTimeout(total=900)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+    async with aiohttp.ClientSession(timeout=timeout, connector=pooled_connector(256)) as session:
         async with session.get(f"{url}/v1/models") as resp:
             model = (await resp.json())["data"][0]["id"]
         await warm_up(session, url, model)

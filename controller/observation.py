@@ -27,7 +27,6 @@ def build_observation(
         in_flight=g.in_flight,
         queued=g.queued,
         running=eng.running,
-        running_max=eng.running_max,
         waiting=eng.waiting,
         kv_usage=eng.kv_usage,
         kv_usage_mean=eng.kv_usage_mean,

@@ -72,8 +72,6 @@ class Observation:
     """psutil: CPU use of the daemon's own process (front end), percent of one core."""
     window_s: float = 10.0
     """Length of the window the rates and percentiles cover: an event stays visible this long."""
-    running_max: int | None = None
-    """Largest RUNNING count over the window; None where unknown (read ``running`` then)."""
 
     @property
     def idle(self) -> bool:

@@ -32,6 +32,13 @@ class Target:
     """Served model name (the ``model`` field of each request)."""
 
 
+def pooled_connector(limit: int) -> aiohttp.TCPConnector:
+    """A connection pool whose idle connections live at most 2 s: below the servers' 5 s keep-alive
+    (vLLM's default), so a connection the server is closing is never reused (a client-side failure,
+    not the server's)."""
+    return aiohttp.TCPConnector(limit=limit, keepalive_timeout=2.0)
+
+
 def payload(target: Target, spec: RequestSpec, prompt: str | list[int]) -> dict[str, Any]:
     """A streaming completion forced to exactly ``spec.output_tokens`` tokens (``prompt``: text or
     token ids)."""
@@ -162,9 +169,7 @@ async def run_open_loop(
 ) -> list[RequestRecord]:
     """Send every spec at ``run_start + arrival_s`` (monotonic clock) and return the records by index."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
-    # pooled connections idle at most 2 s: below the servers' 5 s keep-alive (vLLM's default), so a
-    # connection the server is closing is never reused (a client-side failure, not the server's)
-    connector = aiohttp.TCPConnector(limit=max_connections, keepalive_timeout=2.0)
+    connector = pooled_connector(max_connections)
     records: list[RequestRecord] = []
 
     async def one(session: aiohttp.ClientSession, spec: RequestSpec) -> None:

@@ -73,6 +73,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from controller.benchkit.client import pooled_connector
 from controller.benchkit.workload import RequestSpec
 from controller.normalize import Normalizer
 from controller.sim.profile import CostModel, EngineLimits, Profile, Variance
@@ -286,10 +287,7 @@ async def measure(
     samples: list[Sample] = []
     ratios: list[float] = []
     timeout = aiohttp.ClientTimeout(total=600)
-    # pooled connections idle at most 2 s, below vLLM's 5 s keep-alive: a connection the server is
-    # closing is never reused (as in controller/benchkit/client.py)
-    connector = aiohttp.TCPConnector(limit=256, keepalive_timeout=2.0)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+    async with aiohttp.ClientSession(timeout=timeout, connector=pooled_connector(256)) as session:
         server = Server(session, url, vocab, seed)
         await server.model_info()
         for prompt in plan.prefill_prompts:  # warm up: the CPU backend prepares kernels per shape

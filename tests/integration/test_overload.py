@@ -66,18 +66,25 @@ class Proc:
         self.base, self.admin, self.popen = base, admin, popen
 
 
-def write_overload_config(path: Path, poll_sleep_s: float = POLL_SLEEP_S) -> tuple[str, str]:
-    """This test's daemon config (also bench/poll_sleep.py's); (data-plane URL, control-plane URL)."""
+def write_daemon_config(path: Path, poll_sleep_s: float, limit: int) -> tuple[str, str]:
+    """A static-policy daemon on free ports with this admission ``limit`` (default priority classes);
+    (data-plane URL, control-plane URL). bench/poll_sleep.py's throughput runs use it as it is."""
     ports = (free_port(), free_port())
     write_config(
         path,
         server={"port": ports[0], "shutdown_timeout_s": 10.0, "engine_poll_sleep_s": poll_sleep_s},
         admin={"port": ports[1]},
-        admission={"limit": LIMIT, "max_queue": 128, "aging_s": 5.0},
+        admission={"limit": limit, "max_queue": 128, "aging_s": 5.0},
         control={"tick_seconds": 1.0, "policy": "static"},
     )
-    path.write_text(path.read_text() + CLASSES)
     return f"http://127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}"
+
+
+def write_overload_config(path: Path, poll_sleep_s: float = POLL_SLEEP_S) -> tuple[str, str]:
+    """This test's daemon config (also bench/poll_sleep.py's); (data-plane URL, control-plane URL)."""
+    urls = write_daemon_config(path, poll_sleep_s, LIMIT)
+    path.write_text(path.read_text() + CLASSES)
+    return urls
 
 
 @pytest.fixture(scope="module")
