@@ -4,7 +4,7 @@ Run on a machine with a CUDA GPU, torch and nvidia-ml-py (the `device` machine o
 
     python bench/gpu_check.py --out results/
 
-1. NVML: ``controller.samplers.NvmlSource`` reads the GPU; allocating 8 GiB with torch must raise its
+1. NVML: ``controller.control.samplers.NvmlSource`` reads the GPU; allocating 8 GiB with torch must raise its
    ``used_bytes`` by about 8 GiB and lower ``free_bytes`` as much; a matmul loop must raise ``utilization``;
    ``CUDA_VISIBLE_DEVICES`` is honoured (index mapping).
 2. Step cost: times the dense parts of one decoder step of a Llama-3.1-8B-shaped model (hidden 4096,
@@ -40,7 +40,7 @@ for _missing in ("structlog", "psutil"):  # the device's Python may lack them; N
 def nvml_check() -> dict[str, object]:
     import torch
 
-    from controller.samplers import NvmlSource
+    from controller.control.samplers import NvmlSource
 
     src = NvmlSource()
     before = src.read()

@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 
-from controller.benchkit.client import parse_event
+from controller.bench.client import parse_event
 
 # Common English words; also the vocabulary of the tiny CPU model, so there one word is about one token.
 _WORDS = (

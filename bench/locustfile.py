@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from controller.benchkit.prompts import PromptBuilder, load_tokenizer  # noqa: E402
+from controller.bench.prompts import PromptBuilder, load_tokenizer  # noqa: E402
 
 MODEL = os.environ.get("MODEL", "tiny")
 PROMPT_TOKENS = int(os.environ.get("PROMPT_TOKENS", "128"))

@@ -1,4 +1,4 @@
-"""Benchmark: the daemon with and without ``[server] engine_poll_sleep_s`` (controller/engine/ipc.py).
+"""Benchmark: the daemon with and without ``[server] engine_poll_sleep_s`` (controller/engine/runtime/ipc.py).
 
 Two measurements, each setting on a freshly started daemon (run under the engine lock):
 

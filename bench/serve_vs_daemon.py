@@ -48,7 +48,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.loadgen import PhaseStats, run_phase  # noqa: E402  (needs ROOT on sys.path when run as a script)
-from controller.benchkit.servers import (  # noqa: E402
+from controller.bench.servers import (  # noqa: E402
     engine_flags,
     http_status,
     load_base_config,
@@ -56,7 +56,7 @@ from controller.benchkit.servers import (  # noqa: E402
     to_toml,
     wait_healthy,
 )
-from controller.benchkit.servers import stop as stop_group  # noqa: E402
+from controller.bench.servers import stop as stop_group  # noqa: E402
 
 DAEMON = "daemon"
 VLLM_SERVE = "vllm-serve"

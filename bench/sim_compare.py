@@ -29,9 +29,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import structlog  # noqa: E402
 
-from controller.benchkit.records import write_jsonl  # noqa: E402
-from controller.benchkit.workload import read_azure_trace, trace_window  # noqa: E402
-from controller.normalize import Normalizer  # noqa: E402
+from controller.bench.records import write_jsonl  # noqa: E402
+from controller.bench.workload import read_azure_trace, trace_window  # noqa: E402
+from controller.control.normalize import Normalizer  # noqa: E402
 from controller.sim.profile import load_profile  # noqa: E402
 from controller.sim.run import ControlSettings, SimResult, Simulation  # noqa: E402
 from policies.base import build_policy  # noqa: E402

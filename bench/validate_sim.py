@@ -34,15 +34,15 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from controller.benchkit.client import Target, parse_event, payload, pooled_connector  # noqa: E402
-from controller.benchkit.records import RequestRecord, summarize, tpot, write_jsonl  # noqa: E402
-from controller.benchkit.workload import (  # noqa: E402
+from controller.bench.client import Target, parse_event, payload, pooled_connector  # noqa: E402
+from controller.bench.records import RequestRecord, summarize, tpot, write_jsonl  # noqa: E402
+from controller.bench.workload import (  # noqa: E402
     RequestSpec,
     clamp_lengths,
     read_azure_trace,
     trace_window,
 )
-from controller.normalize import Normalizer  # noqa: E402
+from controller.control.normalize import Normalizer  # noqa: E402
 from controller.sim.profile import load_profile  # noqa: E402
 from controller.sim.run import ControlSettings, Simulation  # noqa: E402
 from policies.base import build_policy  # noqa: E402

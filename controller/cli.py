@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from controller.config import DEFAULT_CONFIG, ConfigError, describe, load_config
+from controller.config.load import DEFAULT_CONFIG, ConfigError, describe, load_config
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -21,7 +21,7 @@ def _parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("make-tiny-model", help="build the local CPU test model into DIR")
     tiny.add_argument("dir", type=Path)
     tiny.add_argument("--if-missing", action="store_true", help="do nothing when DIR already holds it")
-    from controller.benchkit.cli import add_bench_commands
+    from controller.bench.cli import add_bench_commands
     from controller.sim.cli import add_calibrate_parser, add_simulate_parser
 
     add_simulate_parser(sub)
@@ -45,7 +45,7 @@ def _load_or_exit(path: Path) -> object:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "make-tiny-model":
-        from controller.tinymodel import ensure_tiny_model, make_tiny_model
+        from controller.models.tiny import ensure_tiny_model, make_tiny_model
 
         out = ensure_tiny_model(args.dir) if args.if_missing else make_tiny_model(args.dir)
         print(f"tiny model ready in {out}")
@@ -59,18 +59,18 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_calibrate(args)
     if args.command == "bench":
-        from controller.benchkit.cli import bench_main
+        from controller.bench.cli import bench_main
 
         return bench_main(args)
     if args.command == "serve":
-        from controller.logs import configure_logging
+        from controller.lifecycle.logs import configure_logging
 
         configure_logging()  # before anything imports vLLM (load_config does): vLLM logs through it
     config = _load_or_exit(args.config)
     if args.command == "check-config":
         print(json.dumps(describe(config), indent=2, default=str))  # type: ignore[arg-type]
         return 0
-    from controller.daemon import serve
+    from controller.lifecycle.daemon import serve
     from policies.base import PolicyError
 
     try:

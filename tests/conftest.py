@@ -66,6 +66,6 @@ def _toml_table(name: str, values: dict[str, Any]) -> list[str]:
 
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
-    from controller.tinymodel import ensure_tiny_model
+    from controller.models.tiny import ensure_tiny_model
 
     return ensure_tiny_model(TINY_MODEL)

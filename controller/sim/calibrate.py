@@ -73,9 +73,9 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from controller.benchkit.client import pooled_connector
-from controller.benchkit.workload import RequestSpec
-from controller.normalize import Normalizer
+from controller.bench.client import pooled_connector
+from controller.bench.workload import RequestSpec
+from controller.control.normalize import Normalizer
 from controller.sim.profile import CostModel, EngineLimits, Profile, Variance
 from controller.sim.quantiles import LoadTables, QuantileTable
 from controller.sim.run import ControlSettings, Simulation

@@ -108,8 +108,8 @@ def parse_params(items: list[str]) -> dict[str, Any]:
 
 def _simulation_parts(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     """(profile, policy, normalizer, control settings) from the arguments and the optional config."""
-    from controller.config import AdmissionConfig, ControlConfig
-    from controller.normalize import Normalizer
+    from controller.config.load import AdmissionConfig, ControlConfig
+    from controller.control.normalize import Normalizer
     from controller.sim.profile import load_profile
     from controller.sim.run import ControlSettings
     from policies.base import build_policy
@@ -117,7 +117,7 @@ def _simulation_parts(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     profile = load_profile(args.profile)
     control, admission = ControlConfig(), AdmissionConfig(limit=profile.engine.max_num_seqs)
     if args.config is not None:
-        from controller.config import load_config
+        from controller.config.load import load_config
 
         config = load_config(args.config)
         limits = profile.engine.replace(config.engine, f"{args.config} [engine]")
@@ -147,9 +147,9 @@ def _simulation_parts(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from controller.benchkit.records import write_jsonl
-    from controller.benchkit.workload import WorkloadError, read_azure_trace, trace_window
-    from controller.config import ConfigError
+    from controller.bench.records import write_jsonl
+    from controller.bench.workload import WorkloadError, read_azure_trace, trace_window
+    from controller.config.load import ConfigError
     from controller.sim.run import Simulation
     from policies.base import PolicyError
 
@@ -203,7 +203,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(format_summary(summary))
     if not args.no_report:
-        from controller.benchkit.report import render
+        from controller.bench.report import render
 
         title = f"Twin ({profile.name}): {policy.name} on {args.trace.name}"
         print(f"report: {render(args.out / 'report', [args.out], title=title)}")

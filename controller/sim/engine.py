@@ -7,7 +7,7 @@ What is modelled, with the vLLM 0.32 source it follows (``vllm/v1/core/sched/sch
   tokens it has not computed yet (one for a decode, the rest of its prompt for a prefill), capped by
   the step's token budget ``max_num_batched_tokens``; then, only when the step preempted nobody, it
   admits WAITING requests while the budget lasts and ``len(running) < max_num_active_reqs`` (the
-  batch cap; vLLM's ``max_num_active_seqs``, our ``controller/engine/scheduler.py`` moves it live).
+  batch cap; vLLM's ``max_num_active_seqs``, our ``controller/engine/runtime/scheduler.py`` moves it live).
 * Chunked prefill: a prompt longer than the budget left is split over steps; without
   ``enable_chunked_prefill`` a waiting prompt that does not fit stops admission (vLLM's ``break``).
 * Paged KV: a request holds ``ceil(computed_tokens / block_size)`` blocks; ``allocate_slots`` gives the
@@ -24,7 +24,7 @@ Not modelled: prefix caching, speculative decoding, async scheduling's overlap (
 model's fixed term), ``long_prefill_token_threshold`` (0 by default), the watermark.
 
 Each step's duration is the profile's ``CostModel``; the engine reports every step as the
-``StepSample`` that our real stat logger (``controller/engine/stats.py``) builds from vLLM's
+``StepSample`` that our real stat logger (``controller/engine/runtime/stats.py``) builds from vLLM's
 ``SchedulerStats`` / ``IterationStats``, so the real ``TelemetryWindow`` and policies see the same
 signals.
 """
@@ -37,8 +37,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from controller.control.telemetry import StepSample
 from controller.sim.profile import CostModel, EngineLimits
-from controller.telemetry import StepSample
 
 
 @dataclass(eq=False)
@@ -170,7 +170,7 @@ class SimEngine:
         self.total_preemptions = 0
         self.steps = 0
 
-    # -- the batch cap, as controller/engine/scheduler.py sets it ------------------------------------
+    # -- the batch cap, as controller/engine/runtime/scheduler.py sets it ------------------------------------
     def set_batch_cap(self, cap: int) -> int:
         """Clamp to [1, max_num_seqs], apply, return the value in force; never preempts."""
         self.batch_cap = max(1, min(int(cap), self.max_num_seqs))

@@ -2,7 +2,7 @@
 twin's engine, all on one virtual clock.
 
 Only the engine is simulated. Each request of the workload is an asyncio task that does what our
-engine client does (``controller/engine/client.py``): ``check_admission`` (refused -> 429), waits in
+engine client does (``controller/engine/frontend/client.py``): ``check_admission`` (refused -> 429), waits in
 ``AdmissionGate.slot`` for a slot, hands the request to the engine and waits for it to finish. The
 driver advances the virtual clock from event to event (an engine step ends, a request arrives, a
 control tick is due, a time-series sample is due) and lets the tasks run after each event, so a slot
@@ -39,8 +39,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller.admission import DEFAULT_CLASSES, PriorityClass
-from controller.benchkit.records import (
+from controller.admission.classes import DEFAULT_CLASSES, PriorityClass
+from controller.admission.gate import AdmissionGate, GateRejected
+from controller.bench.records import (
     RequestRecord,
     SeriesPoint,
     client_series,
@@ -48,16 +49,15 @@ from controller.benchkit.records import (
     summarize,
     tpot,
 )
-from controller.benchkit.workload import RequestSpec, describe
+from controller.bench.workload import RequestSpec, describe
 from controller.clock import FakeClock
-from controller.gate import AdmissionGate, GateRejected
-from controller.loop import Change, ControlLoop
-from controller.normalize import Normalizer
-from controller.observation import build_observation
+from controller.control.loop import Change, ControlLoop
+from controller.control.normalize import Normalizer
+from controller.control.observe import build_observation
+from controller.control.telemetry import TelemetryWindow
 from controller.sim.engine import SimEngine, SimRequest, StepPlan
 from controller.sim.profile import Profile
 from controller.sim.quantiles import LoadTables, QuantileTable
-from controller.telemetry import TelemetryWindow
 from policies.base import Observation, Policy
 
 SETTLE_ROUNDS = 4

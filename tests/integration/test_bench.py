@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from controller.benchkit.records import read_records, read_series
-from controller.config import load_config
-from controller.daemon import Daemon
+from controller.bench.records import read_records, read_series
+from controller.config.load import load_config
+from controller.lifecycle.daemon import Daemon
 from tests.conftest import ROOT, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]

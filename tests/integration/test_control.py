@@ -20,8 +20,8 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from controller.config import load_config
-from controller.daemon import Daemon
+from controller.config.load import load_config
+from controller.lifecycle.daemon import Daemon
 from tests.conftest import write_config
 from tests.integration.client import http_session, stream_completion
 

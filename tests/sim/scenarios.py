@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from controller.benchkit.workload import RequestSpec, poisson
-from controller.normalize import Normalizer
+from controller.bench.workload import RequestSpec, poisson
+from controller.control.normalize import Normalizer
 from controller.sim.profile import CostModel, EngineLimits, Profile
 from controller.sim.run import ControlSettings, SimResult, Simulation
 from policies.base import build_policy

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from controller.benchkit.workload import RequestSpec
+from controller.bench.workload import RequestSpec
 from controller.sim.calibrate import (
     LOAD_RAMP_S,
     LoadPhase,

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from controller.benchkit.workload import RequestSpec
+from controller.bench.workload import RequestSpec
 from controller.sim.calibrate import Measurements, step_ratios, variance
 from controller.sim.profile import (
     CostModel,

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from controller.admission import DEFAULT_CLASSES, PriorityClass, parse_classes
-from controller.config import ConfigError, load_config
-from controller.daemon import Daemon
+from controller.admission.classes import DEFAULT_CLASSES, PriorityClass, parse_classes
+from controller.config.load import ConfigError, load_config
+from controller.lifecycle.daemon import Daemon
 from tests.conftest import write_config
 
 

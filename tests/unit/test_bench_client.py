@@ -11,8 +11,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from controller.benchkit.client import Target, parse_event, payload, run_open_loop
-from controller.benchkit.workload import RequestSpec
+from controller.bench.client import Target, parse_event, payload, run_open_loop
+from controller.bench.workload import RequestSpec
 
 BODIES = web.AppKey("bodies", list[dict[str, Any]])
 

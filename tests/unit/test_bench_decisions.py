@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from controller.benchkit import compare, soak, sweep
-from controller.benchkit.records import SeriesPoint
-from controller.benchkit.targets import Bench, parse_assignments, parse_value
+from controller.bench import compare, soak, sweep
+from controller.bench.records import SeriesPoint
+from controller.bench.targets import Bench, parse_assignments, parse_value
 
 
 def summary(target: str, goodput: float, tok: float, ttft99: float | None = 1.0, **kw: Any) -> dict[str, Any]:

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-from controller.benchkit.options import build_specs
-from controller.benchkit.prompts import _WORDS as WORDS
-from controller.benchkit.prompts import PromptBuilder, TokenizerError, load_tokenizer, tokenizer_path
-from controller.benchkit.workload import WorkloadError
+from controller.bench.options import build_specs
+from controller.bench.prompts import _WORDS as WORDS
+from controller.bench.prompts import PromptBuilder, TokenizerError, load_tokenizer, tokenizer_path
+from controller.bench.workload import WorkloadError
 
 
 def _word_tokenizer(path: Path, bos: bool) -> Path:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.benchkit.records import (
+from controller.bench.records import (
     RequestRecord,
     SeriesPoint,
     client_series,

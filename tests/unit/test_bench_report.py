@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from controller.benchkit.records import RequestRecord, SeriesPoint, client_series, merge_series, summarize
-from controller.benchkit.report import find_runs, render
-from controller.benchkit.runner import write_run
+from controller.bench.records import RequestRecord, SeriesPoint, client_series, merge_series, summarize
+from controller.bench.report import find_runs, render
+from controller.bench.runner import write_run
 
 
 def _write(dir: Path, target: str, knobs: bool, delay: float) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from controller.benchkit.scrape import PreemptionCounter, parse_vllm, state_fields
+from controller.bench.scrape import PreemptionCounter, parse_vllm, state_fields
 
 PAGE = """# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
 # TYPE vllm:kv_cache_usage_perc gauge

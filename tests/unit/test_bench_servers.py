@@ -5,8 +5,8 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
-from controller.benchkit.servers import ServerSpec, daemon_config, load_base_config, to_toml
-from controller.config import load_config
+from controller.bench.servers import ServerSpec, daemon_config, load_base_config, to_toml
+from controller.config.load import load_config
 from tests.conftest import ROOT
 
 

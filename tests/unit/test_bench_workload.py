@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.benchkit.workload import (
+from controller.bench.workload import (
     RequestSpec,
     TraceRow,
     WorkloadError,

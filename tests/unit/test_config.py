@@ -1,4 +1,4 @@
-"""controller/config.py: the default file loads; every mistake names the key, the value and the fix.
+"""controller/config/load.py: the default file loads; every mistake names the key, the value and the fix.
 
 The [engine] and [server] names are checked against vLLM's own argument parser, so the first test in
 this file pays for importing vLLM (a few seconds, once).
@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from controller.config import (
+from controller.config.load import (
     AdminConfig,
     AdmissionConfig,
     ConfigError,

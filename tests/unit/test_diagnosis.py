@@ -1,8 +1,8 @@
-"""controller/diagnosis.py: what saturates when more concurrency stops paying."""
+"""controller/control/diagnosis.py: what saturates when more concurrency stops paying."""
 
 from __future__ import annotations
 
-from controller.diagnosis import Diagnoser
+from controller.control.diagnosis import Diagnoser
 from tests.unit.obs import obs
 
 

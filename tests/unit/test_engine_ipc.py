@@ -1,4 +1,4 @@
-"""controller/engine/ipc.py: the poll sleep of vLLM's engine processes, asked for through the environment."""
+"""engine/runtime/ipc.py: the poll sleep of vLLM's engine processes, asked for through the environment."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 from vllm.distributed.device_communicators import shm_broadcast
 
-from controller import config as config_module
-from controller.engine import ipc
+from controller.config import load as config_module
+from controller.engine.runtime import ipc
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""controller/gate.py: the admission gate's limit, strict priority, cancellation, admission and drain.
+"""admission/gate.py: the gate's limit, strict priority, cancellation, admission and drain.
 
 No real time passes: ``await asyncio.sleep(0)`` only lets the tasks we created run; every timestamp
 comes from a ``FakeClock``.
@@ -10,9 +10,9 @@ import asyncio
 
 import pytest
 
-from controller.admission import PriorityClass
+from controller.admission.classes import PriorityClass
+from controller.admission.gate import AdmissionGate, GateRejected, GateStats, Slot
 from controller.clock import FakeClock
-from controller.gate import AdmissionGate, GateRejected, GateStats, Slot
 
 ONE_CLASS = (PriorityClass("all", max_queue=100_000, queue_deadline_s=1e6),)
 """One class for every priority and no deadline to speak of: the tests of the limit and the order."""

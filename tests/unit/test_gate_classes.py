@@ -1,4 +1,4 @@
-"""controller/gate.py with priority classes: routing, refusal math, Retry-After, deadlines, aging,
+"""controller/admission/gate.py with priority classes: routing, refusal math, Retry-After, deadlines, aging,
 shedding order, reserved shares and reconfiguration. Every timestamp comes from a ``FakeClock``;
 deadlines expire through ``expire_overdue`` (the timers do the same in production)."""
 
@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 
-from controller.admission import PriorityClass
+from controller.admission.classes import PriorityClass
+from controller.admission.gate import AdmissionGate, GateRejected, Slot
 from controller.clock import FakeClock
-from controller.gate import AdmissionGate, GateRejected, Slot
 from tests.unit.test_gate import Events, Recorder, settle
 
 INTERACTIVE = PriorityClass("interactive", max_priority=0, max_queue=4, queue_deadline_s=2.0)

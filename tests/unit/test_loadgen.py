@@ -13,7 +13,7 @@ from bench.loadgen import (
     summarize,
     tokens_per_second,
 )
-from controller.benchkit.client import parse_event
+from controller.bench.client import parse_event
 
 
 def test_percentile_interpolates_like_numpy() -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import structlog
 
-from controller.logs import HANDLER_NAME, PINNED_LOGGERS, QUIET_LOGGERS, configure_logging
+from controller.lifecycle.logs import HANDLER_NAME, PINNED_LOGGERS, QUIET_LOGGERS, configure_logging
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -103,7 +103,7 @@ def test_our_events_survive_a_library_raising_the_root_level(capsys: pytest.Capt
     """vLLM's build_app imports model_hosting_container_standards, which sets the root to ERROR."""
     configure_logging(json_logs=True)
     logging.getLogger().setLevel(logging.ERROR)
-    structlog.get_logger("controller.daemon").info("serving")
+    structlog.get_logger("controller.lifecycle.daemon").info("serving")
     structlog.get_logger("policies.aimd").info("cut")
     logging.getLogger("torch").warning("third-party noise follows the root")
     assert [x["event"] for x in json_lines(capsys.readouterr().out)] == ["serving", "cut"]

@@ -1,4 +1,4 @@
-"""controller/loop.py: the normalize stage and the tick (observe -> decide -> normalize -> apply).
+"""controller/control/loop.py: the normalize stage and the tick (observe -> decide -> normalize -> apply).
 
 The engine is a small fake system: an actuator that records each call and moves the values the next
 observation reports, so a change that was applied is not applied again.
@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from controller.clock import FakeClock
-from controller.loop import Change, ControlLoop
-from controller.normalize import Normalizer
+from controller.control.loop import Change, ControlLoop
+from controller.control.normalize import Normalizer
 from policies.base import Decision, Observation, Policy
 from policies.static import StaticPolicy
 from tests.unit.obs import idle_obs

@@ -1,4 +1,4 @@
-"""controller/normalize.py: clamp, tolerance, stabilisation, rate limit, apply only on change."""
+"""controller/control/normalize.py: clamp, tolerance, stabilisation, rate limit, apply only on change."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from controller.normalize import Move, Normalizer
+from controller.control.normalize import Move, Normalizer
 from policies.base import Decision
 from tests.unit.obs import obs
 

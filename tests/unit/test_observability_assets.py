@@ -8,7 +8,7 @@ import subprocess
 import pytest
 from prometheus_client import CollectorRegistry
 
-from controller.metrics import Metrics
+from controller.admin.metrics import Metrics
 from tests.assets import (
     ALERTS,
     alert_exprs,
@@ -124,7 +124,7 @@ def test_every_autopilot_metric_used_is_exported() -> None:
     exported = exposed_names(Metrics(CollectorRegistry()).registry)
     assert "autopilot_decisions_total" in exported and "autopilot_decisions" not in exported
     unknown = autopilot_metric_names() - exported
-    assert not unknown, f"queried but not exported by controller.metrics: {sorted(unknown)}"
+    assert not unknown, f"queried but not exported by controller.admin.metrics: {sorted(unknown)}"
 
 
 def test_only_autopilot_and_vllm_metrics_are_used() -> None:

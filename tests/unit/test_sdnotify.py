@@ -13,7 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from controller.sdnotify import Notifier, monotonic_usec, start_watchdog, watchdog_interval_s, watchdog_loop
+from controller.lifecycle.notify import (
+    Notifier,
+    monotonic_usec,
+    start_watchdog,
+    watchdog_interval_s,
+    watchdog_loop,
+)
 
 
 @pytest.fixture

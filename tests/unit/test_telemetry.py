@@ -1,11 +1,11 @@
-"""controller/telemetry.py: the rolling window of engine steps and its summary, on a fake clock."""
+"""controller/control/telemetry.py: the rolling window of engine steps and its summary, on a fake clock."""
 
 from __future__ import annotations
 
 import pytest
 
 from controller.clock import FakeClock
-from controller.telemetry import EngineStats, StepSample, TelemetryWindow, percentile
+from controller.control.telemetry import EngineStats, StepSample, TelemetryWindow, percentile
 
 
 def step(

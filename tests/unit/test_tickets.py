@@ -15,11 +15,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from vllm.exceptions import GracefulHTTPError
 
-from controller.admission import PriorityClass
-from controller.engine import tickets
-from controller.engine.app import AdmissionMiddleware
-from controller.engine.client import GovernedEngineClient
-from controller.gate import AdmissionGate
+from controller.admission.classes import PriorityClass
+from controller.admission.gate import AdmissionGate
+from controller.engine.frontend import tickets
+from controller.engine.frontend.app import AdmissionMiddleware
+from controller.engine.frontend.client import GovernedEngineClient
 from tests.unit.test_gate import Events, Recorder
 
 
@@ -146,7 +146,7 @@ def test_gate_refusal_tracebacks_are_dropped_from_the_serving_loggers(
 ) -> None:
     import logging
 
-    from controller.engine.client import GateRefusal
+    from controller.engine.frontend.client import GateRefusal
 
     app = FastAPI()
     app.state.serving = FakeServing(GovernedEngineClient(FakeHost(), make_gate()[0], lambda: None))  # type: ignore[arg-type]

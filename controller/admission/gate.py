@@ -1,0 +1,426 @@
+"""The admission gate: how many requests may be inside the engine at once, and who goes next.
+
+Requests beyond the limit wait here, one queue per priority class (``controller/admission/classes.py``).
+Slots go to the most urgent class first (strict priority, so an interactive request never waits
+behind batch work), except that a class whose oldest waiter has waited ``aging_s`` takes one slot
+per ``aging_s`` ahead of the others (aging: lower classes still progress). A request is refused
+early with 429 when its class queue is full or its expected wait (position / measured completion
+rate) exceeds the class's queue deadline; one that outlives the deadline in the queue gets 429 too.
+When the whole gate is full, the least urgent class sheds first. No vLLM import: the engine client in
+``controller/engine`` adapts the gate's errors to HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import math
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+
+from controller.admission.classes import DEFAULT_CLASSES, CompletionRate, GateEvents, NoEvents, PriorityClass
+from controller.admission.queues import ClassQueue, GateRejected, GateStats, Slot, Waiter, shutting_down
+from controller.clock import Clock, monotonic
+
+__all__ = ["AdmissionGate", "GateRejected", "GateStats", "Slot"]
+
+
+class AdmissionGate:
+    """A runtime-adjustable concurrency limit with per-class strict-priority queues.
+
+    ``check_admission`` runs before a response starts (vLLM calls it from its handlers); it counts
+    the request as *pending* in its class until ``acquire`` sees it, because a burst passes
+    admission before anything reaches the gate.
+    """
+
+    PENDING_TTL_S = 30.0
+    """Safety net: a pending admission that never reaches the gate expires (the data plane also
+    cancels it when the request ends without generating)."""
+
+    def __init__(
+        self,
+        limit: int,
+        max_queue: int,
+        classes: Sequence[PriorityClass] = DEFAULT_CLASSES,
+        aging_s: float = 0.0,
+        clock: Clock = monotonic,
+        events: GateEvents | None = None,
+    ) -> None:
+        if limit < 1:
+            raise ValueError(f"admission limit must be >= 1, got {limit}")
+        self._limit = limit
+        self.max_queue = max_queue
+        self.aging_s = aging_s
+        self._clock = clock
+        self._events: GateEvents = events or NoEvents()
+        self._order: list[ClassQueue] = [ClassQueue(c) for c in classes]
+        self._in_flight: Counter[str] = Counter()
+        self._in_flight_total = 0
+        self._seq = itertools.count()
+        self._rate = CompletionRate(clock)
+        self._paused = False
+        self._paused_total_s = 0.0
+        self._paused_since: float | None = None
+        self._refuse_new: GateRejected | None = None
+        self._refuse_queued: GateRejected | None = None
+        self.admitted_total = self.rejected_total = self.completed_total = self.timed_out_total = 0
+
+    # -- limit and classes ------------------------------------------------------------------------
+    @property
+    def limit(self) -> int:
+        return self._limit
+
+    def set_limit(self, limit: int) -> None:
+        """Change the limit; raising it admits waiters at once, lowering it never evicts anyone."""
+        if limit < 1:
+            raise ValueError(f"admission limit must be >= 1, got {limit}")
+        self._limit = limit
+        self._wake()
+
+    def configure(self, classes: Sequence[PriorityClass], aging_s: float, max_queue: int) -> None:
+        """Apply a reloaded ``[admission]``: waiters move to their new class, keeping their place in
+        time; deadlines are re-armed against the new class. Pending counts of a class that no
+        longer exists are dropped."""
+        old = {q.spec.name: q for q in self._order}
+        self._order = [ClassQueue(c) for c in classes]
+        for q in self._order:
+            if q.spec.name in old:
+                q.pending = old[q.spec.name].pending
+                q.last_grant_mono = old[q.spec.name].last_grant_mono
+        for oq in old.values():
+            for w in oq.live():
+                w.queue = self._queue_of(w.priority)
+                heapq.heappush(w.queue.heap, (w.priority, w.seq, w))
+                w.queue.queued += 1
+                if w.timer is not None:
+                    w.timer.cancel()
+                self._arm(w)
+        self.aging_s, self.max_queue = aging_s, max_queue
+        self.expire_overdue()
+        self._wake()
+
+    @property
+    def classes(self) -> list[PriorityClass]:
+        return [q.spec for q in self._order]
+
+    def class_name(self, priority: int) -> str:
+        return self._queue_of(priority).spec.name
+
+    def _queue_of(self, priority: int) -> ClassQueue:
+        for q in self._order:
+            if q.spec.contains(priority):
+                return q
+        return self._order[-1]  # unreachable with validated classes; the least urgent is safe
+
+    def _free_for(self, q: ClassQueue) -> int:
+        """Slots class ``q`` may take now: the limit minus what is in flight and minus the unused
+        reservations of the other classes."""
+        held = sum(
+            max(0, o.spec.reserved_slots(self._limit) - self._in_flight[o.spec.name])
+            for o in self._order
+            if o is not q
+        )
+        return self._limit - self._in_flight_total - held
+
+    # -- admission --------------------------------------------------------------------------------
+    def _expire_pending(self) -> None:
+        horizon = self._clock() - self.PENDING_TTL_S
+        for q in self._order:
+            while q.pending and q.pending[0] < horizon:
+                q.pending.popleft()
+
+    def check_admission(self, priority: int = 0, n: int = 1) -> None:
+        """Refuse now (raise ``GateRejected``) or count the request as pending in its class."""
+        q = self._queue_of(priority)
+        if self._refuse_new is not None:
+            self._events.rejected(q.spec.name, self._refuse_new.reason)
+            raise self._refuse_new
+        self._expire_pending()
+        position, own = self._position(q, n)
+        if position > 0:
+            self._check_wait(q, position, own, n)
+        q.pending.append(self._clock())  # one generate() call follows, whatever n is
+
+    def _position(self, q: ClassQueue, n: int) -> tuple[int, int]:
+        """(requests that would wait ahead of a slot for this one, itself included; how many of
+        them are of its own class). Its class's own waiters first fill the class's free reserved
+        slots; the rest compete for shared slots behind every more urgent waiter."""
+        free = max(0, self._free_for(q))
+        reserved_free = min(free, max(0, q.spec.reserved_slots(self._limit) - self._in_flight[q.spec.name]))
+        shared = free - reserved_free
+        higher = sum(o.queued + len(o.pending) for o in self._order[: self._order.index(q)])
+        own = n + q.queued + len(q.pending) - reserved_free
+        return (own + higher - shared if own > 0 else own), own
+
+    def _check_wait(self, q: ClassQueue, position: int, own: int, n: int) -> None:
+        """``position`` requests (this one included) would wait ahead of a slot for it, ``own`` of
+        them of its class."""
+        spec = q.spec
+        own = min(position, own)
+        if own > spec.max_queue:
+            why = f"{own - n} {spec.name} requests already wait (queue limit {spec.max_queue})"
+            self._refuse(q, n, "queue_full", own - spec.max_queue, why)
+        rate = self._rate.per_second()
+        if rate is not None and position / rate > spec.queue_deadline_s:
+            why = (
+                f"expected wait {position / rate:.1f}s exceeds the {spec.name} queue deadline of "
+                f"{spec.queue_deadline_s:g}s"
+            )
+            self._refuse(q, n, "expected_wait", position - rate * spec.queue_deadline_s, why)
+        waiting = sum(o.queued + len(o.pending) for o in self._order)
+        free_any = max(0, self._limit - self._in_flight_total)
+        if waiting + n - free_any > self.max_queue and not self._shed_below(q):
+            why = f"{waiting} requests already wait (gate queue limit {self.max_queue})"
+            self._refuse(q, n, "queue_full", waiting + n - free_any - self.max_queue, why)
+
+    def _refuse(self, q: ClassQueue, n: int, reason: str, excess: float, why: str) -> None:
+        self.rejected_total += n
+        self._events.rejected(q.spec.name, reason)
+        raise GateRejected(f"overloaded: {why}; retry later", 429, self._retry_after(excess), reason)
+
+    def _retry_after(self, excess: float) -> int:
+        """Seconds until ``excess`` queued requests have completed at the measured rate."""
+        rate = self._rate.per_second()
+        if rate is None:
+            return 1
+        return max(1, min(60, math.ceil(excess / rate)))
+
+    def completion_rate(self) -> float | None:
+        """Completions per second over the last 10 s (what expected waits and Retry-After use);
+        None while fewer than two completions are in that window."""
+        return self._rate.per_second()
+
+    def retry_after_s(self) -> int:
+        """Seconds until the whole queue has likely drained (for 503s and answers without a class)."""
+        return self._retry_after(1 + sum(q.queued + len(q.pending) for q in self._order))
+
+    def _shed_below(self, q: ClassQueue) -> bool:
+        """Refuse the newest waiter of the least urgent class below ``q``; False when none waits."""
+        for lower in reversed(self._order[self._order.index(q) + 1 :]):
+            live = lower.live()
+            if live:
+                victim = max(live, key=lambda w: (w.priority, w.seq))
+                why = (
+                    f"shed: the gate is full and more urgent requests arrived ({lower.spec.name} sheds first)"
+                )
+                retry = self._retry_after(1 + lower.queued)
+                self._drop(victim, GateRejected(f"{why}; retry later", 429, retry, "shed"))
+                self._events.rejected(lower.spec.name, "shed")
+                self.rejected_total += 1
+                return True
+        return False
+
+    def cancel_pending(self, priority: int) -> None:
+        """The request passed check_admission but ends without generating (a 4xx from vLLM)."""
+        q = self._queue_of(priority)
+        if q.pending:
+            q.pending.pop()
+
+    async def acquire(self, priority: int = 0, from_pending: bool = True) -> Slot:
+        """Wait for a slot in strict class order; raise ``GateRejected`` past the class deadline."""
+        q = self._queue_of(priority)
+        if from_pending and q.pending:
+            q.pending.popleft()
+        if self._refuse_queued is not None:
+            raise self._refuse_queued
+        urgent_waiting = any(o.queued for o in self._order[: self._order.index(q) + 1])
+        if not self._paused and not urgent_waiting and self._free_for(q) > 0:
+            return self._grant(q, self._clock())
+        loop = asyncio.get_running_loop()
+        w = Waiter(priority, next(self._seq), self._clock(), loop.create_future(), q, self._paused_s())
+        heapq.heappush(q.heap, (priority, w.seq, w))
+        q.queued += 1
+        self._arm(w)
+        try:
+            return await w.future
+        except BaseException:
+            if w.future.done() and not w.future.cancelled() and w.future.exception() is None:
+                self.release(w.future.result())  # granted and cancelled in the same instant
+            elif w.future.cancelled() or not w.future.done():
+                # Task.cancel() cancels the future we await (a client disconnected while queued);
+                # only grants, expiry, shedding and close uncount a waiter themselves.
+                w.future.cancel()
+                self._unqueue(w)
+            raise
+
+    def _unqueue(self, w: Waiter) -> None:
+        w.queue.queued -= 1
+        if w.timer is not None:
+            w.timer.cancel()
+            w.timer = None
+        w.queue.compact()
+
+    def _drop(self, w: Waiter, error: GateRejected) -> None:
+        self._unqueue(w)
+        w.future.set_exception(error)
+
+    def _grant(self, q: ClassQueue, now: float, enqueued_mono: float | None = None) -> Slot:
+        name = q.spec.name
+        self._in_flight[name] += 1
+        self._in_flight_total += 1
+        self.admitted_total += 1
+        q.last_grant_mono = now
+        self._events.admitted(name, 0.0 if enqueued_mono is None else now - enqueued_mono)
+        return Slot(name, now)
+
+    def release(self, slot: Slot) -> None:
+        """Give a slot back (completion, error, abort or disconnect)."""
+        self._in_flight[slot.cls] -= 1
+        self._in_flight_total -= 1
+        self.completed_total += 1
+        self._rate.record()
+        self._wake()
+
+    def _wake(self) -> None:
+        now = self._clock()
+        while not self._paused:
+            q = self._next_queue(now)
+            if q is None:
+                return
+            w = q.head()
+            assert w is not None
+            if now >= self._deadline(w):
+                self._expire(w)  # its timer has not fired yet: never grant past the deadline
+                continue
+            heapq.heappop(q.heap)
+            self._unqueue(w)
+            w.future.set_result(self._grant(q, now, w.enqueued_mono))
+
+    def _next_queue(self, now: float) -> ClassQueue | None:
+        """The class whose head gets the next slot: an aged class first (oldest head), else the most
+        urgent class that may take a slot."""
+        best: ClassQueue | None = None
+        best_key: tuple[int, int] | None = None
+        for rank, q in enumerate(self._order):
+            w = q.head()
+            if w is None or self._free_for(q) <= 0:
+                continue
+            aged = (
+                self.aging_s > 0
+                and now - w.enqueued_mono >= self.aging_s
+                and now - q.last_grant_mono >= self.aging_s
+            )
+            key = (0, w.seq) if aged else (1, rank)
+            if best_key is None or key < best_key:
+                best, best_key = q, key
+        return best
+
+    @asynccontextmanager
+    async def slot(self, priority: int = 0) -> AsyncIterator[Slot]:
+        granted = await self.acquire(priority)
+        try:
+            yield granted
+        finally:
+            self.release(granted)
+
+    # -- deadlines --------------------------------------------------------------------------------
+    def _paused_s(self) -> float:
+        """Seconds the gate has been paused in all (engine restarts): not counted against deadlines,
+        so requests queued through a restart are kept, as the guard promises."""
+        current = 0.0 if self._paused_since is None else self._clock() - self._paused_since
+        return self._paused_total_s + current
+
+    def _deadline(self, w: Waiter) -> float:
+        return w.enqueued_mono + w.queue.spec.queue_deadline_s + self._paused_s() - w.paused_at_enqueue_s
+
+    def _arm(self, w: Waiter) -> None:
+        delay = max(0.0, self._deadline(w) - self._clock())
+        if self._paused:
+            delay = max(delay, 0.25)  # the deadline moves while paused: look again later
+        w.timer = asyncio.get_running_loop().call_later(delay, self._on_timer, w)
+
+    def _on_timer(self, w: Waiter) -> None:
+        w.timer = None
+        if w.future.done():
+            return
+        if self._clock() < self._deadline(w):
+            self._arm(w)  # the loop's clock ran ahead of ours
+        else:
+            self._expire(w)
+
+    def expire_overdue(self) -> int:
+        """Refuse every waiter whose deadline has passed; returns how many (timers call this per
+        waiter in production; tests with a fake clock call it directly)."""
+        now = self._clock()
+        overdue = [w for q in self._order for w in q.live() if now >= self._deadline(w)]
+        for w in overdue:
+            self._expire(w)
+        return len(overdue)
+
+    def _expire(self, w: Waiter) -> None:
+        spec, wait = w.queue.spec, self._clock() - w.enqueued_mono
+        ahead = sum(o.queued for o in self._order[: self._order.index(w.queue) + 1])
+        why = f"waited {wait:.1f}s for a slot: past the {spec.name} deadline of {spec.queue_deadline_s:g}s"
+        self._drop(w, GateRejected(f"{why}; retry later", 429, self._retry_after(ahead), "deadline"))
+        self.timed_out_total += 1
+        self._events.timed_out(spec.name, wait)
+
+    # -- drain, pause, refuse ---------------------------------------------------------------------
+    def stop_admitting(self) -> None:
+        """Refuse new requests (503); queued and in-flight ones go on (graceful drain)."""
+        self._refuse_new = shutting_down()
+
+    def close(self) -> None:
+        """Refuse new requests; those already queued are refused too (503), in-flight ones finish."""
+        self.refuse_all(shutting_down())
+
+    def refuse_all(self, error: GateRejected) -> None:
+        """Refuse every request that has no slot yet with ``error``, until ``reopen``."""
+        self._refuse_new = self._refuse_queued = error
+        for q in self._order:
+            for w in q.live():
+                self._drop(w, error)
+
+    def reopen(self) -> None:
+        """Admit again after ``refuse_all`` (the engine is back)."""
+        self._refuse_new = None
+        self._refuse_queued = None
+
+    def pause(self) -> None:
+        """Hold every new slot: requests wait in the queue (not refused, their deadlines stopped)
+        until ``resume``."""
+        if not self._paused:
+            self._paused_since = self._clock()
+        self._paused = True
+
+    def resume(self) -> None:
+        if self._paused_since is not None:
+            self._paused_total_s += self._clock() - self._paused_since
+            self._paused_since = None
+        self._paused = False
+        self._wake()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until nothing is in flight; False when the deadline passed first."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._in_flight_total > 0 and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        return self._in_flight_total == 0
+
+    def queued_by_class(self) -> dict[str, int]:
+        """Requests waiting now, per class (every class present, most urgent first)."""
+        return {q.spec.name: q.queued for q in self._order}
+
+    def in_flight_by_class(self) -> dict[str, int]:
+        return {q.spec.name: self._in_flight[q.spec.name] for q in self._order}
+
+    def stats(self) -> GateStats:
+        self._expire_pending()
+        return GateStats(
+            limit=self._limit,
+            in_flight=self._in_flight_total,
+            queued=sum(q.queued for q in self._order),
+            pending=sum(len(q.pending) for q in self._order),
+            admitted_total=self.admitted_total,
+            rejected_total=self.rejected_total,
+            completed_total=self.completed_total,
+            closed=self._refuse_new is not None,
+            timed_out_total=self.timed_out_total,
+        )

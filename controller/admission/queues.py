@@ -1,0 +1,94 @@
+"""The gate's data: refusals, slots, stats, and one priority class's queue of waiters."""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from controller.admission.classes import PriorityClass
+
+
+class GateRejected(Exception):
+    """The request is refused before it starts (HTTP 429 or 503); ``reason`` is the metric label."""
+
+    def __init__(self, message: str, status: int, retry_after_s: int, reason: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.retry_after_s = retry_after_s
+        self.reason = reason
+
+
+def _shutting_down() -> GateRejected:
+    return GateRejected("the server is shutting down; retry on another instance", 503, 1, "shutting_down")
+
+
+def shutting_down() -> GateRejected:
+    return GateRejected("the server is shutting down; retry on another instance", 503, 1, "shutting_down")
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A granted place inside the engine; give it back with ``release``."""
+
+    cls: str
+    granted_mono: float
+
+
+@dataclass(frozen=True)
+class GateStats:
+    """A snapshot of the gate for /state, metrics and the control loop."""
+
+    limit: int
+    in_flight: int
+    """Requests holding a slot (inside the engine)."""
+    queued: int
+    """Requests waiting in the gate for a slot."""
+    pending: int
+    """Requests that passed check_admission but have not reached the gate yet."""
+    admitted_total: int
+    rejected_total: int
+    completed_total: int
+    closed: bool
+    timed_out_total: int = 0
+    """Requests refused because their queue deadline passed while they waited."""
+
+
+@dataclass(eq=False)
+class Waiter:
+    priority: int
+    seq: int
+    enqueued_mono: float
+    future: asyncio.Future[Slot]
+    queue: ClassQueue
+    paused_at_enqueue_s: float = 0.0
+    """The gate's paused seconds when this request queued (paused time does not count)."""
+    timer: asyncio.TimerHandle | None = None
+
+
+class ClassQueue:
+    """One class's waiters (priority, then arrival) and its pending admissions."""
+
+    def __init__(self, spec: PriorityClass) -> None:
+        self.spec = spec
+        self.heap: list[tuple[int, int, Waiter]] = []
+        self.queued = 0
+        self.pending: deque[float] = deque()
+        self.last_grant_mono = -math.inf
+
+    def head(self) -> Waiter | None:
+        while self.heap and self.heap[0][2].future.done():  # cancelled, expired or shed
+            heapq.heappop(self.heap)
+        return self.heap[0][2] if self.heap else None
+
+    def live(self) -> list[Waiter]:
+        return [w for _, _, w in self.heap if not w.future.done()]
+
+    def compact(self) -> None:
+        """Drop finished entries once they outnumber the live ones (memory stays flat)."""
+        if len(self.heap) > 2 * self.queued + 16:
+            self.heap = [e for e in self.heap if not e[2].future.done()]
+            heapq.heapify(self.heap)

@@ -1,0 +1,113 @@
+"""``vllm-autopilot bench {run,sweep,compare,soak,report}``: argument parsing and dispatch."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from controller.bench.options import add_slo_args, add_workload_args, build_specs
+from controller.bench.prompts import PromptBuilder, TokenizerError, load_tokenizer, tokenizer_path
+from controller.bench.workload import WorkloadError
+
+DEFAULT_CONFIG = Path("config.toml")
+
+
+def add_bench_commands(cmds: Any) -> None:
+    """Register run, sweep, compare, soak and report on the ``bench`` subparsers."""
+    run = cmds.add_parser("run", help="one workload against a running OpenAI-compatible server")
+    run.add_argument("--url", required=True, help="data plane, e.g. http://127.0.0.1:8000")
+    run.add_argument("--out", type=Path, required=True, help="run directory to write")
+    run.add_argument("--model", help="model name to request (default: the first of /v1/models)")
+    run.add_argument("--tokenizer", type=Path, help="local model dir (default: the root /v1/models reports)")
+    run.add_argument("--admin-url", help="our daemon's control plane: scrape its /metrics and /state")
+    run.add_argument("--metrics-url", help="Prometheus page with vllm:* metrics (default URL/metrics)")
+    run.add_argument("--label", help="name of this run in tables and plots (default: the out dir's name)")
+    add_workload_args(run)
+    add_slo_args(run)
+
+    from controller.bench import compare, report, soak, sweep
+
+    compare.add_parser(cmds)
+    sweep.add_parser(cmds)
+    soak.add_parser(cmds)
+    report.add_parser(cmds)
+
+
+def bench_main(args: argparse.Namespace) -> int:
+    """Run the ``bench`` subcommand that ``add_bench_commands`` registered."""
+    from controller.bench import compare, report, soak, sweep
+
+    handlers = {"run": _run, "compare": compare.main, "sweep": sweep.main, "soak": soak.main,
+                "report": report.main}  # fmt: skip
+    try:
+        return handlers[args.bench_command](args)
+    except (WorkloadError, TokenizerError, FileNotFoundError, ValueError) as exc:
+        print(f"bench {args.bench_command}: {exc}", file=sys.stderr)
+        return 2
+    except (aiohttp.ClientError, TimeoutError, RuntimeError) as exc:  # server unreachable or failed to start
+        print(f"bench {args.bench_command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
+    return asyncio.run(_run_async(args))
+
+
+async def _run_async(args: argparse.Namespace) -> int:
+    from controller.bench.client import Target, model_info
+    from controller.bench.runner import Endpoints, run_workload
+
+    info = await model_info(args.url)
+    model = args.model or str(info["id"])
+    tokenizer = load_tokenizer(tokenizer_path(args.tokenizer, info.get("root")))
+    max_len = int(info.get("max_model_len") or 2048)
+    specs = build_specs(args, tokenizer, max_len)
+    if args.admin_url:
+        admin = args.admin_url.rstrip("/")
+        endpoints = Endpoints(args.metrics_url or f"{admin}/metrics", f"{admin}/state")
+    else:
+        endpoints = Endpoints(args.metrics_url or f"{args.url.rstrip('/')}/metrics")
+    summary = await run_workload(
+        Target(args.url, model), specs, PromptBuilder(tokenizer, seed=args.seed), run_config(args, args.out),
+        endpoints, label=args.label or args.out.name, extra={"argv": sys.argv},
+    )  # fmt: skip
+    print(format_summary(summary))
+    print(f"run written to {args.out}")
+    return 0 if summary["ok"] > 0 else 1
+
+
+def run_config(args: argparse.Namespace, out: Path) -> Any:
+    from controller.bench.runner import RunConfig
+
+    return RunConfig(
+        out=out, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, warmup=args.warmup,
+        timeout_s=args.request_timeout, progress=not args.no_progress,
+    )  # fmt: skip
+
+
+def _fmt(value: Any, spec: str = ".3f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    """A few lines for the terminal."""
+    return (
+        f"{s['target']}: {s['requests']} requests "
+        f"({s['ok']} ok, {s['refused']} refused, {s['failed']} failed) "
+        f"in {s['duration_s']:.1f} s\n"
+        f"  throughput {s['throughput_tok_s']:.1f} tok/s, goodput {s['goodput_rps']:.2f} req/s "
+        f"(SLO TTFT {_fmt(s['slo_ttft_s'], 'g')} s, TPOT {_fmt(s['slo_tpot_s'], 'g')} s; "
+        f"attainment {_fmt(s['slo_attainment'], '.1%')})\n"
+        f"  TTFT p50/p99 {_fmt(s['ttft_p50'])}/{_fmt(s['ttft_p99'])} s, "
+        f"TPOT p50/p99 {_fmt(s['tpot_p50'], '.4f')}/{_fmt(s['tpot_p99'], '.4f')} s, "
+        f"KV mean/max {_fmt(s['kv_usage_mean'], '.2f')}/{_fmt(s['kv_usage_max'], '.2f')}, "
+        f"preemptions {_fmt(s['preemptions'], 'd')}"
+    )

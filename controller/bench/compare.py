@@ -1,0 +1,248 @@
+"""``bench compare``: one workload against plain ``vllm serve`` defaults, each static preset, the best swept
+setting and each policy, one server at a time; a table of absolute figures and ratios to the best static.
+
+"Best static" is the static server (a preset or the swept setting) with the highest goodput, ties broken by
+throughput. Ratios are computed from runs of the same invocation (or of ``--resume``d ones on the same
+workload), never against figures measured elsewhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from controller.bench.options import add_slo_args, add_workload_args
+from controller.bench.runner import SUMMARY, read_summary
+from controller.bench.servers import ServerSpec
+from controller.bench.targets import (
+    TUNED_KEYS,
+    Bench,
+    add_server_args,
+    parse_assignments,
+    prepare,
+    run_servers,
+)
+
+VLLM_SERVE = "vllm-serve"
+TABLE = "compare.md"
+RESULT = "compare.json"
+
+
+def add_parser(cmds: Any) -> None:
+    p = cmds.add_parser(
+        "compare", help="vllm serve defaults vs static presets vs the best swept setting vs policies"
+    )
+    add_server_args(p)
+    p.add_argument(
+        "--targets", default="all",
+        help="comma list of: vllm-serve, static:PRESET, static:all, best, policy:NAME, policy:all "
+        "(default all: every one of them)",
+    )  # fmt: skip
+    p.add_argument(
+        "--best",
+        action="append",
+        metavar="KEY=VALUE",
+        help="[engine] setting of the best swept setting (repeatable), e.g. max_num_seqs=32",
+    )
+    p.add_argument("--best-from", type=Path, help="take --best from a sweep's sweep.json recommendation")
+    p.add_argument("--policy-param", action="append", metavar="POLICY.KEY=VALUE",
+                   help="a parameter for one policy (repeatable), e.g. pid.setpoint=0.9")  # fmt: skip
+    add_workload_args(p)
+    add_slo_args(p)
+
+
+def presets() -> list[str]:
+    from policies.static import PRESETS
+
+    return list(PRESETS)
+
+
+def policies() -> list[str]:
+    from policies.base import REGISTRY, resolve
+
+    resolve("static")  # imports the built-ins, which registers them
+    return sorted(n for n in REGISTRY if n != "static")
+
+
+def best_setting(args: argparse.Namespace) -> dict[str, Any]:
+    if args.best_from is not None:
+        path = args.best_from / "sweep.json" if args.best_from.is_dir() else args.best_from
+        rec = json.loads(path.read_text()).get("recommendation")
+        if not rec:
+            raise ValueError(f"--best-from {path}: no recommendation (no setting met the SLO?)")
+        return dict(rec["setting"])
+    return parse_assignments(args.best or [], "--best")
+
+
+def policy_params(items: Sequence[str]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for key, value in parse_assignments(items, "--policy-param").items():
+        policy, dot, param = key.partition(".")
+        if not dot:
+            raise ValueError(f"--policy-param {key}: write POLICY.KEY=VALUE, e.g. pid.setpoint=0.9")
+        out.setdefault(policy, {})[param] = value
+    return out
+
+
+def servers(bench: Bench, args: argparse.Namespace) -> list[ServerSpec]:
+    """The servers ``--targets`` names, in a fixed order: baseline, presets, best, policies."""
+    engine = bench.engine
+    admission = dict(bench.base.get("admission") or {})
+    wanted = [t.strip() for t in args.targets.split(",") if t.strip()]
+    if "all" in wanted:
+        wanted = [VLLM_SERVE, "static:all", "best", "policy:all"]
+    out: list[ServerSpec] = []
+    for item in wanted:
+        out += _expand(item, engine, admission, args)
+    names = [s.name for s in out]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--targets {args.targets}: names a server twice ({names})")
+    return out
+
+
+def _expand(
+    item: str, engine: dict[str, Any], admission: dict[str, Any], args: argparse.Namespace
+) -> list[ServerSpec]:
+    if item == VLLM_SERVE:
+        defaults = {k: v for k, v in engine.items() if k not in TUNED_KEYS}
+        return [ServerSpec(VLLM_SERVE, "vllm-serve", defaults)]
+    kind, _, name = item.partition(":")
+    if kind == "static" and name:
+        names = presets() if name == "all" else [name]
+        bad = [n for n in names if n not in presets()]
+        if bad:
+            raise ValueError(f"--targets static:{bad[0]}: no such preset; use one of {', '.join(presets())}")
+        return [
+            ServerSpec(
+                f"static:{n}", "daemon", engine, {"policy": "static", "params": {"preset": n}}, admission
+            )
+            for n in names
+        ]
+    if item == "best":
+        setting = best_setting(args)
+        if not setting:
+            return []  # nothing swept: the comparison goes on without it
+        label = "best:" + ",".join(f"{k}={v}" for k, v in setting.items())
+        limit = {"limit": setting["max_num_seqs"]} if "max_num_seqs" in setting else {}
+        return [ServerSpec(label, "daemon", {**engine, **setting}, {"policy": "static", "params": {}},
+                           {**admission, **limit})]  # fmt: skip
+    if kind == "policy" and name:
+        names = policies() if name == "all" else [name]
+        params = policy_params(args.policy_param or [])
+        return [
+            ServerSpec(f"policy:{n}", "daemon", engine, {"policy": n, "params": params.get(n, {})}, admission)
+            for n in names
+        ]
+    raise ValueError(
+        f"--targets {item!r}: use vllm-serve, static:PRESET, static:all, best, policy:NAME or policy:all"
+    )
+
+
+# --- the table ------------------------------------------------------------------------------------------
+
+COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("tok/s", "throughput_tok_s", ".1f"),
+    ("goodput req/s", "goodput_rps", ".2f"),
+    ("SLO met", "slo_attainment", ".0%"),
+    ("TTFT p50 s", "ttft_p50", ".3f"),
+    ("TTFT p99 s", "ttft_p99", ".3f"),
+    ("TPOT p50 ms", "tpot_p50", "ms"),
+    ("TPOT p99 ms", "tpot_p99", "ms"),
+    ("preempt", "preemptions", "d"),
+    ("KV mean", "kv_usage_mean", ".2f"),
+    ("refused", "refused", "d"),
+    ("failed", "failed", "d"),
+    ("RSS max GiB", "rss_max_bytes", "gib"),
+)
+RATIOS: tuple[tuple[str, str], ...] = (
+    ("tok/s x", "throughput_tok_s"),
+    ("goodput x", "goodput_rps"),
+    ("TTFT p99 x", "ttft_p99"),
+)
+
+
+def _cell(value: Any, fmt: str) -> str:
+    if value is None:
+        return "-"
+    if fmt == "ms":
+        return f"{value * 1000:.1f}"
+    if fmt == "gib":
+        return f"{value / 2**30:.2f}"
+    if fmt == "d":
+        return str(int(value))
+    return format(value, fmt)
+
+
+def best_static(summaries: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    statics = [s for s in summaries if str(s["target"]).startswith(("static:", "best:"))]
+    if not statics:
+        return None
+    return max(statics, key=lambda s: (s["goodput_rps"], s["throughput_tok_s"]))
+
+
+def ratio(value: Any, base: Any) -> float | None:
+    if value is None or base is None or base == 0:
+        return None
+    return float(value) / float(base)
+
+
+def table(
+    summaries: Sequence[dict[str, Any]], ref: dict[str, Any] | None = None, note: str = "best static"
+) -> str:
+    """A markdown table: absolute figures, then ratios to ``ref`` (default: the best static server)."""
+    ref = ref if ref is not None else best_static(summaries)
+    head = ["server", *(c[0] for c in COLUMNS), *(r[0] for r in RATIOS)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for s in summaries:
+        cells = [str(s["target"]) + (f" ({note})" if s is ref else "")]
+        cells += [_cell(s.get(key), fmt) for _, key, fmt in COLUMNS]
+        cells += [_cell(ratio(s.get(key), ref.get(key) if ref else None), ".2f") for _, key in RATIOS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    bench = prepare(args)
+    specs = servers(bench, args)
+    if not specs:
+        raise ValueError(f"--targets {args.targets}: names no server")
+    run_servers(bench, specs, args.out)
+    dirs = run_dirs(args.out)  # this invocation's runs and any kept from earlier ones (--resume)
+    summaries = [read_summary(d) for d in dirs]
+    write_table(args.out, summaries, bench)
+    from controller.bench.report import render
+
+    report = render(args.out, dirs, title="bench compare", table=(args.out / TABLE).read_text())
+    print(f"table: {args.out / TABLE}; report: {report}")
+    return 0
+
+
+def _rank(summary: dict[str, Any]) -> int:
+    target = str(summary.get("target"))
+    order = ((VLLM_SERVE, 0), ("static:", 1), ("best:", 2), ("policy:", 3))
+    return next((rank for prefix, rank in order if target.startswith(prefix)), 4)
+
+
+def run_dirs(out: Path) -> list[Path]:
+    """Every run directory under ``out``: baseline, presets, best, policies, then anything else."""
+    dirs = [p.parent for p in out.glob(f"*/{SUMMARY}")]
+    return sorted(dirs, key=lambda d: (_rank(read_summary(d)), str(read_summary(d)["target"])))
+
+
+def write_table(out: Path, summaries: Sequence[dict[str, Any]], bench: Bench) -> None:
+    ref = best_static(summaries)
+    workload = summaries[0].get("workload") if summaries else None
+    text = "\n".join([
+        table(summaries), "",
+        f"Ratios are to the best static server ({ref['target'] if ref else 'none run'}): "
+        "the static preset or swept setting with the highest goodput. TTFT p99 x below 1 is better.",
+        f"Workload: {json.dumps(workload)}; SLO TTFT {bench.args.slo_ttft} s, TPOT {bench.args.slo_tpot} s.",
+    ])  # fmt: skip
+    (out / TABLE).write_text(text + "\n")
+    (out / RESULT).write_text(
+        json.dumps({"best_static": ref and ref["target"], "runs": list(summaries)}, indent=2) + "\n"
+    )
+    print("\n" + text)

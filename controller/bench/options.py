@@ -1,0 +1,105 @@
+"""Command-line options shared by the bench commands, and turning them into a workload."""
+
+from __future__ import annotations
+
+import argparse
+import random
+from pathlib import Path
+
+from controller.bench.prompts import Tokenizer, counter
+from controller.bench.workload import (
+    RequestSpec,
+    WorkloadError,
+    assign_priorities,
+    clamp_lengths,
+    load_sharegpt,
+    parse_priority_mix,
+    poisson,
+    poisson_arrivals,
+    read_azure_trace,
+    sharegpt_lengths,
+    sharegpt_pairs,
+    trace_window,
+    with_lengths,
+)
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload (one of --rate, --trace, --sharegpt)")
+    g.add_argument("--rate", type=float, help="Poisson arrivals per second (with --duration)")
+    g.add_argument(
+        "--duration", type=float,
+        help="seconds: the run's length with --rate/--sharegpt; "
+        "the trace window's length (in trace time) with --trace",
+    )  # fmt: skip
+    g.add_argument("--prompt-tokens", type=int, default=128, help="prompt length with --rate (default 128)")
+    g.add_argument("--output-tokens", type=int, default=128, help="output length with --rate (default 128)")
+    g.add_argument(
+        "--trace", type=Path, help="Azure-format trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens)"
+    )
+    g.add_argument(
+        "--start", type=float, default=0.0, help="trace window start, seconds after its first request"
+    )
+    g.add_argument(
+        "--time-scale", type=float, default=1.0, help="replay the trace K times faster (default 1)"
+    )
+    g.add_argument("--token-scale", type=float, default=1.0, help="multiply trace lengths by K (default 1)")
+    g.add_argument(
+        "--sharegpt", action="store_true",
+        help="prompt/output lengths of ShareGPT conversations (pip install 'vllm-autopilot[sharegpt]'), "
+        "on Poisson arrivals at --rate for --duration",
+    )  # fmt: skip
+    g.add_argument("--sharegpt-samples", type=int, default=1000, help="conversations to take lengths from")
+    g.add_argument(
+        "--priority-mix", help="vLLM priorities and their shares, e.g. 0:0.3,1:0.7 (lower = urgent)"
+    )
+    g.add_argument("--max-requests", type=int, help="keep only the first N requests of the workload")
+    g.add_argument("--seed", type=int, default=0, help="seed of arrivals, lengths and priorities (default 0)")
+
+
+def add_slo_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--slo-ttft", type=float, help="TTFT objective in seconds (goodput counts requests within it)"
+    )
+    p.add_argument(
+        "--slo-tpot", type=float, help="TPOT objective in seconds per output token after the first"
+    )
+    p.add_argument(
+        "--warmup", type=int, default=4, help="short unrecorded requests before the run (default 4)"
+    )
+    p.add_argument("--request-timeout", type=float, default=600.0, help="per-request limit in seconds")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def build_specs(args: argparse.Namespace, tokenizer: Tokenizer, max_model_len: int) -> list[RequestSpec]:
+    """The workload the options describe, clamped to the model's context, with priorities when asked."""
+    chosen = [name for name, on in (("--rate", args.rate is not None and not args.sharegpt),
+                                    ("--trace", args.trace is not None),
+                                    ("--sharegpt", args.sharegpt)) if on]  # fmt: skip
+    if len(chosen) != 1:
+        raise WorkloadError(
+            f"choose exactly one workload: --rate R --duration S, --trace PATH or --sharegpt; got {chosen}"
+        )
+    if args.trace is not None:
+        rows = read_azure_trace(args.trace)
+        specs = trace_window(rows, start_s=args.start, duration_s=args.duration,
+                             time_scale=args.time_scale, token_scale=args.token_scale)  # fmt: skip
+    else:
+        if args.rate is None or args.duration is None:
+            raise WorkloadError(f"{chosen[0]} needs --rate R and --duration S")
+        if args.sharegpt:
+            pairs = sharegpt_pairs(load_sharegpt())
+            lengths = sharegpt_lengths(pairs, counter(tokenizer), samples=args.sharegpt_samples,
+                                       max_len=max_model_len, seed=args.seed)  # fmt: skip
+            arrivals = poisson_arrivals(args.rate, args.duration, random.Random(args.seed))
+            specs = with_lengths(arrivals, lengths, seed=args.seed)
+        else:
+            specs = poisson(args.rate, args.duration, prompt_tokens=args.prompt_tokens,
+                            output_tokens=args.output_tokens, seed=args.seed)  # fmt: skip
+    if args.max_requests is not None:
+        specs = specs[: args.max_requests]
+    if args.priority_mix:
+        specs = assign_priorities(specs, parse_priority_mix(args.priority_mix), seed=args.seed)
+    if not specs:
+        raise WorkloadError("the workload holds no request: raise --rate or --duration")
+    return clamp_lengths(specs, max_model_len)

@@ -1,0 +1,141 @@
+"""Building the servers of a sweep or a comparison: one base config, one workload, many server specs.
+
+Also the one loop that starts each server in turn, runs the workload against it and writes its run directory
+(``OUT/<target>/``), used by ``sweep``, ``compare`` and ``soak``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from controller.bench.client import Target
+from controller.bench.memory import MemoryProbe
+from controller.bench.options import build_specs
+from controller.bench.prompts import PromptBuilder, Tokenizer, load_tokenizer
+from controller.bench.runner import SUMMARY, Endpoints, RunConfig, read_summary, run_workload
+from controller.bench.servers import ServerSpec, launched, load_base_config, served_model
+from controller.bench.workload import RequestSpec
+
+# Settings a plain `vllm serve` baseline leaves at vLLM's defaults (the knobs a sweep or a policy tunes).
+TUNED_KEYS = ("max_num_seqs", "max_num_batched_tokens", "max_num_active_seqs")
+
+
+def parse_value(text: str) -> Any:
+    """A command-line value as TOML would read it: int, float, bool, else the string."""
+    text = text.strip()
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            continue
+    return text
+
+
+def parse_assignments(items: Sequence[str], what: str) -> dict[str, Any]:
+    """``["a=1", "b=x"]`` -> ``{"a": 1, "b": "x"}``; errors name the option."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"{what} {item!r}: write KEY=VALUE, e.g. {what} max_num_seqs=32")
+        out[key.strip()] = parse_value(value)
+    return out
+
+
+@dataclass
+class Bench:
+    """What every server of a sweep/comparison shares: base config, workload, prompts, run settings."""
+
+    base: dict[str, Any]
+    specs: list[RequestSpec]
+    builder: PromptBuilder
+    args: argparse.Namespace
+
+    @property
+    def engine(self) -> dict[str, Any]:
+        engine: dict[str, Any] = self.base["engine"]
+        return engine
+
+
+def prepare(args: argparse.Namespace) -> Bench:
+    """Load ``--config``, apply ``--engine`` overrides, build the workload with the model's tokenizer."""
+    base = load_base_config(args.config)
+    base["engine"].update(parse_assignments(args.engine or [], "--engine"))
+    tokenizer: Tokenizer = load_tokenizer(Path(args.tokenizer or base["engine"]["model"]))
+    max_len = int(base["engine"].get("max_model_len") or 2048)
+    specs = build_specs(args, tokenizer, max_len)
+    return Bench(base, specs, PromptBuilder(tokenizer, seed=args.seed), args)
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", type=Path, default=Path("config.toml"),
+                   help="daemon config whose [engine] every server uses (default config.toml)")  # fmt: skip
+    p.add_argument("--engine", action="append", metavar="KEY=VALUE",
+                   help="override an [engine] setting for every server (repeatable)")  # fmt: skip
+    p.add_argument("--tokenizer", type=Path, help="tokenizer dir (default: the [engine] model dir)")
+    p.add_argument("--out", type=Path, required=True, help="directory; each server's run goes to OUT/<name>/")
+    p.add_argument("--resume", action="store_true", help="skip servers whose run directory is complete")
+    p.add_argument(
+        "--startup-timeout", type=float, default=300.0, help="seconds to wait for a server's health"
+    )
+
+
+def run_dir(out: Path, name: str) -> Path:
+    return out / "".join(c if c.isalnum() or c in "-_.=" else "_" for c in name)
+
+
+def run_servers(bench: Bench, servers: Sequence[ServerSpec], out: Path) -> list[dict[str, Any]]:
+    """Start each server in turn, run the workload on it, stop it; returns each run's summary in order."""
+    summaries: list[dict[str, Any]] = []
+    for spec in servers:
+        target_dir = run_dir(out, spec.name)
+        if bench.args.resume and (target_dir / SUMMARY).is_file():
+            print(f"{spec.name}: kept from an earlier invocation ({target_dir})", flush=True)
+            summaries.append(read_summary(target_dir))
+            continue
+        if target_dir.exists():
+            shutil.rmtree(target_dir)
+        summaries.append(run_one(bench, spec, target_dir, out / "logs"))
+    return summaries
+
+
+def run_one(bench: Bench, spec: ServerSpec, target_dir: Path, logs: Path) -> dict[str, Any]:
+    """One server's lifetime: start, run the workload, stop; its exit is recorded in its summary."""
+    from controller.bench.cli import format_summary, run_config
+
+    print(f"{spec.name}: starting {spec.kind} (log {logs})", flush=True)
+    cfg: RunConfig = run_config(bench.args, target_dir)
+    with launched(spec, bench.base, logs, startup_timeout_s=bench.args.startup_timeout) as server:
+        print(f"{spec.name}: healthy after {server.startup_s:.1f} s; running the workload", flush=True)
+        extra = {
+            "server": spec.kind, "engine": spec.engine, "control": spec.control, "admission": spec.admission,
+            "startup_s": server.startup_s, **spec.tags,
+        }  # fmt: skip
+        summary = asyncio.run(
+            run_workload(
+                Target(server.base_url, served_model(spec.engine)), bench.specs, bench.builder, cfg,
+                Endpoints(server.metrics_url, server.state_url), label=spec.name,
+                probe=MemoryProbe(server.pid),
+                extra=extra,
+            )
+        )  # fmt: skip
+        summary["server_alive_at_end"] = server.alive()
+    summary["exit_code"], summary["killed"] = server.exit_code, server.killed
+    (target_dir / SUMMARY).write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
+    print(format_summary(summary), flush=True)
+    return summary
+
+
+def fail(message: str) -> int:
+    print(message, file=sys.stderr)
+    return 2

@@ -1,0 +1,350 @@
+"""config.toml -> frozen dataclasses, validated once (STYLE.md practice 7).
+
+One dataclass per table. Every field documents itself (``doc``) and its bounds; errors name the key,
+the value and the fix. ``load_config`` collects every error before raising, so an operator fixes the
+file in one pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from controller.admission.classes import DEFAULT_CLASSES, PriorityClass, parse_classes
+
+DEFAULT_CONFIG = Path("config.toml")
+
+
+class ConfigError(Exception):
+    """The config file is invalid; ``errors`` lists every problem found."""
+
+    def __init__(self, errors: list[str]) -> None:
+        super().__init__("\n".join(errors))
+        self.errors = errors
+
+
+SMALL_HOST_CPUS = 8
+"""Below this many usable CPUs the daemon's engine processes poll with a sleep by default."""
+
+
+def default_engine_poll_sleep() -> float:
+    """[server] engine_poll_sleep_s when the file does not set it (controller/engine/runtime/ipc.py): on a
+    small host vLLM's two spinning processes take the cores the API server needs."""
+    return 0.0002 if len(os.sched_getaffinity(0)) < SMALL_HOST_CPUS else 0.0
+
+
+def _f(default: Any, doc: str, lo: float | None = None, hi: float | None = None) -> Any:
+    return field(default=default, metadata={"doc": doc, "lo": lo, "hi": hi})
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """[server]: the data plane (vLLM's OpenAI-compatible app)."""
+
+    host: str = _f("127.0.0.1", "Address the OpenAI-compatible API listens on.")
+    port: int = _f(8000, "Port of the OpenAI-compatible API.", 1, 65535)
+    shutdown_timeout_s: float = _f(
+        30.0, "On SIGTERM/SIGINT, how long in-flight requests may run before they are aborted.", 0, 3600
+    )
+    engine_poll_sleep_s: float = _f(
+        default_engine_poll_sleep(),
+        "While vLLM's EngineCore and worker wait for each other, each poll sleeps this long instead of "
+        f"spinning on a core (0: vLLM's own spin). Default 0.0002 below {SMALL_HOST_CPUS} CPUs, where "
+        "the spin starves the API server, else 0.",
+        0,
+        0.01,
+    )
+    vllm: dict[str, Any] = field(
+        default_factory=dict,
+        metadata={
+            "doc": "Any other key of [server] is a `vllm serve` front-end option (api_key, "
+            "served_model_name, chat_template, ...), passed through."
+        },
+    )
+
+
+@dataclass(frozen=True)
+class AdminConfig:
+    """[admin]: the control plane (/metrics, /state, /healthz)."""
+
+    host: str = _f("127.0.0.1", "Address of the control plane. Keep it on loopback unless firewalled.")
+    port: int = _f(9400, "Port of the control plane.", 1, 65535)
+    token: str = _f("", "When set, /state and /reload require the header 'Authorization: Bearer <token>'.")
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """[admission]: the gate in front of the engine."""
+
+    limit: int = _f(64, "Initial admission limit: requests allowed inside the engine at once.", 1, 100_000)
+    max_queue: int = _f(
+        1024,
+        "Requests that may wait in the gate in all (every class together); beyond it the least "
+        "urgent class sheds its newest waiter, or the request is refused with 429.",
+        0,
+        1_000_000,
+    )
+    aging_s: float = _f(
+        10.0,
+        "A class whose oldest waiter waited this long takes one slot per aging_s ahead of more urgent "
+        "classes, so lower classes still progress; 0 = pure strict priority.",
+        0,
+        3600,
+    )
+    classes: tuple[PriorityClass, ...] = field(
+        default=DEFAULT_CLASSES,
+        metadata={"doc": "[admission.classes.NAME]: priority classes (see controller/admission/classes.py)."},
+    )
+
+
+@dataclass(frozen=True)
+class ControlConfig:
+    """[control]: the loop that moves the admission limit and the batch cap."""
+
+    tick_seconds: float = _f(1.0, "Seconds between two control-loop ticks.", 0.05, 3600)
+    policy: str = _f("static", "A registered policy name, or 'module:Class' for a plug-in.")
+    window_seconds: float = _f(10.0, "Length of the engine-stats window the loop observes.", 0.5, 3600)
+    history: int = _f(50, "How many recent decisions /state shows.", 1, 10_000)
+    limit_max: int = _f(4096, "Ceiling of the admission limit any policy may set.", 1, 1_000_000)
+    tolerance: float = _f(
+        0.0, "Normalize: ignore changes of at most this fraction of the value in force (0 = off).", 0, 1
+    )
+    max_step_up: float = _f(
+        0.0,
+        "Normalize: most a knob rises per tick; < 1 is a fraction of its value, >= 1 absolute, 0 = no limit.",
+        0,
+        1_000_000,
+    )
+    max_step_down: float = _f(
+        0.0, "Normalize: most a knob falls per tick (as max_step_up); urgent cuts are exempt.", 0, 1_000_000
+    )
+    stabilization_s: float = _f(
+        0.0, "Normalize: a decrease goes only down to the highest recommendation of this window.", 0, 3600
+    )
+    params: dict[str, Any] = field(
+        default_factory=dict, metadata={"doc": "[control.params]: the policy's own parameters."}
+    )
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """[guard]: memory guard and crash recovery (the only things that restart the engine)."""
+
+    consecutive_samples: int = _f(3, "Memory readings in a row below the margin before a restart.", 1, 1000)
+    gpu_free_margin_bytes: int = _f(
+        1 << 30, "GPU: restart when NVML free memory falls below this.", 0, 1 << 50
+    )
+    gpu_free_margin_fraction: float = _f(
+        0.03, "GPU: ... or below this fraction of the GPU's total memory.", 0, 0.5
+    )
+    host_available_margin_bytes: int = _f(
+        512 << 20, "CPU: restart when the host's available memory falls below this.", 0, 1 << 50
+    )
+    memory_step_fraction: float = _f(
+        0.10,
+        "Each memory restart shrinks the setting by the deficit, and by at least this fraction.",
+        0.01,
+        0.9,
+    )
+    min_gpu_memory_utilization: float = _f(0.30, "Floor of gpu_memory_utilization.", 0.05, 1.0)
+    min_kv_cache_memory_bytes: int = _f(16 << 20, "Floor of kv_cache_memory_bytes.", 1 << 20, 1 << 50)
+    drain_timeout_s: float = _f(
+        30.0,
+        "Before a memory restart, how long in-flight requests may finish; the rest are aborted.",
+        0,
+        3600,
+    )
+    max_restarts_per_hour: int = _f(
+        5, "Restart budget; once spent the daemon stays up and answers 503 until restarted.", 0, 1000
+    )
+    backoff_initial_s: float = _f(
+        1.0, "Delay before the first restart after a crash; doubles each time.", 0, 600
+    )
+    backoff_max_s: float = _f(60.0, "Longest delay between crash restarts.", 0, 3600)
+    check_interval_s: float = _f(0.5, "How often the guard checks that the engine is alive.", 0.05, 60)
+    cooldown_s: float = _f(30.0, "After a restart, memory readings are ignored this long.", 0, 3600)
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole file. ``engine`` holds vLLM engine arguments, passed through unchanged."""
+
+    engine: dict[str, Any]
+    server: ServerConfig
+    admin: AdminConfig
+    admission: AdmissionConfig
+    control: ControlConfig
+    guard: GuardConfig
+    path: Path
+    restart_on_reload: bool = False
+    """[engine] restart_on_reload: apply [engine] changes on reload through the guard's
+    drain-and-restart (queued requests kept). False: they stay pending until the service restarts."""
+
+    @property
+    def max_num_seqs(self) -> int:
+        return int(self.engine["max_num_seqs"])
+
+
+_TABLES: dict[str, type[Any]] = {
+    "server": ServerConfig,
+    "admin": AdminConfig,
+    "admission": AdmissionConfig,
+    "control": ControlConfig,
+    "guard": GuardConfig,
+}
+_DICT_FIELDS = {"vllm", "params", "classes"}
+"""Fields that hold a table of free-form keys rather than one typed value."""
+
+
+def _suggest(key: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(key, known, n=1)
+    return f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(sorted(known))}"
+
+
+_TYPES: dict[str, type] = {"int": int, "float": float, "str": str}
+
+
+def _check_value(table: str, f: dataclasses.Field[Any], value: Any) -> list[str]:
+    want = _TYPES[str(f.type)]
+    where = f"[{table}] {f.name} = {value!r}"
+    ok = isinstance(value, want) or (want is float and isinstance(value, int))
+    if not ok or isinstance(value, bool):
+        return [f"{where}: must be {want.__name__}. {f.metadata['doc']}"]
+    lo, hi = f.metadata["lo"], f.metadata["hi"]
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        return [f"{where}: out of range; use a value in [{lo}, {hi}]. {f.metadata['doc']}"]
+    return []
+
+
+def _build_table(name: str, raw: dict[str, Any], errors: list[str]) -> Any:
+    cls = _TABLES[name]
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in _DICT_FIELDS}
+    kwargs: dict[str, Any] = {}
+    free: dict[str, Any] = {}
+    for key, value in raw.items():
+        if name == "control" and key == "params":
+            if isinstance(value, dict):
+                kwargs["params"] = dict(value)
+            else:
+                errors.append("[control] params must be a table: write [control.params]")
+        elif name == "admission" and key == "classes":
+            kwargs["classes"] = parse_classes(value, errors)
+        elif key in fields:
+            problems = _check_value(name, fields[key], value)
+            errors.extend(problems)
+            if not problems:
+                kwargs[key] = float(value) if fields[key].type == "float" else value
+        elif name == "server":
+            free[key] = value  # a vLLM front-end option, checked against vLLM's parser below
+        else:
+            errors.append(f"[{name}] unknown key '{key}': {_suggest(key, list(fields))}")
+    if name == "server":
+        kwargs["vllm"] = free
+    return cls(**kwargs)
+
+
+def parse_config(data: dict[str, Any], path: Path) -> Config:
+    """Validate a parsed TOML document; raise ``ConfigError`` with every problem found."""
+    errors: list[str] = []
+    known = ["engine", *_TABLES]
+    for key in data:
+        if key not in known:
+            errors.append(f"unknown table [{key}]: {_suggest(key, known)}")
+        elif not isinstance(data[key], dict):
+            errors.append(f"{key} = {data[key]!r}: must be a table; write [{key}] on a line of its own")
+    engine = _table(data, "engine")
+    if "model" not in engine:
+        errors.append("[engine] model is missing: set it to a model path or Hugging Face name")
+    elif isinstance(engine["model"], str) and not Path(engine["model"]).is_absolute():
+        local = path.parent / engine["model"]
+        if local.exists() or engine["model"].startswith((".", "models/")):
+            engine["model"] = str(local.resolve())
+    engine.setdefault("max_num_seqs", 256)
+    restart_on_reload = engine.pop("restart_on_reload", False)  # ours, not a vLLM argument
+    if not isinstance(restart_on_reload, bool):
+        errors.append(f"[engine] restart_on_reload = {restart_on_reload!r}: must be true or false")
+    tables = {name: _build_table(name, _table(data, name), errors) for name in _TABLES}
+    from controller.engine.runtime.args import engine_table_errors  # vLLM's own argument names
+
+    errors.extend(engine_table_errors(engine, {}))
+    errors.extend(_server_option_errors(tables["server"].vllm))
+    if not errors:
+        errors.extend(_cross_check(engine, tables))
+    if not errors:
+        errors.extend(_policy_errors(engine, tables))
+    if errors:
+        raise ConfigError(errors)
+    return Config(engine=engine, path=path, restart_on_reload=restart_on_reload is True, **tables)
+
+
+def _table(data: dict[str, Any], name: str) -> dict[str, Any]:
+    value = data.get(name, {})
+    return dict(value) if isinstance(value, dict) else {}  # not a table: reported in parse_config
+
+
+def _server_option_errors(extra: dict[str, Any]) -> list[str]:
+    """vLLM checks the free [server] keys; a near miss of our own keys (prot -> port) says so too,
+    since vLLM's parser does not know them."""
+    from controller.engine.runtime.args import engine_table_errors
+
+    own = [f.name for f in dataclasses.fields(ServerConfig) if f.name not in _DICT_FIELDS]
+    errors: list[str] = []
+    for key, value in extra.items():
+        close = difflib.get_close_matches(key, own, n=1)
+        hint = f"; or did you mean '{close[0]}'?" if close else ""
+        errors.extend(problem + hint for problem in engine_table_errors({}, {key: value}))
+    return errors
+
+
+def _cross_check(engine: dict[str, Any], tables: dict[str, Any]) -> list[str]:
+    errors = []
+    if tables["server"].port == tables["admin"].port and tables["server"].host == tables["admin"].host:
+        errors.append(
+            f"[admin] port = {tables['admin'].port}: same as [server] port; "
+            "give the control plane its own port"
+        )
+    seqs = engine["max_num_seqs"]
+    if not isinstance(seqs, int) or seqs < 1:
+        errors.append(f"[engine] max_num_seqs = {seqs!r}: must be an integer >= 1 (it caps the batch)")
+    return errors
+
+
+def _policy_errors(engine: dict[str, Any], tables: dict[str, Any]) -> list[str]:
+    from policies.base import PolicyError, build_policy
+
+    try:
+        build_policy(
+            tables["control"].policy,
+            tables["control"].params,
+            max_num_seqs=engine["max_num_seqs"],
+            initial_limit=tables["admission"].limit,
+        )
+    except PolicyError as exc:
+        return [f"[control] policy = {tables['control'].policy!r}: {exc}"]
+    return []
+
+
+def load_config(path: Path = DEFAULT_CONFIG) -> Config:
+    """Read and validate ``path``."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError([f"cannot read config file {path}: {exc.strerror}; pass --config PATH"]) from exc
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([f"{path}: not valid TOML ({exc}); fix the syntax at that line"]) from exc
+    return parse_config(data, path)
+
+
+def describe(config: Config) -> dict[str, Any]:
+    """The effective config as plain data (check-config, /state)."""
+    out: dict[str, Any] = {"engine": {**config.engine, "restart_on_reload": config.restart_on_reload}}
+    for name in _TABLES:
+        out[name] = dataclasses.asdict(getattr(config, name))
+    return out

@@ -1,0 +1,97 @@
+"""The data plane: vLLM's own OpenAI-compatible app over the governed client, served by uvicorn in
+the daemon's event loop. vLLM's handlers are used unchanged."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+from vllm import envs
+from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+from vllm.entrypoints.launchers.app import build_app
+
+from controller.admission.gate import AdmissionGate
+from controller.engine.frontend import tickets
+from controller.engine.frontend.client import GateRefusal, GovernedEngineClient
+
+ASGIApp = Callable[..., Any]
+
+
+class AdmissionMiddleware:
+    """Gives each request an admission ticket (tickets.py) and adds ``Retry-After`` to 429/503
+    answers (vLLM's error responses carry none): the gate's own figure for the request's class when
+    the gate refused it, else the gate's estimate for the whole queue."""
+
+    def __init__(self, app: ASGIApp, gate: AdmissionGate) -> None:
+        self.app = app
+        self.gate = gate
+
+    async def __call__(self, scope: dict[str, Any], receive: ASGIApp, send: ASGIApp) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        ticket = tickets.Ticket(priority=tickets.header_priority(scope.get("headers", [])))
+
+        async def send_with_retry_after(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start" and message["status"] in (429, 503):
+                retry = ticket.retry_after_s or self.gate.retry_after_s()
+                headers = [*message.get("headers", []), (b"retry-after", str(retry).encode())]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        token = tickets.current.set(ticket)
+        try:
+            await self.app(scope, receive, send_with_retry_after)
+        finally:
+            tickets.current.reset(token)
+            if ticket.admitted and not ticket.claimed:  # vLLM answered without generating (4xx)
+                self.gate.cancel_pending(ticket.priority)
+
+
+async def build_data_plane(client: GovernedEngineClient, args: argparse.Namespace) -> FastAPI:
+    supported_tasks = await client.get_supported_tasks()
+    app = build_app(args, supported_tasks, client.model_config)
+    await init_app_state(client, app.state, args, supported_tasks)
+    tickets.capture_priorities(app.state, GateRefusal)
+    return app
+
+
+async def refresh_app_state(app: FastAPI, client: GovernedEngineClient, args: argparse.Namespace) -> None:
+    """After an engine swap: vLLM's serving objects hold the old engine's renderer and input
+    processor, so build them again over the (same) governed client."""
+    supported_tasks = await client.get_supported_tasks()
+    server = app.state.server
+    await init_app_state(client, app.state, args, supported_tasks)
+    tickets.capture_priorities(app.state, GateRefusal)
+    app.state.server = server
+
+
+class DataPlaneServer(uvicorn.Server):
+    """uvicorn without its signal handlers: the daemon owns SIGTERM/SIGINT/SIGHUP."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def make_server(
+    app: FastAPI, args: argparse.Namespace, shutdown_timeout_s: float, gate: AdmissionGate
+) -> DataPlaneServer:
+    # Wrapped outside the app: vLLM's app has built its middleware stack by now.
+    config = uvicorn.Config(
+        AdmissionMiddleware(app, gate),
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log,
+        timeout_keep_alive=envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE,  # as `vllm serve` (default 5 s)
+        timeout_graceful_shutdown=int(max(1, shutdown_timeout_s)),
+        log_config=None,
+    )
+    server = DataPlaneServer(config)
+    app.state.server = server  # vLLM's error handler reads it
+    return server

@@ -1,0 +1,246 @@
+"""The governed engine client: vLLM's ``EngineClient`` over the current AsyncLLM, with every
+``generate()`` passing through the admission gate.
+
+The ABC is not satisfied by ``__getattr__`` and some of its concrete defaults are wrong for us
+(``check_admission`` silently admits, ``get_supported_tasks`` raises), so every method the OpenAI
+app uses is delegated explicitly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncGenerator, Callable, Iterable
+from http import HTTPStatus
+from typing import Any
+
+from vllm.engine.protocol import EngineClient
+from vllm.exceptions import GracefulHTTPError, RetryableRequestError
+from vllm.v1.engine.exceptions import EngineDeadError
+
+from controller.admission.gate import AdmissionGate, GateRejected
+from controller.engine.frontend import tickets
+from controller.engine.runtime.host import EngineHost
+
+
+class GateRefusal(GracefulHTTPError):
+    """The gate refused the request (429 overload, 503 draining or engine unavailable). vLLM turns
+    it into that status, or, in a stream whose 200 already went out, into an error event."""
+
+
+def _http_error(exc: GateRejected) -> GateRefusal:
+    return GateRefusal(exc.message, HTTPStatus(exc.status))
+
+
+class GovernedEngineClient(EngineClient):
+    """Delegates to ``host.llm``; ``generate`` waits for a gate slot first."""
+
+    def __init__(self, host: EngineHost, gate: AdmissionGate, on_engine_dead: Callable[[], None]) -> None:
+        self._host = host
+        self._gate = gate
+        self._on_engine_dead = on_engine_dead
+
+    # -- attributes the OpenAI app reads (always the current engine's) ------------------------------
+    @property  # type: ignore[override,misc]
+    def vllm_config(self) -> Any:
+        return self._host.llm.vllm_config
+
+    @property  # type: ignore[override,misc]
+    def model_config(self) -> Any:
+        return self._host.llm.model_config
+
+    @property  # type: ignore[override,misc]
+    def renderer(self) -> Any:
+        return self._host.llm.renderer
+
+    @property  # type: ignore[override,misc]
+    def input_processor(self) -> Any:
+        return self._host.llm.input_processor
+
+    # The guard owns recovery: vLLM's app must never see the engine as dead, or its watchdog stops
+    # the HTTP server (launcher.terminate_if_errored). Requests learn about a dead engine through
+    # the gate (they wait while it restarts, or get 503 once the restart budget is spent).
+    @property
+    def is_running(self) -> bool:
+        return True
+
+    @property
+    def is_stopped(self) -> bool:
+        return False
+
+    @property
+    def errored(self) -> bool:
+        return False
+
+    @property
+    def dead_error(self) -> BaseException:
+        return self._host.llm.dead_error
+
+    # -- the governed path ----------------------------------------------------------------------
+    def check_admission(self, n: int = 1, request_id: str | None = None) -> None:
+        """vLLM calls this without the priority: the request's ticket carries it (tickets.py)."""
+        self._host.llm.check_admission(n, request_id)  # vLLM's own queue limits, if configured
+        ticket = tickets.current.get()
+        try:
+            self._gate.check_admission(ticket.priority if ticket else 0, n)
+        except GateRejected as exc:
+            if ticket is not None:
+                ticket.retry_after_s = exc.retry_after_s
+            raise _http_error(exc) from None
+        if ticket is not None:
+            ticket.admitted = True
+
+    def generate(  # type: ignore[override]
+        self,
+        prompt: Any,
+        sampling_params: Any,
+        request_id: str,
+        *,
+        priority: int = 0,
+        **kwargs: Any,
+    ) -> AsyncGenerator[Any, None]:
+        """A plain function, so that it claims the request's ticket when vLLM calls it (in the
+        handler's context), not when the stream is first iterated."""
+        ticket = tickets.current.get()
+        from_pending = ticket is not None and ticket.admitted and not ticket.claimed
+        if ticket is not None and from_pending:
+            ticket.claimed = True
+        return self._generate(prompt, sampling_params, request_id, priority, from_pending, ticket, kwargs)
+
+    async def _generate(
+        self,
+        prompt: Any,
+        sampling_params: Any,
+        request_id: str,
+        priority: int,
+        from_pending: bool,
+        ticket: tickets.Ticket | None,
+        kwargs: dict[str, Any],
+    ) -> AsyncGenerator[Any, None]:
+        """Wait for a slot, then stream from the engine. A request the engine died under before its
+        first output goes back to the gate and runs on the next engine; one that already streamed,
+        or that a restart had to abort, ends with a retryable error (503). A request whose queue
+        deadline passes gets 429 (or, streamed, an error event: its 200 went out already)."""
+        while True:
+            try:
+                slot = await self._gate.acquire(priority, from_pending)
+            except GateRejected as exc:
+                if ticket is not None:
+                    ticket.retry_after_s = exc.retry_after_s
+                raise _http_error(exc) from None
+            from_pending = False
+            produced = False
+            held = True
+            self._host.in_flight.add(request_id)
+            try:
+                llm = self._host.llm
+                stream = llm.generate(prompt, sampling_params, request_id, priority=priority, **kwargs)
+                # aclosing: a disconnect closes us, and must close vLLM's generator now so it aborts
+                # the request in the engine, not whenever the garbage collector gets to it.
+                async with contextlib.aclosing(stream):
+                    async for output in stream:
+                        produced = True
+                        if getattr(output, "finished", False) and held:
+                            # Done in the engine: the slot goes back now, not once a slow client
+                            # has read the last chunk (the limit is about engine concurrency).
+                            held = False
+                            self._host.in_flight.discard(request_id)
+                            self._gate.release(slot)
+                        yield output
+            except EngineDeadError:
+                self._on_engine_dead()
+                if produced:
+                    raise RetryableRequestError("the engine failed during this request; retry it") from None
+                continue  # nothing sent yet: wait for the next engine
+            finally:
+                if held:
+                    self._host.in_flight.discard(request_id)
+                    self._gate.release(slot)
+            reason = self._host.aborted.pop(request_id, None)
+            if reason is not None:
+                raise RetryableRequestError(f"request aborted: {reason}; retry it")
+            return
+
+    # -- plain delegation -----------------------------------------------------------------------
+    def encode(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        return self._host.llm.encode(*args, **kwargs)
+
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        await self._host.llm.abort(request_id)
+
+    async def notify_kv_transfer_request_rejected(
+        self, request_id: str, kv_transfer_params: dict[str, Any], *, data_parallel_rank: int | None = None
+    ) -> None:
+        await self._host.llm.notify_kv_transfer_request_rejected(
+            request_id, kv_transfer_params, data_parallel_rank=data_parallel_rank
+        )
+
+    async def get_supported_tasks(self) -> Any:
+        return await self._host.llm.get_supported_tasks()
+
+    def get_kv_event_sources(self) -> Any:
+        return self._host.llm.get_kv_event_sources()
+
+    async def is_tracing_enabled(self) -> bool:
+        return await self._host.llm.is_tracing_enabled()
+
+    async def do_log_stats(self) -> None:
+        await self._host.llm.do_log_stats()
+
+    async def check_health(self) -> None:
+        await self._host.llm.check_health()
+
+    async def start_profile(self, *args: Any, **kwargs: Any) -> None:
+        await self._host.llm.start_profile(*args, **kwargs)
+
+    async def stop_profile(self) -> None:
+        await self._host.llm.stop_profile()
+
+    async def reset_mm_cache(self) -> None:
+        await self._host.llm.reset_mm_cache()
+
+    async def reset_encoder_cache(self) -> None:
+        await self._host.llm.reset_encoder_cache()
+
+    async def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        return await self._host.llm.reset_prefix_cache(reset_running_requests, reset_connector)
+
+    async def sleep(self, level: int = 1, mode: Any = "abort") -> None:
+        await self._host.llm.sleep(level, mode)
+
+    async def release_kv_cache_memory(self) -> None:
+        await self._host.llm.release_kv_cache_memory()
+
+    async def wake_up(self, tags: list[str] | None = None) -> bool:
+        return await self._host.llm.wake_up(tags)
+
+    async def is_sleeping(self) -> bool:
+        return await self._host.llm.is_sleeping()
+
+    async def add_lora(self, lora_request: Any) -> bool:
+        return await self._host.llm.add_lora(lora_request)
+
+    async def pause_generation(self, *, mode: Any = "abort", clear_cache: bool = True) -> None:
+        await self._host.llm.pause_generation(mode=mode, clear_cache=clear_cache)
+
+    async def resume_generation(self) -> None:
+        await self._host.llm.resume_generation()
+
+    async def is_paused(self) -> bool:
+        return await self._host.llm.is_paused()
+
+    async def collective_rpc(
+        self,
+        method: str,
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        return await self._host.llm.collective_rpc(method, timeout, args, kwargs)
+
+    async def get_status(self) -> Any:
+        return await self._host.llm.get_status()
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """The daemon owns the engine's lifetime (EngineHost.stop); the app must not end it."""

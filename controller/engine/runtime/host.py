@@ -1,0 +1,173 @@
+"""Owns the AsyncLLM: builds it from [engine], moves its batch cap, swaps it for a new one, and
+shuts it down. Implements the guard's ``EngineControl``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import structlog
+from vllm.v1.engine.async_llm import AsyncLLM
+
+from controller.control.telemetry import TelemetryWindow
+from controller.engine.runtime.args import engine_args
+from controller.engine.runtime.ipc import plugin_problem, set_poll_sleep
+from controller.engine.runtime.scheduler import UTILITY_SET, scheduler_path
+from controller.engine.runtime.stats import stat_logger_factory
+
+log = structlog.get_logger(__name__)
+
+RENDERER_GRACE_S = 30.0
+"""A retired engine's renderer stays up this long: requests that were tokenizing with it when the
+engine was swapped still finish their preprocessing (else they would get a 500)."""
+
+
+class EngineHost:
+    """The current engine, its generation number, its batch cap and the requests inside it."""
+
+    def __init__(self, args: argparse.Namespace, window: TelemetryWindow, poll_sleep_s: float = 0.0) -> None:
+        self.args = args
+        self._window = window
+        self.poll_sleep_s = poll_sleep_s
+        """[server] engine_poll_sleep_s, handed to the engine's processes (engine/runtime/ipc.py)."""
+        self._llm: AsyncLLM | None = None
+        self._restarting = False
+        self._retired: list[AsyncLLM] = []
+        self.generation = 0
+        self.max_num_seqs = int(args.max_num_seqs)
+        self.batch_cap = self.max_num_seqs
+        self.in_flight: set[str] = set()
+        """Request ids inside the engine (the governed client keeps it)."""
+        self.aborted: dict[str, str] = {}
+        """Request ids aborted by a restart, with the reason their client is told."""
+        self.on_new_engine: Callable[[], Awaitable[None]] | None = None
+        """Called after a swap, before requests resume (the app rebuilds its serving state)."""
+
+    @property
+    def llm(self) -> AsyncLLM:
+        """The engine in force; during a swap, the old one (its config and renderer stay usable)."""
+        if self._llm is None:
+            raise RuntimeError("the engine is not running")
+        return self._llm
+
+    @property
+    def ready(self) -> bool:
+        return self._llm is not None and not self._restarting and not self._llm.errored
+
+    @property
+    def dead(self) -> bool:
+        return self._llm is None or self._llm.errored
+
+    # -- build / stop ---------------------------------------------------------------------------
+    def _build(self) -> AsyncLLM:
+        eargs = engine_args(self.args)
+        vllm_config = eargs.create_engine_config()
+        # Match vLLM's own choice (async scheduling or not) with our capped subclass of it.
+        eargs.scheduler_cls = scheduler_path(bool(vllm_config.scheduler_config.async_scheduling))
+        set_poll_sleep(self.poll_sleep_s)  # the EngineCore and its workers inherit the environment
+        if self.poll_sleep_s and (problem := plugin_problem()):
+            log.warning("engine_poll_sleep_ignored", reason=problem)
+        return AsyncLLM.from_engine_args(eargs, stat_loggers=[stat_logger_factory(self._window)])
+
+    async def start(self) -> None:
+        """Build the engine in a worker thread (~13 s on the CPU) so the event loop keeps serving."""
+        llm = await asyncio.get_running_loop().run_in_executor(None, self._build)
+        self._llm = llm
+        self.generation += 1
+        self._window.reset()
+        await self.set_batch_cap(self.batch_cap)
+        log.info("engine_started", generation=self.generation, **self.memory_settings())
+
+    async def restart(self, overrides: dict[str, Any]) -> None:
+        """Retire the current engine and start a new one with ``overrides`` on top of its args."""
+        self._restarting = True
+        try:
+            if self._llm is not None:
+                await self._retire(self._llm)
+            args = copy.copy(self.args)
+            for key, value in overrides.items():
+                setattr(args, key, value)
+            self.args = args
+            self.max_num_seqs = int(args.max_num_seqs)
+            self.batch_cap = min(self.batch_cap, self.max_num_seqs)
+            await self.start()
+            if self.on_new_engine is not None:
+                await self.on_new_engine()
+        finally:
+            self._restarting = False
+
+    async def _retire(self, llm: AsyncLLM) -> None:
+        """Stop an engine's core process now; keep its renderer for ``RENDERER_GRACE_S``."""
+        handler = getattr(llm, "output_handler", None)
+        if handler is not None:
+            handler.cancel()  # first, so it does not report the shutdown as an engine failure
+        loop = asyncio.get_running_loop()
+        timeout = llm.vllm_config.shutdown_timeout or 5.0
+        await loop.run_in_executor(None, lambda: llm.engine_core.shutdown(timeout=timeout))
+        self._retired.append(llm)  # a reference: AsyncLLM.__del__ would shut the renderer down now
+        loop.call_later(RENDERER_GRACE_S, self._release_retired, llm)
+
+    def _release_retired(self, llm: AsyncLLM) -> None:
+        llm.renderer.shutdown()
+        self._retired.remove(llm)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Shut the engine down and reap its EngineCore process."""
+        for llm in [*self._retired, *([self._llm] if self._llm else [])]:
+            llm.shutdown(timeout=timeout_s)
+        self._retired.clear()
+        self._llm = None
+        log.info("engine_stopped", generation=self.generation)
+
+    # -- knobs and requests ---------------------------------------------------------------------
+    async def set_batch_cap(self, cap: int) -> int:
+        """Apply a batch cap inside the EngineCore process; returns the clamped value in force."""
+        cap = max(1, min(int(cap), self.max_num_seqs))
+        if self.dead or self._restarting:
+            self.batch_cap = cap  # applied to the next engine when it starts
+            return cap
+        self.batch_cap = int(await self.llm.engine_core.call_utility_async(UTILITY_SET, cap))
+        return self.batch_cap
+
+    async def abort_in_flight(self, reason: str) -> int:
+        ids = list(self.in_flight)
+        for request_id in ids:
+            self.aborted[request_id] = reason
+        if ids and not self.dead:
+            await self.llm.abort(ids)
+        return len(ids)
+
+    # -- settings -------------------------------------------------------------------------------
+    @property
+    def memory_knob(self) -> str:
+        return (
+            "kv_cache_memory_bytes"
+            if getattr(self.args, "kv_cache_memory_bytes", None)
+            else ("gpu_memory_utilization")
+        )
+
+    def memory_settings(self) -> dict[str, Any]:
+        cache = self._llm.vllm_config.cache_config if self._llm else None
+        return {
+            "gpu_memory_utilization": getattr(self.args, "gpu_memory_utilization", None),
+            "kv_cache_memory_bytes": getattr(self.args, "kv_cache_memory_bytes", None),
+            "num_gpu_blocks": getattr(cache, "num_gpu_blocks", None),
+            "block_size": getattr(cache, "block_size", None),
+        }
+
+    def settings(self) -> dict[str, Any]:
+        """Engine settings for /state."""
+        cfg = self._llm.vllm_config if self._llm else None
+        sched = cfg.scheduler_config if cfg else None
+        return {
+            "model": self.args.model,
+            "generation": self.generation,
+            "restarting": self._restarting,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": getattr(sched, "max_num_batched_tokens", None),
+            "scheduling_policy": str(getattr(sched, "policy", None)),
+            **self.memory_settings(),
+        }

@@ -1,0 +1,273 @@
+"""The memory guard and crash recovery: the only code that restarts the engine.
+
+``gpu_memory_utilization`` (on the CPU, ``kv_cache_memory_bytes``) is the one knob that needs a new
+engine, so it moves only on out-of-memory risk and only downward; an operator raises it by reload.
+
+* Memory risk (``MemoryWatch``, pure): on a GPU, NVML free memory below ``gpu_free_margin_bytes`` or
+  ``gpu_free_margin_fraction`` of the total for ``consecutive_samples`` samples; on the CPU, host
+  available memory below ``host_available_margin_bytes``. The new setting subtracts the measured
+  deficit, at least ``memory_step_fraction``, never below the floor.
+* Crash recovery (``Guard.watch``): an engine that dies is rebuilt with exponential backoff, at most
+  ``max_restarts_per_hour`` times an hour. A death that the kernel's OOM killer caused (the cgroup's
+  ``oom_kill`` counter moved) also shrinks the memory setting. With the budget spent the daemon stays
+  up, /healthz says why, and requests get 503 with Retry-After.
+* Restart = drain + swap: the gate pauses (new requests wait, none refused), in-flight requests finish
+  up to ``drain_timeout_s`` and the rest are aborted with a clear error, the engine is rebuilt, the gate
+  resumes. No vLLM import here: the engine is reached through ``EngineControl``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import structlog
+
+from controller.admission.gate import AdmissionGate, GateRejected
+from controller.clock import Clock, monotonic
+from controller.config.load import GuardConfig
+from policies.base import Observation
+
+log = structlog.get_logger(__name__)
+
+CGROUP_MEMORY_EVENTS = Path("/sys/fs/cgroup/memory.events")
+
+
+class EngineControl(Protocol):
+    @property
+    def dead(self) -> bool: ...
+
+    @property
+    def memory_knob(self) -> str:
+        """ "kv_cache_memory_bytes" when the config sets it (it wins in vLLM), else
+        "gpu_memory_utilization"."""
+
+    def memory_settings(self) -> dict[str, Any]: ...
+
+    async def restart(self, overrides: dict[str, Any]) -> None:
+        """Stop the current engine and start a new one with ``overrides`` on top of its settings."""
+
+    async def abort_in_flight(self, reason: str) -> int:
+        """Abort every request still running in the engine; returns how many."""
+
+
+GuardSettings = GuardConfig
+"""The guard reads its [guard] table as it is."""
+
+
+@dataclass(frozen=True)
+class MemoryRisk:
+    reason: str
+    """"gpu_memory_low" or "host_memory_low"."""
+    deficit_bytes: int
+    readings: dict[str, Any] = field(default_factory=dict)
+
+
+class MemoryWatch:
+    """Counts consecutive risky samples; pure apart from its counter."""
+
+    def __init__(self, s: GuardSettings) -> None:
+        self.s = s
+        self.streak = 0
+
+    def _risk(self, obs: Observation) -> MemoryRisk | None:
+        s = self.s
+        if obs.gpu_memory_free_bytes is not None and obs.gpu_memory_total_bytes:
+            need = max(s.gpu_free_margin_bytes, int(s.gpu_free_margin_fraction * obs.gpu_memory_total_bytes))
+            if obs.gpu_memory_free_bytes < need:
+                readings = {
+                    "gpu_free_bytes": obs.gpu_memory_free_bytes,
+                    "gpu_total_bytes": obs.gpu_memory_total_bytes,
+                    "margin_bytes": need,
+                }
+                return MemoryRisk("gpu_memory_low", need - obs.gpu_memory_free_bytes, readings)
+            return None
+        avail = obs.host_memory_available_bytes
+        if avail is not None and avail < s.host_available_margin_bytes:
+            readings = {"host_available_bytes": avail, "margin_bytes": s.host_available_margin_bytes}
+            return MemoryRisk("host_memory_low", s.host_available_margin_bytes - avail, readings)
+        return None
+
+    def observe(self, obs: Observation) -> MemoryRisk | None:
+        """A risk once ``consecutive_samples`` risky samples in a row were seen, else None."""
+        risk = self._risk(obs)
+        self.streak = self.streak + 1 if risk else 0
+        if risk and self.streak >= self.s.consecutive_samples:
+            self.streak = 0
+            return risk
+        return None
+
+
+def shrink(
+    settings: dict[str, Any], knob: str, deficit_bytes: int, s: GuardSettings, total_bytes: int | None = None
+) -> dict[str, Any] | None:
+    """The smaller memory setting that covers ``deficit_bytes``; None when already at the floor."""
+    if knob == "gpu_memory_utilization":
+        util = float(settings[knob])
+        by_deficit = deficit_bytes / total_bytes if total_bytes else 0.0
+        step = max(s.memory_step_fraction * util, by_deficit)
+        new = round(max(s.min_gpu_memory_utilization, util - step), 4)
+        return {knob: new} if new < util else None
+    kv = int(settings[knob])
+    new_kv = max(s.min_kv_cache_memory_bytes, kv - max(int(s.memory_step_fraction * kv), deficit_bytes))
+    return {knob: new_kv} if new_kv < kv else None
+
+
+def read_oom_kills(path: Path = CGROUP_MEMORY_EVENTS) -> int | None:
+    """The cgroup's ``oom_kill`` counter (cgroup v2), or None where it cannot be read."""
+    try:
+        for line in path.read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+class Guard:
+    def __init__(
+        self,
+        settings: GuardSettings,
+        gate: AdmissionGate,
+        engine: EngineControl,
+        on_restart: Callable[[str, float], None],
+        clock: Clock = monotonic,
+        oom_kills: Callable[[], int | None] = read_oom_kills,
+    ) -> None:
+        self.s = settings
+        self.gate = gate
+        self.engine = engine
+        self.memory = MemoryWatch(settings)
+        self._on_restart = on_restart
+        self._clock = clock
+        self._oom_kills = oom_kills
+        self._restarts: deque[float] = deque()
+        self._last_restart_mono: float | None = None
+        self._lock = asyncio.Lock()
+        self._dead_noticed = asyncio.Event()
+        self._oom_baseline = oom_kills()
+        self.unavailable_reason: str | None = None
+        self.last_restart: dict[str, Any] | None = None
+
+    @property
+    def restarting(self) -> bool:
+        return self._lock.locked()
+
+    # -- memory ---------------------------------------------------------------------------------
+    def on_observation(self, obs: Observation) -> asyncio.Task[None] | None:
+        """Feed one observation; starts a restart task when the memory risk is confirmed."""
+        if self.restarting or self.unavailable_reason:
+            return None
+        if self._last_restart_mono is not None and obs.now_mono - self._last_restart_mono < self.s.cooldown_s:
+            self.memory.streak = 0
+            return None
+        risk = self.memory.observe(obs)
+        if risk is None:
+            return None
+        total = obs.gpu_memory_total_bytes
+        overrides = shrink(
+            self.engine.memory_settings(), self.engine.memory_knob, risk.deficit_bytes, self.s, total
+        )
+        if overrides is None:
+            log.warning("memory_risk_at_floor", reason=risk.reason, **risk.readings)
+            return None
+        log.warning(
+            "memory_risk",
+            reason=risk.reason,
+            deficit_bytes=risk.deficit_bytes,
+            new=overrides,
+            **risk.readings,
+        )
+        return asyncio.create_task(self.restart(risk.reason, overrides, drain=True))
+
+    # -- restart --------------------------------------------------------------------------------
+    async def restart(self, reason: str, overrides: dict[str, Any], drain: bool) -> None:
+        """Drain (when the engine is alive), swap the engine, resume. Queued requests are kept."""
+        async with self._lock:
+            t0 = self._clock()
+            self.gate.pause()
+            try:
+                if drain and not await self.gate.wait_idle(self.s.drain_timeout_s):
+                    aborted = await self.engine.abort_in_flight(f"engine restart ({reason})")
+                    log.warning("drain_deadline_passed", aborted=aborted)
+                await self.engine.restart(overrides)
+            finally:
+                self.gate.resume()
+            duration = self._clock() - t0
+            self._last_restart_mono = self._clock()
+            self._restarts.append(self._last_restart_mono)
+            self._oom_baseline = self._oom_kills()
+            self.last_restart = {
+                "started_mono": t0,
+                "reason": reason,
+                "duration_s": duration,
+                "overrides": overrides,
+                "t_wall": time.time(),
+            }
+            self._on_restart(reason, duration)
+            log.info("engine_restarted", reason=reason, duration_s=round(duration, 3), **overrides)
+
+    def _budget_left(self) -> int:
+        horizon = self._clock() - 3600.0
+        while self._restarts and self._restarts[0] < horizon:
+            self._restarts.popleft()
+        return self.s.max_restarts_per_hour - len(self._restarts)
+
+    def _backoff_s(self) -> float:
+        """Exponential in the restarts of the last hour: 1, 2, 4, ... up to ``backoff_max_s``."""
+        return float(min(self.s.backoff_max_s, self.s.backoff_initial_s * 2 ** len(self._restarts)))
+
+    async def recover(self) -> None:
+        """Rebuild a dead engine with backoff, within the hourly budget. Queued requests wait."""
+        self.gate.pause()
+        while self.engine.dead:
+            if self._budget_left() <= 0:
+                self._give_up()
+                return
+            oom_now = self._oom_kills()
+            oom = self._oom_baseline is not None and oom_now is not None and oom_now > self._oom_baseline
+            knob = self.engine.memory_knob
+            overrides = (shrink(self.engine.memory_settings(), knob, 0, self.s) or {}) if oom else {}
+            reason = "oom_killed" if oom else "engine_died"
+            delay = self._backoff_s()
+            log.error("engine_dead", reason=reason, restart_in_s=delay, budget_left=self._budget_left())
+            await asyncio.sleep(delay)
+            try:
+                await self.restart(reason, overrides, drain=False)
+            except Exception as exc:  # the build itself failed: count it, back off, try again
+                log.error("engine_restart_failed", error=f"{type(exc).__name__}: {exc}")
+                self._restarts.append(self._clock())
+                self.gate.pause()
+
+    def _give_up(self) -> None:
+        n = self.s.max_restarts_per_hour
+        self.unavailable_reason = "restart_budget_spent"
+        message = (
+            f"the engine died and was restarted {n} times in the last hour (max_restarts_per_hour = {n}); "
+            "the daemon stopped restarting it: see its logs, fix the cause, then restart the service"
+        )
+        self.gate.refuse_all(GateRejected(message, 503, 60, "engine_unavailable"))
+        self.gate.resume()
+        log.critical("restart_budget_spent", max_restarts_per_hour=n)
+
+    def notice_dead(self) -> None:
+        """Called by whoever sees the engine die first (a request): hold the gate, wake the watcher."""
+        if self.unavailable_reason is None:
+            self.gate.pause()
+        self._dead_noticed.set()
+
+    async def watch(self) -> None:
+        """Background task: notice a dead engine and recover it."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._dead_noticed.wait(), self.s.check_interval_s)
+            self._dead_noticed.clear()
+            if self.engine.dead and not self.restarting and self.unavailable_reason is None:
+                await self.recover()
