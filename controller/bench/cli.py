@@ -10,7 +10,7 @@ from typing import Any
 
 import aiohttp
 
-from controller.bench.options import add_slo_args, add_workload_args, build_specs
+from controller.bench.options import add_slo_args, add_workload_args, build_specs, format_summary, run_config
 from controller.bench.prompts import PromptBuilder, TokenizerError, load_tokenizer, tokenizer_path
 from controller.bench.workload import WorkloadError
 
@@ -82,32 +82,3 @@ async def _run_async(args: argparse.Namespace) -> int:
     print(format_summary(summary))
     print(f"run written to {args.out}")
     return 0 if summary["ok"] > 0 else 1
-
-
-def run_config(args: argparse.Namespace, out: Path) -> Any:
-    from controller.bench.runner import RunConfig
-
-    return RunConfig(
-        out=out, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, warmup=args.warmup,
-        timeout_s=args.request_timeout, progress=not args.no_progress,
-    )  # fmt: skip
-
-
-def _fmt(value: Any, spec: str = ".3f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def format_summary(s: dict[str, Any]) -> str:
-    """A few lines for the terminal."""
-    return (
-        f"{s['target']}: {s['requests']} requests "
-        f"({s['ok']} ok, {s['refused']} refused, {s['failed']} failed) "
-        f"in {s['duration_s']:.1f} s\n"
-        f"  throughput {s['throughput_tok_s']:.1f} tok/s, goodput {s['goodput_rps']:.2f} req/s "
-        f"(SLO TTFT {_fmt(s['slo_ttft_s'], 'g')} s, TPOT {_fmt(s['slo_tpot_s'], 'g')} s; "
-        f"attainment {_fmt(s['slo_attainment'], '.1%')})\n"
-        f"  TTFT p50/p99 {_fmt(s['ttft_p50'])}/{_fmt(s['ttft_p99'])} s, "
-        f"TPOT p50/p99 {_fmt(s['tpot_p50'], '.4f')}/{_fmt(s['tpot_p99'], '.4f')} s, "
-        f"KV mean/max {_fmt(s['kv_usage_mean'], '.2f')}/{_fmt(s['kv_usage_max'], '.2f')}, "
-        f"preemptions {_fmt(s['preemptions'], 'd')}"
-    )

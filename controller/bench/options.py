@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import random
 from pathlib import Path
+from typing import Any
 
 from controller.bench.prompts import Tokenizer, counter
+from controller.bench.runner import RunConfig
 from controller.bench.workload import (
     RequestSpec,
     WorkloadError,
@@ -103,3 +105,31 @@ def build_specs(args: argparse.Namespace, tokenizer: Tokenizer, max_model_len: i
     if not specs:
         raise WorkloadError("the workload holds no request: raise --rate or --duration")
     return clamp_lengths(specs, max_model_len)
+
+
+def run_config(args: argparse.Namespace, out: Path) -> RunConfig:
+    """The run settings the SLO options describe, writing into ``out``."""
+    return RunConfig(
+        out=out, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, warmup=args.warmup,
+        timeout_s=args.request_timeout, progress=not args.no_progress,
+    )  # fmt: skip
+
+
+def _fmt(value: Any, spec: str = ".3f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    """A few lines for the terminal."""
+    return (
+        f"{s['target']}: {s['requests']} requests "
+        f"({s['ok']} ok, {s['refused']} refused, {s['failed']} failed) "
+        f"in {s['duration_s']:.1f} s\n"
+        f"  throughput {s['throughput_tok_s']:.1f} tok/s, goodput {s['goodput_rps']:.2f} req/s "
+        f"(SLO TTFT {_fmt(s['slo_ttft_s'], 'g')} s, TPOT {_fmt(s['slo_tpot_s'], 'g')} s; "
+        f"attainment {_fmt(s['slo_attainment'], '.1%')})\n"
+        f"  TTFT p50/p99 {_fmt(s['ttft_p50'])}/{_fmt(s['ttft_p99'])} s, "
+        f"TPOT p50/p99 {_fmt(s['tpot_p50'], '.4f')}/{_fmt(s['tpot_p99'], '.4f')} s, "
+        f"KV mean/max {_fmt(s['kv_usage_mean'], '.2f')}/{_fmt(s['kv_usage_max'], '.2f')}, "
+        f"preemptions {_fmt(s['preemptions'], 'd')}"
+    )

@@ -17,6 +17,8 @@ from typing import Any
 
 from controller.bench.records import SeriesPoint, read_series
 from controller.bench.runner import SERIES, SUMMARY, read_summary
+from controller.bench.tables import run_dirs
+from controller.bench.tables import table as make_table
 
 REPORT = "report.md"
 MAX_PANELS = 12
@@ -52,8 +54,6 @@ def find_runs(paths: Sequence[Path]) -> list[Path]:
         if (path / SUMMARY).is_file():
             found.append(path)
             continue
-        from controller.bench.compare import run_dirs
-
         subs = run_dirs(path)  # baseline, presets, best swept, policies, then the rest by name
         if not subs:
             raise FileNotFoundError(f"{path}: no {SUMMARY} in it or in its subdirectories")
@@ -87,8 +87,6 @@ def render(out: Path, dirs: Sequence[Path], *, title: str, table: str | None = N
         ("TTFT and queue depth over time", plot_ttft_queue(runs, out / "ttft_queue.png")),
     ]
     if table is None:
-        from controller.bench.compare import table as make_table
-
         table = make_table([r.summary for r in runs])
     lines = [f"# {title}", "", table.strip(), "", *_workload_lines(runs)]
     for heading, image in images:

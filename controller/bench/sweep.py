@@ -15,7 +15,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from controller.bench.options import add_slo_args, add_workload_args
+from controller.bench.report import render
 from controller.bench.servers import ServerSpec
+from controller.bench.tables import table
 from controller.bench.targets import Bench, add_server_args, parse_value, prepare, run_dir, run_servers
 
 RESULT = "sweep.json"
@@ -105,8 +107,6 @@ def main(args: argparse.Namespace) -> int:
     specs = server_specs(bench, combos, args.server)
     summaries = run_servers(bench, specs, args.out)
     rec = recommend(summaries)
-    from controller.bench.compare import table
-
     ref = next((s for s in summaries if rec and s["target"] == rec["target"]), None)
     text = table(summaries, ref, note="recommended") + "\n\n" + (
         f"Recommended for SLO TTFT {args.slo_ttft} s, TPOT {args.slo_tpot} s: {label(rec['setting'])} "
@@ -117,8 +117,6 @@ def main(args: argparse.Namespace) -> int:
     (args.out / RESULT).write_text(
         json.dumps({"recommendation": rec, "runs": list(summaries)}, indent=2) + "\n"
     )
-    from controller.bench.report import render
-
     report = render(args.out, [run_dir(args.out, s.name) for s in specs], title="bench sweep", table=text)
     print("\n" + text + f"\nreport: {report}")
     return 0 if rec else 1

@@ -18,9 +18,9 @@ from typing import Any
 
 from controller.bench.client import Target
 from controller.bench.memory import MemoryProbe
-from controller.bench.options import build_specs
+from controller.bench.options import build_specs, format_summary, run_config
 from controller.bench.prompts import PromptBuilder, Tokenizer, load_tokenizer
-from controller.bench.runner import SUMMARY, Endpoints, RunConfig, read_summary, run_workload
+from controller.bench.runner import SUMMARY, Endpoints, read_summary, run_workload
 from controller.bench.servers import ServerSpec, launched, load_base_config, served_model
 from controller.bench.workload import RequestSpec
 
@@ -111,10 +111,8 @@ def run_servers(bench: Bench, servers: Sequence[ServerSpec], out: Path) -> list[
 
 def run_one(bench: Bench, spec: ServerSpec, target_dir: Path, logs: Path) -> dict[str, Any]:
     """One server's lifetime: start, run the workload, stop; its exit is recorded in its summary."""
-    from controller.bench.cli import format_summary, run_config
-
     print(f"{spec.name}: starting {spec.kind} (log {logs})", flush=True)
-    cfg: RunConfig = run_config(bench.args, target_dir)
+    cfg = run_config(bench.args, target_dir)
     with launched(spec, bench.base, logs, startup_timeout_s=bench.args.startup_timeout) as server:
         print(f"{spec.name}: healthy after {server.startup_s:.1f} s; running the workload", flush=True)
         extra = {
