@@ -1,0 +1,1 @@
+"""config.toml: one typed table per TOML table, parsed and validated at once; the reload diff."""

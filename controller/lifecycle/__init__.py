@@ -1,0 +1,1 @@
+"""The daemon's life: startup, run, shutdown, signals, reload, the memory guard, systemd notify, logging."""

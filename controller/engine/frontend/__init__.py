@@ -1,0 +1,1 @@
+"""vLLM's OpenAI app over a governed EngineClient: every request passes the admission gate."""
