@@ -1,1 +1,3 @@
-"""The data plane's admission gate: priority classes, per-class queues, slots, early refusal with Retry-After."""
+"""The data plane's admission gate: priority classes, per-class queues, slots, early refusal with
+Retry-After.
+"""
