@@ -42,6 +42,9 @@ class ServerSpec:
     """``[control]`` of the daemon (policy, params); ignored for vllm serve."""
     admission: dict[str, Any] = field(default_factory=dict)
     """``[admission]`` of the daemon; ignored for vllm serve."""
+    server: dict[str, Any] = field(default_factory=dict)
+    """``[server]`` settings of the daemon (``engine_poll_sleep_s``...) besides its ports; ignored for vllm
+    serve."""
     tags: dict[str, Any] = field(default_factory=dict)
     """Copied into the run's summary (a sweep puts its setting here)."""
 
@@ -122,7 +125,7 @@ def daemon_config(base: dict[str, Any], spec: ServerSpec, data_port: int, admin_
     """The base config with the spec's tables laid over it, on the given ports."""
     data: dict[str, dict[str, Any]] = {k: dict(v) for k, v in base.items() if isinstance(v, dict)}
     data["engine"] = dict(spec.engine)
-    data["server"] = {**data.get("server", {}), "host": HOST, "port": data_port}
+    data["server"] = {**data.get("server", {}), **spec.server, "host": HOST, "port": data_port}
     data["admin"] = {**data.get("admin", {}), "host": HOST, "port": admin_port}
     data["admission"] = {**data.get("admission", {}), **spec.admission}
     control = {k: v for k, v in data.get("control", {}).items() if k != "params"}

@@ -23,7 +23,7 @@ import aiohttp
 import psutil
 import pytest
 
-from bench.openloop import BATCH, INTERACTIVE, Mix, capacity, run_mix, summarize, unloaded_ttft
+from controller.bench.mix import BATCH, INTERACTIVE, Mix, capacity, run_mix, summarize, unloaded_ttft
 from tests.conftest import free_port, write_config
 from tests.integration.client import http_session
 from tests.integration.procs import daemon_process
@@ -38,7 +38,7 @@ SLO_FACTOR = 40.0
 """Interactive TTFT SLO = this many times the unloaded TTFT, at least 400 ms: on this 2-core machine the
 load generator, the API server and the EngineCore share the CPU, so an idle server's 10 ms TTFT says
 little about the front end's latency under load."""
-SHAPES = {"interactive_tokens": 16, "batch_tokens": 512}
+SHAPES: dict[str, Any] = {"interactive_tokens": 16, "batch_tokens": 512}
 """Short interactive streams, long batch jobs: 30% of the requests are interactive, a small share of
 the engine's work (offered 3x the sustained request rate, interactive alone ~0.9x in requests)."""
 OVERLOAD = 3.0
@@ -68,7 +68,7 @@ class Proc:
 
 def write_daemon_config(path: Path, poll_sleep_s: float, limit: int) -> tuple[str, str]:
     """A static-policy daemon on free ports with this admission ``limit`` (default priority classes);
-    (data-plane URL, control-plane URL). bench/poll_sleep.py's throughput runs use it as it is."""
+    (data-plane URL, control-plane URL)."""
     ports = (free_port(), free_port())
     write_config(
         path,
@@ -81,7 +81,7 @@ def write_daemon_config(path: Path, poll_sleep_s: float, limit: int) -> tuple[st
 
 
 def write_overload_config(path: Path, poll_sleep_s: float = POLL_SLEEP_S) -> tuple[str, str]:
-    """This test's daemon config (also bench/poll_sleep.py's); (data-plane URL, control-plane URL)."""
+    """This test's daemon config; (data-plane URL, control-plane URL)."""
     urls = write_daemon_config(path, poll_sleep_s, LIMIT)
     path.write_text(path.read_text() + CLASSES)
     return urls

@@ -1,10 +1,11 @@
-"""Open-loop overload with two priority classes: arrivals at a fixed mean rate (Poisson, seeded),
-each one interactive (priority 0, short) or batch (priority 5, long), whatever the server answers.
+"""The overload mix: open-loop Poisson arrivals (seeded), each one interactive (priority 0, short, streamed)
+or batch (priority 5, long), whatever the server answers; and the probes that size it.
 
-Used by ``bench/overload.py`` (the daemon against ``vllm serve --scheduling-policy priority``) and by
-``tests/integration/test_overload.py``. Each request is one streaming ``/v1/completions`` call; the
-outcome records its HTTP status (a 200 whose stream carries an error event counts as that event's
-code), its time to the first token, its Retry-After and when it was sent and ended.
+Used by ``bench overload`` (the daemon against ``vllm serve --scheduling-policy priority``, or the daemon at
+several ``engine_poll_sleep_s``) and by ``tests/integration/test_overload.py``. Unlike ``bench run`` it keeps
+what an admission test asks about: each answer's HTTP status (a 200 whose stream carries an error event
+counts as that event's code), its Retry-After, and a per-class TTFT SLO. SSE lines go through the one
+parser (``client.parse_event``), connections through the one pool (``client.pooled_connector``).
 """
 
 from __future__ import annotations
@@ -14,14 +15,17 @@ import json
 import random
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
-from bench.loadgen import percentile
+from controller.bench.client import parse_event, pooled_connector
+from controller.bench.records import percentile
 
 INTERACTIVE, BATCH = "interactive", "batch"
+VOCAB = "the engine serves requests while the controller measures cache usage queue depth".split()
 
 
 @dataclass(frozen=True)
@@ -62,53 +66,39 @@ class Outcome:
 
 
 def _prompt(words: int, rng: random.Random) -> str:
-    vocab = "the engine serves requests while the controller measures cache usage queue depth".split()
-    return " ".join(rng.choice(vocab) for _ in range(words))
+    return " ".join(rng.choice(VOCAB) for _ in range(words))
 
 
 async def one_request(
-    session: aiohttp.ClientSession,
-    base_url: str,
-    model: str,
-    cls: str,
-    tokens: int,
-    priority: int,
-    prompt: str,
-    stream: bool = True,
-) -> Outcome:
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": tokens,
-        "ignore_eos": True,
-        "stream": stream,
-        "priority": priority,
-    }
+    session: aiohttp.ClientSession, base_url: str, model: str, cls: str, tokens: int, priority: int,
+    prompt: str, stream: bool = True,
+) -> Outcome:  # fmt: skip
+    """One completion; never raises for HTTP or transport errors."""
+    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "stream": stream,
+            "priority": priority}  # fmt: skip
     sent = time.monotonic()
     first: float | None = None
     try:
         async with session.post(base_url + "/v1/completions", json=body) as resp:
             if resp.status != 200:
                 text = (await resp.text())[:200]
-                return Outcome(
-                    cls, resp.status, sent, time.monotonic(), None, resp.headers.get("Retry-After"), text
-                )
+                retry = resp.headers.get("Retry-After")
+                return Outcome(cls, resp.status, sent, time.monotonic(), None, retry, text)
             if not stream:
                 await resp.read()
                 ended = time.monotonic()
                 return Outcome(cls, 200, sent, ended, ended - sent)
             async for line in resp.content:
-                text = line.decode().strip()
-                if not text.startswith("data: ") or text == "data: [DONE]":
+                event = parse_event(line)
+                if event is None:
                     continue
-                payload = json.loads(text[6:])
-                if "error" in payload:
-                    code = int(payload["error"].get("code") or 500)
-                    detail = "stream error event: " + str(payload["error"])[:200]
+                if "error" in event:
+                    code = int(event["error"].get("code") or 500)
+                    detail = "stream error event: " + str(event["error"])[:200]
                     return Outcome(cls, code, sent, time.monotonic(), None, None, detail)
-                if first is None and payload.get("choices"):
+                if first is None and event.get("choices"):
                     first = time.monotonic()
-    except (aiohttp.ClientError, TimeoutError) as exc:
+    except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as exc:
         return Outcome(cls, 0, sent, time.monotonic(), None, None, f"{type(exc).__name__}: {exc}")
     return Outcome(cls, 200, sent, time.monotonic(), None if first is None else first - sent)
 
@@ -117,11 +107,8 @@ async def run_mix(base_url: str, model: str, mix: Mix) -> list[Outcome]:
     """Send the mix open-loop; wait for every answer (up to ``mix.timeout_s`` each)."""
     rng = random.Random(mix.seed)
     timeout = aiohttp.ClientTimeout(total=mix.timeout_s)
-    # no keep-alive: a pooled connection the server just closed (idle timeout) fails on write, a
-    # client-side error that would count as "no answer"
-    connector = aiohttp.TCPConnector(limit=0, force_close=True)
     tasks: list[asyncio.Task[Outcome]] = []
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+    async with aiohttp.ClientSession(timeout=timeout, connector=pooled_connector(0)) as session:
         start = time.monotonic()
         at = 0.0
         while True:
@@ -144,7 +131,7 @@ async def run_mix(base_url: str, model: str, mix: Mix) -> list[Outcome]:
 async def unloaded_ttft(base_url: str, model: str, n: int = 8, tokens: int = 16) -> float:
     """Median TTFT of interactive requests sent one at a time to an idle server."""
     rng = random.Random(1)
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(connector=pooled_connector(1)) as session:
         ttfts = []
         for _ in range(n):
             out = await one_request(session, base_url, model, INTERACTIVE, tokens, 0, _prompt(24, rng))
@@ -175,9 +162,14 @@ async def capacity(base_url: str, model: str, mix: Mix, concurrency: int, durati
                 done += 1
 
     start = time.monotonic()
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+    async with aiohttp.ClientSession(connector=pooled_connector(0)) as session:
         await asyncio.gather(*(worker(session) for _ in range(concurrency)))
     return done / (time.monotonic() - start)
+
+
+def _ms(values: Sequence[float], q: float) -> float | None:
+    value = percentile(values, q)
+    return None if value is None else 1000 * value
 
 
 def summarize(outcomes: list[Outcome], slo_s: dict[str, float], duration_s: float) -> dict[str, Any]:
@@ -190,18 +182,17 @@ def summarize(outcomes: list[Outcome], slo_s: dict[str, float], duration_s: floa
         served = [o.ttft_s for o in mine if o.served and o.ttft_s is not None]
         good = sum(1 for t in served if t <= slo_s[cls])
         refused = [o for o in mine if o.status == 429]
-        in_stream = [o for o in refused if o.detail.startswith("stream error event")]
         out[cls] = {
             "sent": len(mine),
             "served": len(served),
             "refused_429": len(refused),
             "refused_with_retry_after": sum(1 for o in refused if o.retry_after),
-            "refused_in_stream": len(in_stream),
+            "refused_in_stream": sum(1 for o in refused if o.detail.startswith("stream error event")),
             "server_errors_5xx": sum(1 for o in mine if o.status >= 500),
             "no_answer": sum(1 for o in mine if o.status == 0),
             "other": sum(1 for o in mine if o.status not in (0, 200, 429) and o.status < 500),
-            "ttft_p50_ms": 1000 * percentile(served, 50) if served else None,
-            "ttft_p99_ms": 1000 * percentile(served, 99) if served else None,
+            "ttft_p50_ms": _ms(served, 50),
+            "ttft_p99_ms": _ms(served, 99),
             "slo_ms": 1000 * slo_s[cls],
             "within_slo": good,
             "within_slo_share": good / len(mine) if mine else None,
