@@ -1,34 +1,97 @@
 """Prometheus definitions. The registry is passed in (each test has a fresh one); vLLM's own
-``vllm:*`` metrics live in prometheus_client's default registry and are exposed beside ours."""
+``vllm:*`` metrics live in prometheus_client's default registry and are exposed beside ours.
+
+Counters and histograms count events as they happen. The gauges are read from the live parts at
+scrape time by ``LiveGauges``, a Collector, so a scrape never shows a value older than itself.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from collections.abc import Iterator
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from controller.control.loop import Change
+from controller.control.observe import GateReadings
+from policies.base import Observation, Policy
+
+GAUGES = {
+    "autopilot_admission_limit": "Requests allowed inside the engine at once.",
+    "autopilot_batch_cap": "Active-request cap of the engine's scheduler.",
+    "autopilot_max_num_seqs": "Hard ceiling of the batch cap (engine max_num_seqs).",
+    "autopilot_in_flight_requests": "Requests holding an admission slot.",
+    "autopilot_engine_generation": "How many engines this daemon has started.",
+    "autopilot_engine_up": "1 when the engine serves, else 0.",
+}
+QUEUE_DEPTH = "Requests waiting in the admission gate, by priority class."
+POLICY_TERM = "Internal terms of the active policy (error, integral, gradient, baseline, ...)."
+
+
+class LiveEngine(Protocol):
+    """The engine host as the gauges read it (a Protocol: the host imports vLLM)."""
+
+    @property
+    def batch_cap(self) -> int: ...
+
+    @property
+    def max_num_seqs(self) -> int: ...
+
+    @property
+    def generation(self) -> int: ...
+
+    @property
+    def ready(self) -> bool: ...
+
+
+class LivePolicy(Protocol):
+    """Whatever holds the policy in force (the control loop: a reload swaps its policy)."""
+
+    @property
+    def policy(self) -> Policy: ...
+
+
+class LiveGauges:
+    """A Collector: the gauges, read from the gate, the engine host and the policy at each scrape.
+    Until ``read_from`` the families have no samples (their names are still exposed)."""
+
+    def __init__(self) -> None:
+        self._parts: tuple[GateReadings, LiveEngine, LivePolicy] | None = None
+
+    def read_from(self, gate: GateReadings, engine: LiveEngine, policy: LivePolicy) -> None:
+        self._parts = (gate, engine, policy)
+
+    def describe(self) -> Iterator[Metric]:
+        yield from (GaugeMetricFamily(name, doc) for name, doc in GAUGES.items())
+        yield GaugeMetricFamily("autopilot_queue_depth", QUEUE_DEPTH, labels=["priority_class"])
+        yield GaugeMetricFamily("autopilot_policy_term", POLICY_TERM, labels=["policy", "term"])
+
+    def collect(self) -> Iterator[Metric]:
+        if self._parts is None:
+            yield from self.describe()
+            return
+        gate, engine, holder = self._parts
+        g = gate.stats()
+        values = (g.limit, engine.batch_cap, engine.max_num_seqs, g.in_flight, engine.generation)
+        for (name, doc), value in zip(GAUGES.items(), (*values, 1 if engine.ready else 0), strict=True):
+            yield GaugeMetricFamily(name, doc, value=value)
+        depth = GaugeMetricFamily("autopilot_queue_depth", QUEUE_DEPTH, labels=["priority_class"])
+        for cls, n in gate.queued_by_class().items():  # a class removed by a reload disappears
+            depth.add_metric([cls], n)
+        yield depth
+        policy = holder.policy
+        terms = GaugeMetricFamily("autopilot_policy_term", POLICY_TERM, labels=["policy", "term"])
+        for term, term_value in policy.terms().items():
+            terms.add_metric([policy.name, term], term_value)
+        yield terms
 
 
 class Metrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
-        self.admission_limit = Gauge(
-            "autopilot_admission_limit", "Requests allowed inside the engine at once.", registry=registry
-        )
-        self.batch_cap = Gauge(
-            "autopilot_batch_cap", "Active-request cap of the engine's scheduler.", registry=registry
-        )
-        self.max_num_seqs = Gauge(
-            "autopilot_max_num_seqs",
-            "Hard ceiling of the batch cap (engine max_num_seqs).",
-            registry=registry,
-        )
-        self.in_flight = Gauge(
-            "autopilot_in_flight_requests", "Requests holding an admission slot.", registry=registry
-        )
-        self.queue_depth = Gauge(
-            "autopilot_queue_depth",
-            "Requests waiting in the admission gate, by priority class.",
-            ["priority_class"],
-            registry=registry,
-        )
+        self.live = LiveGauges()
+        registry.register(self.live)
         self.rejected = Counter(
             "autopilot_rejected_requests",
             "Requests refused before they started, by reason (queue_full, expected_wait, shed, "
@@ -63,15 +126,6 @@ class Metrics:
             ["knob", "reason"],
             registry=registry,
         )
-        self.engine_generation = Gauge(
-            "autopilot_engine_generation", "How many engines this daemon has started.", registry=registry
-        )
-        self.policy_term = Gauge(
-            "autopilot_policy_term",
-            "Internal terms of the active policy (error, integral, gradient, baseline, ...).",
-            ["policy", "term"],
-            registry=registry,
-        )
         self.config_reloads = Counter(
             "autopilot_config_reloads",
             "Config reloads (SIGHUP or POST /reload), by result: ok, error, pending_engine_restart.",
@@ -91,7 +145,16 @@ class Metrics:
             buckets=(1, 2, 5, 10, 15, 20, 30, 45, 60, 90, 120, 300),
             registry=registry,
         )
-        self.engine_up = Gauge("autopilot_engine_up", "1 when the engine serves, else 0.", registry=registry)
+
+    def count_restart(self, reason: str, duration_s: float) -> None:
+        """The guard's callback after each engine restart."""
+        self.engine_restarts.labels(reason).inc()
+        self.restart_duration.observe(duration_s)
+
+    def count_decisions(self, _obs: Observation, changes: list[Change]) -> None:
+        """A loop subscriber: one count per knob change, by knob and reason."""
+        for change in changes:
+            self.decisions.labels(change.knob, change.reason).inc()
 
 
 class GateMetrics:

@@ -1,7 +1,8 @@
 """The control plane (aiohttp): /metrics, /state, /healthz, /reload.
 
-An optional bearer token (``[admin] token``) guards /state and /reload; /metrics and /healthz stay
-open for scrapers and probes.
+The gauges need no refresh here: the registry holds a Collector that reads the live values at
+each scrape (``controller.admin.metrics.LiveGauges``). An optional bearer token (``[admin] token``)
+guards /state and /reload; /metrics and /healthz stay open for scrapers and probes.
 """
 
 from __future__ import annotations
@@ -15,12 +16,10 @@ from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 
 StateFn = Callable[[], dict[str, Any]]
 HealthFn = Callable[[], tuple[bool, str]]
-RefreshFn = Callable[[], None]
 ReloadFn = Callable[[], Awaitable[dict[str, Any]]]
 
 STATE: web.AppKey[StateFn] = web.AppKey("state")
 HEALTH: web.AppKey[HealthFn] = web.AppKey("health")
-REFRESH: web.AppKey[RefreshFn] = web.AppKey("refresh")
 RELOAD: web.AppKey[ReloadFn] = web.AppKey("reload")
 TOKEN: web.AppKey[str] = web.AppKey("token")
 OUR_REGISTRY: web.AppKey[CollectorRegistry] = web.AppKey("registry")
@@ -43,7 +42,6 @@ def _unauthorized() -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    request.app[REFRESH]()
     body = generate_latest(request.app[OUR_REGISTRY]) + generate_latest(REGISTRY)  # ours + vllm:*
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
@@ -68,7 +66,6 @@ async def reload(request: web.Request) -> web.Response:
 
 def make_admin_app(
     registry: CollectorRegistry,
-    refresh: RefreshFn,
     state_fn: StateFn,
     health_fn: HealthFn,
     reload_fn: ReloadFn,
@@ -76,7 +73,6 @@ def make_admin_app(
 ) -> web.Application:
     app = web.Application()
     app[OUR_REGISTRY] = registry
-    app[REFRESH] = refresh
     app[STATE] = state_fn
     app[HEALTH] = health_fn
     app[RELOAD] = reload_fn

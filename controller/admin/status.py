@@ -1,17 +1,50 @@
-"""What the daemon shows: /state, /healthz and the gauges refreshed at each scrape."""
+"""What the daemon shows: /state and /healthz, read from its parts (the gauges are read at scrape
+time by ``controller.admin.metrics.LiveGauges``).
+
+A typed view: ``StatusParts`` names what is read, so this module needs neither the daemon nor the
+parts builder (``controller.lifecycle.parts.Parts`` is one).
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from controller.config.load import describe
+from controller.admission.gate import AdmissionGate
+from controller.config.load import Config, describe
+from controller.control.diagnosis import Diagnosis
+from controller.control.loop import ControlLoop
+from controller.control.telemetry import TelemetryWindow
+from controller.lifecycle.guard import Guard
 
-if TYPE_CHECKING:
-    from controller.lifecycle.daemon import Daemon
+if TYPE_CHECKING:  # the host imports vLLM; only its type is needed here
+    from controller.engine.runtime.host import EngineHost
 
 
-def health(d: Daemon) -> tuple[bool, str]:
+class StatusParts(Protocol):
+    @property
+    def config(self) -> Config: ...
+    @property
+    def gate(self) -> AdmissionGate: ...
+    @property
+    def host(self) -> EngineHost: ...
+    @property
+    def guard(self) -> Guard: ...
+    @property
+    def loop(self) -> ControlLoop: ...
+    @property
+    def window(self) -> TelemetryWindow: ...
+    @property
+    def diagnosis(self) -> Diagnosis | None: ...
+    @property
+    def pending_changes(self) -> dict[str, list[str]]: ...
+    @property
+    def draining(self) -> bool: ...
+    @property
+    def data_plane_up(self) -> bool: ...
+
+
+def health(d: StatusParts) -> tuple[bool, str]:
     if d.draining:
         return False, "draining"
     if d.guard.unavailable_reason is not None:
@@ -25,22 +58,7 @@ def health(d: Daemon) -> tuple[bool, str]:
     return True, "serving"
 
 
-def refresh_metrics(d: Daemon) -> None:
-    m, g = d.metrics, d.gate.stats()
-    m.admission_limit.set(g.limit)
-    m.batch_cap.set(d.host.batch_cap)
-    m.max_num_seqs.set(d.host.max_num_seqs)
-    m.in_flight.set(g.in_flight)
-    m.queue_depth.clear()  # a class removed by a reload disappears
-    for cls, n in d.gate.queued_by_class().items():
-        m.queue_depth.labels(cls).set(n)
-    m.engine_generation.set(d.host.generation)
-    m.engine_up.set(1 if d.host.ready else 0)
-    for term, value in d.loop.policy.terms().items():
-        m.policy_term.labels(d.loop.policy.name, term).set(value)
-
-
-def state(d: Daemon) -> dict[str, Any]:
+def state(d: StatusParts) -> dict[str, Any]:
     g = d.gate.stats()
     ok, reason = health(d)
     return {

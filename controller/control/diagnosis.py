@@ -28,6 +28,8 @@ class Diagnoser:
         self.alpha = alpha
         self.cpu_busy_percent = cpu_busy_percent
         self._tps: dict[int, float] = {}
+        self.last: Diagnosis | None = None
+        """The verdict of the latest tick (for /state); None before the first."""
 
     @staticmethod
     def _bucket(running: int) -> int:
@@ -40,6 +42,10 @@ class Diagnoser:
             tps = obs.generated_tokens_per_s
             self._tps[b] = tps if old is None else old + self.alpha * (tps - old)
         return self._verdict(obs)
+
+    def on_tick(self, obs: Observation, _changes: object) -> None:
+        """A control-loop subscriber: each tick's observation updates the verdict."""
+        self.last = self.observe(obs)
 
     def _verdict(self, obs: Observation) -> Diagnosis:
         table = dict(sorted(self._tps.items()))

@@ -1,7 +1,11 @@
-"""The control loop: observe -> decide -> normalize -> apply, one function each (STYLE.md 4).
+"""The control loop: observe -> decide -> normalize -> apply, one function each (STYLE.md 4),
+then the subscribers.
 
-Only ``apply`` touches the engine. Every change carries the policy's reason, or the normalize
-stage's own ("clamped_max", ...), and is logged, counted and kept in a short history for /state.
+Only ``apply`` touches the engine (through the actuator). Every change carries the policy's reason,
+or the normalize stage's own ("clamped_max", ...), and is logged and kept in a short history for
+/state. After apply, each subscriber sees the tick's observation and changes: the daemon's are the
+diagnosis, the memory guard (which may start an engine restart from what it sees) and the decisions
+metric, so everything a tick sets off is listed where the loop is built.
 """
 
 from __future__ import annotations
@@ -9,12 +13,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import structlog
 
+from controller.control.actuator import Knobs
 from controller.control.normalize import Move, Normalizer
 from policies.base import Observation, Policy
 
@@ -34,10 +39,8 @@ class Change:
     t_wall: float
 
 
-class Actuator(Protocol):
-    def set_admission_limit(self, limit: int) -> None: ...
-
-    def set_batch_cap(self, cap: int) -> Awaitable[int]: ...
+Subscriber = Callable[[Observation, list[Change]], None]
+"""Called after each tick's apply stage with its observation and the changes it made (maybe none)."""
 
 
 class ControlLoop:
@@ -48,15 +51,15 @@ class ControlLoop:
         policy: Policy,
         normalizer: Normalizer,
         observe: Callable[[], Observation],
-        actuator: Actuator,
-        on_change: Callable[[Change], None],
+        actuator: Knobs,
+        subscribers: Sequence[Subscriber] = (),
         history: int = 50,
     ) -> None:
         self.policy = policy
         self.normalizer = normalizer
         self._observe = observe
         self._actuator = actuator
-        self._on_change = on_change
+        self._subscribers = list(subscribers)
         self.history: deque[Change] = deque(maxlen=history)
         self.last_reason = "not_started"
         self._lock = asyncio.Lock()
@@ -68,7 +71,10 @@ class ControlLoop:
             obs = self._observe()
             decision = self.policy.decide(obs, obs.now_mono)
             self.last_reason = decision.reason
-            return await self._apply(self.normalizer.normalize(decision, obs, obs.now_mono), obs)
+            changes = await self._apply(self.normalizer.normalize(decision, obs, obs.now_mono), obs)
+            for notify in self._subscribers:
+                notify(obs, changes)
+            return changes
 
     async def _apply(self, moves: list[Move], obs: Observation) -> list[Change]:
         changes = []
@@ -79,7 +85,6 @@ class ControlLoop:
                 new = await self._actuator.set_batch_cap(new)
             change = Change(knob, old, new, reason, obs.now_mono, time.time())
             self.history.append(change)
-            self._on_change(change)
             log.info("knob_changed", **asdict(change))
             changes.append(change)
         return changes

@@ -1,16 +1,45 @@
-"""One tick's ``Observation``, built the same way by the daemon and by the engine twin."""
+"""One tick's ``Observation``, built the same way by the daemon and by the engine twin.
+
+A pure builder over small source interfaces: it reads the gate, the telemetry window, the knobs in
+force and the NVML / host samplers, and changes none of them. What a tick sets off (the diagnosis,
+the memory guard) is the loop's subscribers' business, not the observer's.
+"""
 
 from __future__ import annotations
 
-from controller.admission.gate import AdmissionGate
-from controller.control.samplers import GpuReading, HostReading
+from typing import Protocol
+
+from controller.admission.queues import GateStats
+from controller.control.samplers import GpuReading, GpuSource, HostReading, HostReadingSource
 from controller.control.telemetry import EngineStats
 from policies.base import Observation
 
 
+class GateReadings(Protocol):
+    """What an observation reads from the admission gate."""
+
+    def stats(self) -> GateStats: ...
+
+    def queued_by_class(self) -> dict[str, int]: ...
+
+
+class StatsWindow(Protocol):
+    def snapshot(self) -> EngineStats: ...
+
+
+class EngineKnobs(Protocol):
+    """The engine host's knobs in force (a Protocol: the host itself imports vLLM)."""
+
+    @property
+    def batch_cap(self) -> int: ...
+
+    @property
+    def max_num_seqs(self) -> int: ...
+
+
 def build_observation(
     eng: EngineStats,
-    gate: AdmissionGate,
+    gate: GateReadings,
     batch_cap: int,
     max_num_seqs: int,
     gpu: GpuReading | None = None,
@@ -48,3 +77,23 @@ def build_observation(
         daemon_cpu_percent=host.daemon_cpu_percent if host else None,
         window_s=eng.window_s,
     )
+
+
+class Observer:
+    """The daemon's observe stage: ``build_observation`` over its live sources."""
+
+    def __init__(
+        self,
+        window: StatsWindow,
+        gate: GateReadings,
+        engine: EngineKnobs,
+        gpu: GpuSource,
+        host: HostReadingSource,
+    ) -> None:
+        self.window, self.gate, self.engine, self.gpu, self.host = window, gate, engine, gpu, host
+
+    def observe(self) -> Observation:
+        e = self.engine
+        return build_observation(
+            self.window.snapshot(), self.gate, e.batch_cap, e.max_num_seqs, self.gpu.read(), self.host.read()
+        )

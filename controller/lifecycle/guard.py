@@ -156,6 +156,10 @@ class Guard:
         self.unavailable_reason: str | None = None
         self.last_restart: dict[str, Any] | None = None
 
+    def configure(self, settings: GuardSettings) -> None:
+        """Apply a reloaded [guard] table (the risk streak so far is kept)."""
+        self.s = self.memory.s = settings
+
     @property
     def restarting(self) -> bool:
         return self._lock.locked()

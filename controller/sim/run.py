@@ -134,7 +134,7 @@ class Simulation:
         c = self.control
         self.gate = AdmissionGate(c.admission_limit, c.max_queue, c.classes, c.aging_s, clock=self.clock)
         self.changes: list[Change] = []
-        self.loop = ControlLoop(policy, normalizer, self.observe, self, self.changes.append, history=50)
+        self.loop = ControlLoop(policy, normalizer, self.observe, self, [self._record_changes], history=50)
         self._rng = random.Random(seed)
         self.jitter = jitter
         variance = profile.variance if use_variance else None
@@ -157,7 +157,10 @@ class Simulation:
     async def set_batch_cap(self, cap: int) -> int:
         return self.engine.set_batch_cap(cap)
 
-    # -- observation: as Daemon.observe builds it, without NVML and psutil -----------------------------
+    def _record_changes(self, _obs: Observation, changes: list[Change]) -> None:
+        self.changes.extend(changes)
+
+    # -- observation: as the daemon's observer builds it, without NVML and psutil ----------------------
     def observe(self) -> Observation:
         return build_observation(
             self.window.snapshot(), self.gate, self.engine.batch_cap, self.engine.max_num_seqs

@@ -76,12 +76,12 @@ def base(d: Daemon) -> str:
 
 async def burst(s: aiohttp.ClientSession, d: Daemon) -> tuple[float, int]:
     """(duration, preemptions) of one burst; every request must complete."""
-    p0, t0 = d.window.total_preemptions, time.monotonic()
+    p0, t0 = d.parts.window.total_preemptions, time.monotonic()
     results = await asyncio.gather(
         *(stream_completion(s, base(d), TOKENS, prompt=PROMPT) for _ in range(BURST))
     )
     assert all(r["status"] == 200 and r["tokens"] == TOKENS for r in results)
-    return time.monotonic() - t0, d.window.total_preemptions - p0
+    return time.monotonic() - t0, d.parts.window.total_preemptions - p0
 
 
 QUIET_S = 10.0
@@ -95,7 +95,7 @@ async def quiet(d: Daemon, quiet_s: float, timeout_s: float) -> float:
     other runs held within 20 s."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
-        last = max((c.t_mono for c in d.loop.history), default=-float("inf"))
+        last = max((c.t_mono for c in d.parts.loop.history), default=-float("inf"))
         if time.monotonic() - last >= quiet_s:
             break
         await asyncio.sleep(0.5)
@@ -109,16 +109,16 @@ def direction_changes(caps: list[int]) -> int:
 
 async def test_bursts_lower_cap_and_preemptions_then_idle_restores(daemon: Daemon) -> None:
     d = daemon
-    ceiling = d.host.max_num_seqs
+    ceiling = d.parts.host.max_num_seqs
     runs = []
     async with http_session() as s:
         for _ in range(8):
             runs.append(await burst(s, d))
             await asyncio.sleep(0.5)
-    cuts = [c for c in d.loop.history if c.knob == "batch_cap" and c.new < c.old]
+    cuts = [c for c in d.parts.loop.history if c.knob == "batch_cap" and c.new < c.old]
     print(
         f"{d.config.control.policy}: bursts (s, preemptions) {[(round(t, 2), p) for t, p in runs]}; "
-        f"cap now {d.host.batch_cap}; cuts {[(c.old, c.new, c.reason) for c in cuts]}"
+        f"cap now {d.parts.host.batch_cap}; cuts {[(c.old, c.new, c.reason) for c in cuts]}"
     )
     assert cuts and all(c.reason for c in cuts)
     (first_s, first_p), (last_s, last_p) = runs[0], runs[-1]
@@ -128,9 +128,9 @@ async def test_bursts_lower_cap_and_preemptions_then_idle_restores(daemon: Daemo
     # last burst took 1.16x-1.52x the first here, since preemption by recompute is cheap for the tiny
     # model and the full cap runs more requests at once early in a burst (docs/benchmarks.md).
     print(f"{d.config.control.policy}: last burst took {last_s / first_s:.2f}x the first")
-    await asyncio.sleep(d.loop.policy.params()["idle_restore_s"] + 2.0)  # the load is gone
-    assert d.host.batch_cap == ceiling, d.loop.recent()[-3:]
-    assert d.loop.history[-1].reason == "idle_restore"
+    await asyncio.sleep(d.parts.loop.policy.params()["idle_restore_s"] + 2.0)  # the load is gone
+    assert d.parts.host.batch_cap == ceiling, d.parts.loop.recent()[-3:]
+    assert d.parts.loop.history[-1].reason == "idle_restore"
 
 
 async def test_steady_load_changes_direction_at_most_twice_a_minute(daemon: Daemon) -> None:
@@ -149,7 +149,7 @@ async def test_steady_load_changes_direction_at_most_twice_a_minute(daemon: Daem
         settled_s = await quiet(d, QUIET_S, timeout_s=60.0)
         t_end = time.monotonic() + 60.0
         while time.monotonic() < t_end:
-            caps.append(d.host.batch_cap)
+            caps.append(d.parts.host.batch_cap)
             await asyncio.sleep(0.25)
         stop.set()
         await asyncio.gather(*clients)

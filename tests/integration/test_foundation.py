@@ -79,7 +79,7 @@ async def test_gate_bounds_the_engine_under_40_streams(daemon: Daemon) -> None:
     async def watch() -> None:
         nonlocal peak
         while True:
-            peak = max(peak, daemon.gate.stats().in_flight)
+            peak = max(peak, daemon.parts.gate.stats().in_flight)
             await asyncio.sleep(0.005)
 
     watcher = asyncio.create_task(watch())
@@ -88,26 +88,26 @@ async def test_gate_bounds_the_engine_under_40_streams(daemon: Daemon) -> None:
     watcher.cancel()
     assert all(r["status"] == 200 and r["tokens"] == 64 for r in results), results
     assert peak == 4
-    running = daemon.window.max_running_since(t0)
+    running = daemon.parts.window.max_running_since(t0)
     assert 1 <= running <= 4, running
 
 
 async def test_runtime_batch_cap_changes_running_requests(daemon: Daemon) -> None:
-    daemon.set_admission_limit(16)
+    daemon.parts.actuator.set_admission_limit(16)
     try:
         async with http_session() as s:
             for cap in (2, 6):
-                assert await daemon.set_batch_cap(cap) == cap
+                assert await daemon.parts.actuator.set_batch_cap(cap) == cap
                 t0 = time.monotonic()
                 results = await asyncio.gather(
                     *(stream_completion(s, url(daemon, ""), 48) for _ in range(12))
                 )
                 assert all(r["tokens"] == 48 for r in results)
-                assert daemon.window.max_running_since(t0) == cap
-        assert await daemon.set_batch_cap(1000) == 16  # clamped to max_num_seqs
+                assert daemon.parts.window.max_running_since(t0) == cap
+        assert await daemon.parts.actuator.set_batch_cap(1000) == 16  # clamped to max_num_seqs
     finally:
-        daemon.set_admission_limit(4)
-        await daemon.set_batch_cap(16)
+        daemon.parts.actuator.set_admission_limit(4)
+        await daemon.parts.actuator.set_batch_cap(16)
 
 
 async def test_disconnect_frees_slot_and_aborts_in_engine(daemon: Daemon) -> None:
@@ -116,36 +116,36 @@ async def test_disconnect_frees_slot_and_aborts_in_engine(daemon: Daemon) -> Non
         resp = await s.post(url(daemon, "/v1/completions"), json=body)
         for _ in range(5):
             await resp.content.readline()
-        assert daemon.gate.stats().in_flight == 1
+        assert daemon.parts.gate.stats().in_flight == 1
         resp.close()  # the client goes away mid-stream
     for _ in range(100):
-        if daemon.gate.stats().in_flight == 0:
+        if daemon.parts.gate.stats().in_flight == 0:
             break
         await asyncio.sleep(0.05)
-    assert daemon.gate.stats().in_flight == 0
-    assert daemon.host.llm.get_num_unfinished_requests() == 0  # aborted in the front end
+    assert daemon.parts.gate.stats().in_flight == 0
+    assert daemon.parts.host.llm.get_num_unfinished_requests() == 0  # aborted in the front end
     t0 = time.monotonic()
     async with http_session() as s:
         assert (await stream_completion(s, url(daemon, ""), 16))["tokens"] == 16
-    assert daemon.window.max_running_since(t0) == 1  # the aborted one is gone from the engine
+    assert daemon.parts.window.max_running_since(t0) == 1  # the aborted one is gone from the engine
 
 
 async def test_queued_requests_leave_in_priority_order(daemon: Daemon) -> None:
-    daemon.set_admission_limit(1)
+    daemon.parts.actuator.set_admission_limit(1)
     try:
         async with http_session() as s:
             blocker = asyncio.create_task(stream_completion(s, url(daemon, ""), 400))
-            while daemon.gate.stats().in_flight < 1:
+            while daemon.parts.gate.stats().in_flight < 1:
                 await asyncio.sleep(0.01)
             priorities = [5, 3, 9, 0, 7, 1]
             tasks = []
             for p in priorities:  # queue them one by one, in this (unsorted) arrival order
                 tasks.append(asyncio.create_task(stream_completion(s, url(daemon, ""), 4, priority=p)))
                 want = len(tasks)
-                while daemon.gate.stats().queued < want:
+                while daemon.parts.gate.stats().queued < want:
                     await asyncio.sleep(0.01)
             results = await asyncio.gather(blocker, *tasks)
         done = sorted(zip(priorities, results[1:], strict=True), key=lambda pr: pr[1]["done_mono"])
         assert [p for p, _ in done] == sorted(priorities)
     finally:
-        daemon.set_admission_limit(4)
+        daemon.parts.actuator.set_admission_limit(4)

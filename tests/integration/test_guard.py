@@ -61,12 +61,12 @@ def base(d: Daemon) -> str:
 
 
 def set_available(d: Daemon, nbytes: int) -> None:
-    assert isinstance(d.host_source, FakeHostSource)
-    d.host_source.reading = HostReading(nbytes, 0.0)
+    assert isinstance(d.parts.host_source, FakeHostSource)
+    d.parts.host_source.reading = HostReading(nbytes, 0.0)
 
 
 def restarts(d: Daemon, reason: str) -> float:
-    value = d.registry.get_sample_value("autopilot_engine_restarts_total", {"reason": reason})
+    value = d.parts.registry.get_sample_value("autopilot_engine_restarts_total", {"reason": reason})
     return value or 0.0
 
 
@@ -103,20 +103,20 @@ async def test_a_memory_risk_restarts_once_with_smaller_kv_and_loses_no_queued_r
 ) -> None:
     async with http_session() as s:
         streaming = [asyncio.create_task(stream_completion(s, base(daemon), 600)) for _ in range(20)]
-        await wait_for(lambda: daemon.gate.stats().in_flight >= 20, 30, "20 streams inside the engine")
+        await wait_for(lambda: daemon.parts.gate.stats().in_flight >= 20, 30, "20 streams inside the engine")
         set_available(daemon, 256 << 20)  # below the 1 GiB margin: the sampler reads it on each tick
-        await wait_for(lambda: daemon.guard.restarting, 10, "the restart to start")
+        await wait_for(lambda: daemon.parts.guard.restarting, 10, "the restart to start")
         set_available(daemon, PLENTY)  # the smaller engine frees memory
         queued = [asyncio.create_task(stream_completion(s, base(daemon), 24)) for _ in range(10)]
-        await wait_for(lambda: not daemon.guard.restarting, 180, "the restart to finish")
+        await wait_for(lambda: not daemon.parts.guard.restarting, 180, "the restart to finish")
         results = await asyncio.wait_for(asyncio.gather(*streaming), 120)
         queued_results = await asyncio.wait_for(asyncio.gather(*queued), 120)
     assert all(ok(r, 600) or clear_error(r) for r in results), results
     assert all(ok(r, 24) for r in queued_results), queued_results
     assert restarts(daemon, "host_memory_low") == 1
-    assert daemon.host.generation == 2
-    assert daemon.host.memory_settings()["kv_cache_memory_bytes"] < KV_BYTES
-    restart = daemon.guard.last_restart
+    assert daemon.parts.host.generation == 2
+    assert daemon.parts.host.memory_settings()["kv_cache_memory_bytes"] < KV_BYTES
+    restart = daemon.parts.guard.last_restart
     assert restart is not None
     first_new = min(r["first_token_mono"] for r in queued_results)
     print(
@@ -127,10 +127,10 @@ async def test_a_memory_risk_restarts_once_with_smaller_kv_and_loses_no_queued_r
 
 
 async def test_b_engine_core_sigkill_under_load_is_recovered(daemon: Daemon) -> None:
-    generation = daemon.host.generation
+    generation = daemon.parts.host.generation
     async with http_session() as s:
         load = [asyncio.create_task(stream_completion(s, base(daemon), 300)) for _ in range(8)]
-        await wait_for(lambda: daemon.gate.stats().in_flight >= 8, 30, "load inside the engine")
+        await wait_for(lambda: daemon.parts.gate.stats().in_flight >= 8, 30, "load inside the engine")
         os.kill(engine_core_pid(), signal.SIGKILL)
         waiting = [asyncio.create_task(stream_completion(s, base(daemon), 16)) for _ in range(5)]
         results = await asyncio.wait_for(asyncio.gather(*load), 180)  # none may hang
@@ -139,21 +139,21 @@ async def test_b_engine_core_sigkill_under_load_is_recovered(daemon: Daemon) -> 
     assert all(ok(r, 300) or clear_error(r) for r in results), results
     assert all(ok(r, 16) for r in waiting_results), waiting_results
     assert ok(later, 16)
-    assert daemon.host.generation == generation + 1
+    assert daemon.parts.host.generation == generation + 1
     assert restarts(daemon, "engine_died") == 1
 
 
 async def test_c_repeated_crashes_spend_the_budget_then_503_without_hanging(daemon: Daemon) -> None:
     # Budget 3 an hour: (a) and (b) spent 2; this crash spends the third, the next one exhausts it.
-    for expected_generation in (daemon.host.generation + 1, None):
+    for expected_generation in (daemon.parts.host.generation + 1, None):
         os.kill(engine_core_pid(), signal.SIGKILL)
         if expected_generation is not None:
             await wait_for(
-                lambda g=expected_generation: daemon.host.generation == g and daemon.host.ready,
+                lambda g=expected_generation: daemon.parts.host.generation == g and daemon.parts.host.ready,
                 180,
                 "recovery",
             )
-    await wait_for(lambda: daemon.guard.unavailable_reason is not None, 60, "the budget to be spent")
+    await wait_for(lambda: daemon.parts.guard.unavailable_reason is not None, 60, "the budget to be spent")
     async with http_session() as s:
         r = await asyncio.wait_for(stream_completion(s, base(daemon), 8), 10)
         async with s.get(f"http://{daemon.config.admin.host}:{daemon.config.admin.port}/healthz") as h:

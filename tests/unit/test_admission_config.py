@@ -136,23 +136,24 @@ def _classes_config(path: Path, interactive_deadline: float, bad: bool = False) 
 async def test_reload_applies_classes_live_and_keeps_them_on_error(tmp_path: Path) -> None:
     path = _classes_config(tmp_path / "c.toml", 2.0)
     daemon = Daemon(load_config(path), install_signals=False)
-    assert [(c.name, c.queue_deadline_s) for c in daemon.gate.classes] == [
+    assert [(c.name, c.queue_deadline_s) for c in daemon.parts.gate.classes] == [
         ("interactive", 2.0),
         ("batch", 20.0),
     ]
-    assert daemon.gate.aging_s == 3.0
+    assert daemon.parts.gate.aging_s == 3.0
 
     _classes_config(path, 7.5)
-    result = await daemon.reload()
+    result = await daemon.reloader.reload()
     assert result["ok"] is True and result["changed"] == {"admission": ["classes"]}
-    assert daemon.gate.classes[0].queue_deadline_s == 7.5
+    assert daemon.parts.gate.classes[0].queue_deadline_s == 7.5
     assert daemon.config.admission.classes[0].reserved_share == 0.25
 
     _classes_config(path, 1.0, bad=True)  # a gap between 0 and 5: the whole file is refused
-    result = await daemon.reload()
+    result = await daemon.reloader.reload()
     assert result["ok"] is False
     assert any("priority ranges must meet" in e for e in result["errors"])
-    assert daemon.gate.classes[0].queue_deadline_s == 7.5
+    assert daemon.parts.gate.classes[0].queue_deadline_s == 7.5
     assert (
-        daemon.metrics.registry.get_sample_value("autopilot_config_reloads_total", {"result": "error"}) == 1.0
+        daemon.parts.metrics.registry.get_sample_value("autopilot_config_reloads_total", {"result": "error"})
+        == 1.0
     )

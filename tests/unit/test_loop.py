@@ -132,8 +132,12 @@ def moves(changes: Iterable[Change]) -> list[tuple[str, int, int, str, float]]:
 
 def make_loop(policy: Policy, system: FakeSystem, history: int = 50) -> tuple[ControlLoop, list[Change]]:
     notified: list[Change] = []
+
+    def subscriber(_obs: Observation, changes: list[Change]) -> None:
+        notified.extend(changes)
+
     loop = ControlLoop(
-        policy, Normalizer(limit_max=10_000), system.observe, system, notified.append, history=history
+        policy, Normalizer(limit_max=10_000), system.observe, system, [subscriber], history=history
     )
     return loop, notified
 
@@ -234,3 +238,22 @@ async def test_ticks_never_overlap() -> None:
     clock.advance(1.0)
     assert moves(await loop.tick()) == [("admission_limit", 50, 40, "kv_high", 1001.0)]  # free again
     assert system.observed == 2
+
+
+async def test_subscribers_see_each_tick_after_apply() -> None:
+    clock = FakeClock(start=1000.0)
+    system = FakeSystem(clock)
+    seen: list[tuple[float, list[tuple[str, int]], list[tuple[str, int, int, str, float]]]] = []
+
+    def subscriber(obs: Observation, changes: list[Change]) -> None:
+        seen.append((obs.now_mono, list(system.calls), moves(changes)))
+
+    policy = ScriptedPolicy([Decision(50, None, "kv_high"), Decision(None, None, "hold")])
+    loop = ControlLoop(policy, Normalizer(limit_max=10_000), system.observe, system, [subscriber])
+    await loop.tick()
+    clock.advance(1.0)
+    await loop.tick()
+    assert seen == [
+        (1000.0, [("admission_limit", 50)], [("admission_limit", 100, 50, "kv_high", 1000.0)]),
+        (1001.0, [("admission_limit", 50)], []),  # a tick without changes is still seen
+    ]

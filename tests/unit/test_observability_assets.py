@@ -9,6 +9,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from controller.admin.metrics import Metrics
+from controller.admission.gate import AdmissionGate
+from policies.base import Policy
+from policies.static import StaticPolicy
 from tests.assets import (
     ALERTS,
     alert_exprs,
@@ -149,3 +152,27 @@ def test_promtool_accepts_the_rules() -> None:
         [promtool, "check", "rules", str(ALERTS)], capture_output=True, text=True, check=False
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+class _Engine:
+    batch_cap, max_num_seqs, generation, ready = 12, 16, 2, True
+
+
+class _Holder:
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+
+
+def test_gauges_are_read_at_scrape_time() -> None:
+    metrics = Metrics(CollectorRegistry())
+    gate = AdmissionGate(4, 100)
+    holder = _Holder(StaticPolicy(max_num_seqs=16, initial_limit=4, preset="interactive"))
+    metrics.live.read_from(gate, _Engine(), holder)
+    value = metrics.registry.get_sample_value
+    assert value("autopilot_admission_limit") == 4
+    gate.set_limit(9)  # no refresh step: the next scrape sees it
+    assert value("autopilot_admission_limit") == 9
+    assert (value("autopilot_batch_cap"), value("autopilot_max_num_seqs")) == (12, 16)
+    assert (value("autopilot_engine_generation"), value("autopilot_engine_up")) == (2, 1)
+    assert value("autopilot_in_flight_requests") == 0
+    assert value("autopilot_queue_depth", {"priority_class": gate.classes[0].name}) == 0

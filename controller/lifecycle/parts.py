@@ -1,0 +1,136 @@
+"""The daemon's parts, built in one place from the config.
+
+Who calls whom, as wired here: the scheduler ticks the control loop; the loop observes through the
+``Observer`` (gate, telemetry window, engine knobs, NVML, psutil), lets the policy decide, normalizes,
+moves knobs only through the ``Actuator``, then calls its subscribers in order: the diagnosis, the
+memory guard (which may start an engine restart) and the decisions metric. The admin server reads
+``Parts`` through ``controller.admin.status``; the reload handler (``controller.lifecycle.reload``)
+swaps the live tables into them.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import Any
+
+from apscheduler.schedulers.asyncio import AsyncIOScheduler
+from prometheus_client import CollectorRegistry
+
+from controller.admin.metrics import GateMetrics, Metrics
+from controller.admission.gate import AdmissionGate
+from controller.config.load import Config
+from controller.control.actuator import Actuator
+from controller.control.diagnosis import Diagnoser, Diagnosis
+from controller.control.loop import Change, ControlLoop, Subscriber
+from controller.control.normalize import Normalizer
+from controller.control.observe import Observer
+from controller.control.samplers import GpuSource, HostReadingSource, HostSource, NvmlSource
+from controller.control.telemetry import TelemetryWindow
+from controller.engine.runtime.args import serve_namespace
+from controller.engine.runtime.host import EngineHost
+from controller.lifecycle.guard import Guard
+from controller.lifecycle.notify import Notifier
+from controller.lifecycle.tasks import BackgroundTasks
+from policies.base import Observation, Policy, build_policy
+
+TICK_JOB = "control_tick"
+"""The scheduler's job id for the loop's tick (a reload reschedules it)."""
+
+
+def make_policy(config: Config) -> Policy:
+    return build_policy(
+        config.control.policy,
+        config.control.params,
+        max_num_seqs=config.max_num_seqs,
+        initial_limit=config.admission.limit,
+    )
+
+
+def make_normalizer(config: Config) -> Normalizer:
+    c = config.control
+    return Normalizer(
+        limit_max=c.limit_max,
+        tolerance=c.tolerance,
+        max_step_up=c.max_step_up,
+        max_step_down=c.max_step_down,
+        stabilization_s=c.stabilization_s,
+    )
+
+
+@dataclass(eq=False)
+class Parts:
+    """Everything the daemon runs, and the little state its views read."""
+
+    config: Config
+    """The config in force: a reload replaces its live tables."""
+    registry: CollectorRegistry
+    metrics: Metrics
+    window: TelemetryWindow
+    gate: AdmissionGate
+    args: argparse.Namespace
+    """vLLM's serve arguments, from [engine] and [server]."""
+    host: EngineHost
+    guard: Guard
+    gpu_source: GpuSource
+    host_source: HostReadingSource
+    observer: Observer
+    actuator: Actuator
+    diagnoser: Diagnoser
+    loop: ControlLoop
+    scheduler: AsyncIOScheduler
+    notifier: Notifier
+    tasks: BackgroundTasks
+    pending_changes: dict[str, list[str]] = field(default_factory=dict)
+    """Changed keys per table that wait for a restart (set by the last reload)."""
+    draining: bool = False
+    server: Any = None
+    """The data plane's uvicorn server, once it was started."""
+
+    @property
+    def data_plane_up(self) -> bool:
+        """The OpenAI API listens (healthy only then: a load balancer may send traffic at once)."""
+        return self.server is not None and bool(self.server.started) and not self.server.should_exit
+
+    @property
+    def diagnosis(self) -> Diagnosis | None:
+        return self.diagnoser.last
+
+
+def watch_memory(guard: Guard, tasks: BackgroundTasks) -> Subscriber:
+    """The guard as a loop subscriber: a confirmed memory risk starts a restart task that shutdown
+    cancels with the others."""
+
+    def on_tick(obs: Observation, _changes: list[Change]) -> None:
+        task = guard.on_observation(obs)
+        if task is not None:
+            tasks.add(task)
+
+    return on_tick
+
+
+def build_parts(
+    config: Config, gpu_source: GpuSource | None = None, host_source: HostReadingSource | None = None
+) -> Parts:
+    """The parts, wired; nothing starts (no engine, no listener, no task) until the daemon's startup."""
+    registry = CollectorRegistry()
+    metrics = Metrics(registry)
+    window = TelemetryWindow(config.control.window_seconds)
+    a = config.admission
+    gate = AdmissionGate(a.limit, a.max_queue, a.classes, a.aging_s, events=GateMetrics(metrics))
+    server = config.server
+    args = serve_namespace(config.engine, {"host": server.host, "port": server.port, **server.vllm})
+    host = EngineHost(args, window, server.engine_poll_sleep_s)
+    guard = Guard(config.guard, gate, host, metrics.count_restart)
+    gpu, hostsrc = gpu_source or NvmlSource(), host_source or HostSource()
+    observer = Observer(window, gate, host, gpu, hostsrc)
+    actuator = Actuator(gate, host)
+    diagnoser, tasks = Diagnoser(), BackgroundTasks()
+    subscribers = [diagnoser.on_tick, watch_memory(guard, tasks), metrics.count_decisions]
+    policy, normalizer = make_policy(config), make_normalizer(config)
+    loop = ControlLoop(policy, normalizer, observer.observe, actuator, subscribers, config.control.history)
+    metrics.live.read_from(gate, host, loop)
+    return Parts(
+        config, registry, metrics, window, gate, args, host, guard, gpu, hostsrc, observer, actuator,
+        diagnoser, loop, AsyncIOScheduler(), Notifier(), tasks,
+    )  # fmt: skip
