@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 from controller.admission.classes import DEFAULT_CLASSES, CompletionRate, GateEvents, NoEvents, PriorityClass
+from controller.admission.deadlines import Deadlines
 from controller.admission.queues import ClassQueue, GateRejected, GateStats, Slot, Waiter, shutting_down
 from controller.clock import Clock, monotonic
 
@@ -60,9 +61,7 @@ class AdmissionGate:
         self._in_flight_total = 0
         self._seq = itertools.count()
         self._rate = CompletionRate(clock)
-        self._paused = False
-        self._paused_total_s = 0.0
-        self._paused_since: float | None = None
+        self._deadlines = Deadlines(clock, self._expire)
         self._refuse_new: GateRejected | None = None
         self._refuse_queued: GateRejected | None = None
         self.admitted_total = self.rejected_total = self.completed_total = self.timed_out_total = 0
@@ -96,7 +95,7 @@ class AdmissionGate:
                 w.queue.queued += 1
                 if w.timer is not None:
                     w.timer.cancel()
-                self._arm(w)
+                self._deadlines.arm(w)
         self.aging_s, self.max_queue = aging_s, max_queue
         self.expire_overdue()
         self._wake()
@@ -226,13 +225,15 @@ class AdmissionGate:
         if self._refuse_queued is not None:
             raise self._refuse_queued
         urgent_waiting = any(o.queued for o in self._order[: self._order.index(q) + 1])
-        if not self._paused and not urgent_waiting and self._free_for(q) > 0:
+        if not self._deadlines.paused and not urgent_waiting and self._free_for(q) > 0:
             return self._grant(q, self._clock())
         loop = asyncio.get_running_loop()
-        w = Waiter(priority, next(self._seq), self._clock(), loop.create_future(), q, self._paused_s())
+        w = Waiter(
+            priority, next(self._seq), self._clock(), loop.create_future(), q, self._deadlines.paused_s()
+        )
         heapq.heappush(q.heap, (priority, w.seq, w))
         q.queued += 1
-        self._arm(w)
+        self._deadlines.arm(w)
         try:
             return await w.future
         except BaseException:
@@ -275,13 +276,13 @@ class AdmissionGate:
 
     def _wake(self) -> None:
         now = self._clock()
-        while not self._paused:
+        while not self._deadlines.paused:
             q = self._next_queue(now)
             if q is None:
                 return
             w = q.head()
             assert w is not None
-            if now >= self._deadline(w):
+            if now >= self._deadlines.deadline(w):
                 self._expire(w)  # its timer has not fired yet: never grant past the deadline
                 continue
             heapq.heappop(q.heap)
@@ -315,36 +316,12 @@ class AdmissionGate:
         finally:
             self.release(granted)
 
-    # -- deadlines --------------------------------------------------------------------------------
-    def _paused_s(self) -> float:
-        """Seconds the gate has been paused in all (engine restarts): not counted against deadlines,
-        so requests queued through a restart are kept, as the guard promises."""
-        current = 0.0 if self._paused_since is None else self._clock() - self._paused_since
-        return self._paused_total_s + current
-
-    def _deadline(self, w: Waiter) -> float:
-        return w.enqueued_mono + w.queue.spec.queue_deadline_s + self._paused_s() - w.paused_at_enqueue_s
-
-    def _arm(self, w: Waiter) -> None:
-        delay = max(0.0, self._deadline(w) - self._clock())
-        if self._paused:
-            delay = max(delay, 0.25)  # the deadline moves while paused: look again later
-        w.timer = asyncio.get_running_loop().call_later(delay, self._on_timer, w)
-
-    def _on_timer(self, w: Waiter) -> None:
-        w.timer = None
-        if w.future.done():
-            return
-        if self._clock() < self._deadline(w):
-            self._arm(w)  # the loop's clock ran ahead of ours
-        else:
-            self._expire(w)
-
+    # -- deadlines (controller/admission/deadlines.py keeps the timers) ----------------------------
     def expire_overdue(self) -> int:
         """Refuse every waiter whose deadline has passed; returns how many (timers call this per
         waiter in production; tests with a fake clock call it directly)."""
         now = self._clock()
-        overdue = [w for q in self._order for w in q.live() if now >= self._deadline(w)]
+        overdue = [w for q in self._order for w in q.live() if now >= self._deadlines.deadline(w)]
         for w in overdue:
             self._expire(w)
         return len(overdue)
@@ -381,20 +358,15 @@ class AdmissionGate:
     def pause(self) -> None:
         """Hold every new slot: requests wait in the queue (not refused, their deadlines stopped)
         until ``resume``."""
-        if not self._paused:
-            self._paused_since = self._clock()
-        self._paused = True
+        self._deadlines.pause()
 
     def resume(self) -> None:
-        if self._paused_since is not None:
-            self._paused_total_s += self._clock() - self._paused_since
-            self._paused_since = None
-        self._paused = False
+        self._deadlines.resume()
         self._wake()
 
     @property
     def paused(self) -> bool:
-        return self._paused
+        return self._deadlines.paused
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait until nothing is in flight; False when the deadline passed first."""

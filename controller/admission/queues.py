@@ -22,10 +22,6 @@ class GateRejected(Exception):
         self.reason = reason
 
 
-def _shutting_down() -> GateRejected:
-    return GateRejected("the server is shutting down; retry on another instance", 503, 1, "shutting_down")
-
-
 def shutting_down() -> GateRejected:
     return GateRejected("the server is shutting down; retry on another instance", 503, 1, "shutting_down")
 

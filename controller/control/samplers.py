@@ -85,16 +85,6 @@ class NvmlSource:
         return GpuReading(used, total, free, util / n, n)
 
 
-class FakeGpuSource:
-    """A GPU whose reading the test sets."""
-
-    def __init__(self, reading: GpuReading | None = None) -> None:
-        self.reading = reading
-
-    def read(self) -> GpuReading | None:
-        return self.reading
-
-
 @dataclass(frozen=True)
 class HostReading:
     memory_available_bytes: int

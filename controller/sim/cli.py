@@ -90,6 +90,7 @@ def add_calibrate_parser(bench_sub: Any) -> None:
                    help="requests per load phase, at least (default 300)")  # fmt: skip
     p.add_argument("--hardware", default="", help="recorded in the profile")
     p.add_argument("--model", default="", help="recorded in the profile")
+    p.set_defaults(func=run_calibrate)
 
 
 def parse_params(items: list[str]) -> dict[str, Any]:

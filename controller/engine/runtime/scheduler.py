@@ -21,7 +21,6 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core import EngineCore
 
 UTILITY_SET = "autopilot_set_batch_cap"
-UTILITY_GET = "autopilot_get_batch_cap"
 
 
 class _BatchCapMixin:
@@ -46,13 +45,8 @@ def _set_batch_cap(self: Any, cap: int) -> int:
     return int(self.scheduler.set_batch_cap(cap))
 
 
-def _get_batch_cap(self: Any) -> int:
-    return int(self.scheduler.max_num_active_reqs)
-
-
 # EngineCore looks utility methods up by name with getattr (EngineCore._handle_client_request).
 setattr(EngineCore, UTILITY_SET, _set_batch_cap)
-setattr(EngineCore, UTILITY_GET, _get_batch_cap)
 
 
 def scheduler_path(async_scheduling: bool) -> str:
