@@ -98,7 +98,7 @@ async def send(
     session: aiohttp.ClientSession,
     target: Target,
     spec: RequestSpec,
-    prompt: str,
+    prompt: str | list[int],
     prompt_tokens: int,
     run_start: float,
 ) -> RequestRecord:
@@ -160,16 +160,22 @@ def _finish(base: dict[str, Any], s: _Stream, end: float) -> RequestRecord:
 async def run_open_loop(
     target: Target,
     specs: Sequence[RequestSpec],
-    prompt_for: Callable[[RequestSpec], tuple[str, int]],
+    prompt_for: Callable[[RequestSpec], tuple[str | list[int], int]],
     *,
     run_start: float,
     timeout_s: float = 600.0,
     on_done: Callable[[RequestRecord], None] | None = None,
     max_connections: int = 4096,
+    concurrency: int | None = None,
 ) -> list[RequestRecord]:
-    """Send every spec at ``run_start + arrival_s`` (monotonic clock) and return the records by index."""
+    """Send every spec at ``run_start + arrival_s`` (monotonic clock) and return the records by index.
+
+    With ``concurrency`` N at most N requests are in flight: an arrival waits for a free slot before it is
+    sent (a closed loop when every arrival is at 0), and its times start when it is sent.
+    """
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     connector = pooled_connector(max_connections)
+    slots = asyncio.Semaphore(concurrency or len(specs) or 1)
     records: list[RequestRecord] = []
 
     async def one(session: aiohttp.ClientSession, spec: RequestSpec) -> None:
@@ -177,7 +183,8 @@ async def run_open_loop(
         delay = run_start + spec.arrival_s - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
-        rec = await send(session, target, spec, prompt, n, run_start)
+        async with slots:
+            rec = await send(session, target, spec, prompt, n, run_start)
         records.append(rec)
         if on_done is not None:
             on_done(rec)

@@ -14,9 +14,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from controller.bench import phases
 from controller.bench.options import add_slo_args, add_workload_args
+from controller.bench.records import read_records, read_series
 from controller.bench.report import render
-from controller.bench.runner import read_summary
+from controller.bench.runner import RECORDS, SERIES, read_summary
 from controller.bench.servers import ServerSpec
 from controller.bench.tables import VLLM_SERVE, best_static, run_dirs, table
 from controller.bench.targets import (
@@ -29,6 +31,9 @@ from controller.bench.targets import (
 )
 
 TABLE = "compare.md"
+PHASES_TABLE = "phases.md"
+DAEMON = "daemon"
+SAME_ENGINE = "vllm-serve:engine"
 RESULT = "compare.json"
 
 
@@ -40,7 +45,9 @@ def add_parser(cmds: Any) -> None:
     p.add_argument(
         "--targets", default="all",
         help="comma list of: vllm-serve, static:PRESET, static:all, best, policy:NAME, policy:all "
-        "(default all: every one of them)",
+        "(default all: every one of them); also daemon (the config as it is, admission limit = "
+        "max_num_seqs, so nothing queues in the gate) and vllm-serve:engine (vllm serve with the same "
+        "[engine], tuned settings included)",
     )  # fmt: skip
     p.add_argument(
         "--best",
@@ -110,6 +117,11 @@ def _expand(
     if item == VLLM_SERVE:
         defaults = {k: v for k, v in engine.items() if k not in TUNED_KEYS}
         return [ServerSpec(VLLM_SERVE, "vllm-serve", defaults)]
+    if item == SAME_ENGINE:
+        return [ServerSpec(SAME_ENGINE, "vllm-serve", engine)]
+    if item == DAEMON:
+        control = {"policy": "static", "params": {}}
+        return [ServerSpec(DAEMON, "daemon", engine, control, {**admission, "limit": engine["max_num_seqs"]})]
     kind, _, name = item.partition(":")
     if kind == "static" and name:
         names = presets() if name == "all" else [name]
@@ -138,7 +150,8 @@ def _expand(
             for n in names
         ]
     raise ValueError(
-        f"--targets {item!r}: use vllm-serve, static:PRESET, static:all, best, policy:NAME or policy:all"
+        f"--targets {item!r}: use vllm-serve, vllm-serve:engine, daemon, static:PRESET, static:all, best, "
+        "policy:NAME or policy:all"
     )
 
 
@@ -150,10 +163,37 @@ def main(args: argparse.Namespace) -> int:
     run_servers(bench, specs, args.out)
     dirs = run_dirs(args.out)  # this invocation's runs and any kept from earlier ones (--resume)
     summaries = [read_summary(d) for d in dirs]
+    same_workload(summaries)
     write_table(args.out, summaries, bench)
+    if args.workload == "phases":
+        write_phases(args.out, dirs, args)
     report = render(args.out, dirs, title="bench compare", table=(args.out / TABLE).read_text())
     print(f"table: {args.out / TABLE}; report: {report}")
     return 0
+
+
+def same_workload(summaries: Sequence[dict[str, Any]]) -> None:
+    """Refuse to compare runs of other workloads or SLOs (--resume into another comparison's --out)."""
+    keys = ("workload", "slo_ttft_s", "slo_tpot_s")
+    for s in summaries[1:]:
+        if any(s.get(k) != summaries[0].get(k) for k in keys):
+            raise ValueError(
+                f"{s['target']} was measured on another workload or SLO than {summaries[0]['target']}: "
+                "use another --out"
+            )
+
+
+def write_phases(out: Path, dirs: Sequence[Path], args: argparse.Namespace) -> None:
+    """``phases.md``: per-phase goodput, p99 TTFT and preemptions of every run, ratios to the best static."""
+    results = {
+        str(read_summary(d)["target"]): phases.summarize(
+            read_records(d / RECORDS), read_series(d / SERIES), args.slo_ttft, args.slo_tpot
+        )
+        for d in dirs
+    }
+    text = phases.markdown(results)
+    (out / PHASES_TABLE).write_text(text + "\n")
+    print("\n" + text)
 
 
 def write_table(out: Path, summaries: Sequence[dict[str, Any]], bench: Bench) -> None:

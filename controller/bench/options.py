@@ -7,6 +7,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+from controller.bench import phases
 from controller.bench.prompts import Tokenizer, counter
 from controller.bench.runner import RunConfig
 from controller.bench.workload import (
@@ -27,7 +28,16 @@ from controller.bench.workload import (
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("workload (one of --rate, --trace, --sharegpt)")
+    g = p.add_argument_group("workload (one of --rate, --trace, --sharegpt, --workload)")
+    g.add_argument(
+        "--workload", choices=WORKLOADS,
+        help="a named workload: phases (the phase-changing load of controller/bench/phases.py); closed "
+        "(--requests N at once, lengths --prompt-tokens/--output-tokens; with --concurrency: a closed loop)",
+    )  # fmt: skip
+    g.add_argument("--requests", type=int, default=128, help="requests of --workload closed (default 128)")
+    g.add_argument(
+        "--concurrency", type=int, help="at most N requests in flight (arrivals wait for a free slot)"
+    )
     g.add_argument("--rate", type=float, help="Poisson arrivals per second (with --duration)")
     g.add_argument(
         "--duration", type=float,
@@ -73,16 +83,25 @@ def add_slo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+WORKLOADS = ("phases", "closed")
+
+
 def build_specs(args: argparse.Namespace, tokenizer: Tokenizer, max_model_len: int) -> list[RequestSpec]:
     """The workload the options describe, clamped to the model's context, with priorities when asked."""
     chosen = [name for name, on in (("--rate", args.rate is not None and not args.sharegpt),
                                     ("--trace", args.trace is not None),
-                                    ("--sharegpt", args.sharegpt)) if on]  # fmt: skip
+                                    ("--sharegpt", args.sharegpt),
+                                    ("--workload", args.workload is not None)) if on]  # fmt: skip
     if len(chosen) != 1:
         raise WorkloadError(
-            f"choose exactly one workload: --rate R --duration S, --trace PATH or --sharegpt; got {chosen}"
+            "choose exactly one workload: --rate R --duration S, --trace PATH, --sharegpt or --workload NAME;"
+            f" got {chosen}"
         )
-    if args.trace is not None:
+    if args.workload == "phases":
+        specs = phases.schedule(args.seed)
+    elif args.workload == "closed":
+        specs = [RequestSpec(i, 0.0, args.prompt_tokens, args.output_tokens) for i in range(args.requests)]
+    elif args.trace is not None:
         rows = read_azure_trace(args.trace)
         specs = trace_window(rows, start_s=args.start, duration_s=args.duration,
                              time_scale=args.time_scale, token_scale=args.token_scale)  # fmt: skip
@@ -111,7 +130,7 @@ def run_config(args: argparse.Namespace, out: Path) -> RunConfig:
     """The run settings the SLO options describe, writing into ``out``."""
     return RunConfig(
         out=out, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, warmup=args.warmup,
-        timeout_s=args.request_timeout, progress=not args.no_progress,
+        timeout_s=args.request_timeout, progress=not args.no_progress, concurrency=args.concurrency,
     )  # fmt: skip
 
 

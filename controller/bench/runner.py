@@ -52,6 +52,8 @@ class RunConfig:
     progress: bool = True
     period_s: float = 1.0
     """Time series period."""
+    concurrency: int | None = None
+    """At most this many requests in flight (``--concurrency``); None: open loop, every arrival on time."""
 
 
 class _Progress:
@@ -117,7 +119,7 @@ async def run_workload(
     try:
         records = await run_open_loop(
             target, specs, lambda s: builder.build(s.index, s.prompt_tokens), run_start=run_start,
-            timeout_s=cfg.timeout_s, on_done=progress.done,
+            timeout_s=cfg.timeout_s, on_done=progress.done, concurrency=cfg.concurrency,
         )  # fmt: skip
     finally:
         progress.close()

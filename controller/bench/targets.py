@@ -71,6 +71,11 @@ def prepare(args: argparse.Namespace) -> Bench:
     """Load ``--config``, apply ``--engine`` overrides, build the workload with the model's tokenizer."""
     base = load_base_config(args.config)
     base["engine"].update(parse_assignments(args.engine or [], "--engine"))
+    for key, value in parse_assignments(args.daemon or [], "--daemon").items():
+        table, dot, name = key.partition(".")
+        if not dot or table == "engine":
+            raise ValueError(f"--daemon {key}: write TABLE.KEY=VALUE, e.g. --daemon control.tick_seconds=0.5")
+        base.setdefault(table, {})[name] = value
     tokenizer: Tokenizer = load_tokenizer(Path(args.tokenizer or base["engine"]["model"]))
     max_len = int(base["engine"].get("max_model_len") or 2048)
     specs = build_specs(args, tokenizer, max_len)
@@ -82,6 +87,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="daemon config whose [engine] every server uses (default config.toml)")  # fmt: skip
     p.add_argument("--engine", action="append", metavar="KEY=VALUE",
                    help="override an [engine] setting for every server (repeatable)")  # fmt: skip
+    p.add_argument("--daemon", action="append", metavar="TABLE.KEY=VALUE",
+                   help="override a setting of the daemon's other tables (repeatable), "
+                   "e.g. server.engine_poll_sleep_s=0.0002 or control.tick_seconds=0.5")  # fmt: skip
     p.add_argument("--tokenizer", type=Path, help="tokenizer dir (default: the [engine] model dir)")
     p.add_argument("--out", type=Path, required=True, help="directory; each server's run goes to OUT/<name>/")
     p.add_argument("--resume", action="store_true", help="skip servers whose run directory is complete")

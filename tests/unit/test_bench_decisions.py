@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from controller.bench import compare, soak, sweep
+from controller.bench import compare, soak, sweep, tables
 from controller.bench.records import SeriesPoint
 from controller.bench.targets import Bench, parse_assignments, parse_value
 
@@ -27,17 +27,17 @@ def test_best_static_is_the_static_server_with_the_most_goodput() -> None:
         summary("static:throughput", 5.0, 600.0),  # same goodput, more throughput
         summary("policy:pid", 6.0, 500.0),
     ]
-    assert compare.best_static(runs)["target"] == "static:throughput"  # type: ignore[index]
-    text = compare.table(runs)
+    assert tables.best_static(runs)["target"] == "static:throughput"  # type: ignore[index]
+    text = tables.table(runs)
     row = next(line for line in text.splitlines() if line.startswith("| policy:pid"))
     # ratios to static:throughput: 500/600 tok/s, 6/5 goodput, 1/1 TTFT p99
     assert row.endswith("| 0.83 | 1.20 | 1.00 |")
     assert "static:throughput (best static)" in text
-    assert compare.best_static([summary("vllm-serve", 1.0, 1.0)]) is None
+    assert tables.best_static([summary("vllm-serve", 1.0, 1.0)]) is None
 
 
 def test_table_cells_for_missing_values() -> None:
-    text = compare.table([summary("static:small", 0.0, 0.0, ttft99=None)])
+    text = tables.table([summary("static:small", 0.0, 0.0, ttft99=None)])
     row = text.splitlines()[2]
     assert "| - |" in row  # no TTFT: a dash, and no ratio against a zero goodput
 
@@ -68,6 +68,13 @@ def test_compare_servers_expand_in_a_fixed_order() -> None:
     pid = next(s for s in specs if s.name == "policy:pid")
     assert pid.control == {"policy": "pid", "params": {"setpoint": 0.9}}
     assert [s.name for s in compare.servers(_bench(), _args())][5] == "policy:aimd"  # no best: skipped
+
+
+def test_compare_daemon_and_vllm_serve_with_the_same_engine() -> None:
+    daemon, serve = compare.servers(_bench(), _args(targets="daemon,vllm-serve:engine"))
+    assert daemon.kind == "daemon" and daemon.admission["limit"] == 256  # = max_num_seqs: nothing queues
+    assert daemon.control == {"policy": "static", "params": {}}
+    assert serve.kind == "vllm-serve" and serve.engine == _bench().engine  # tuned settings kept
 
 
 def test_compare_target_errors() -> None:

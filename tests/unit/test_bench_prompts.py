@@ -58,7 +58,7 @@ def test_tokenizer_path_errors(tmp_path: Path) -> None:
 def _ns(**kw: object) -> argparse.Namespace:
     base = dict(rate=None, duration=None, prompt_tokens=100, output_tokens=50, trace=None, start=0.0,
                 time_scale=1.0, token_scale=1.0, sharegpt=False, sharegpt_samples=10, priority_mix=None,
-                max_requests=None, seed=0)  # fmt: skip
+                max_requests=None, seed=0, workload=None, requests=128)  # fmt: skip
     return argparse.Namespace(**{**base, **kw})
 
 
