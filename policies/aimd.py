@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from policies.base import Decision, Observation, Policy, register
+from policies.base import Decision, Observation, Policy
 from policies.common import (
     LATENCIES,
     check_bool,
@@ -19,7 +19,6 @@ from policies.common import (
 )
 
 
-@register
 class AimdPolicy(Policy):
     """Adds ``increase`` to the admission limit per tick while latency is fine; multiplies it by
     ``backoff`` on overload.

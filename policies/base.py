@@ -1,15 +1,17 @@
 """What a policy sees, what it says, and how policies are found by name.
 
 A policy is pure (STYLE.md practice 1): ``decide(observation, now_mono) -> Decision``. No I/O, no clock
-reads, no engine handle. Clamping, tolerance and "apply only on change" belong to the loop's
-normalize stage, not to policies.
+reads, no engine handle. Clamping to the engine's bounds, tolerance, rate limits and "apply only on
+change" belong to the loop's normalize stage, which tells the policy what it applied
+(``Policy.applied``). Built-ins are found by name through ``BUILT_INS``, outside plug-ins as
+``"module:Class"`` (STYLE.md practice 8).
 """
 
 from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -103,6 +105,14 @@ class Policy(ABC):
         """The effective parameters, for /state."""
         return {name: getattr(self, name) for name in self.param_names}
 
+    def applied(self, admission_limit: int, batch_cap: int, now_mono: float) -> None:
+        """The knobs in force after this tick's normalize and apply stages; the loop calls it every
+        tick, holds included. The normalize stage may clamp, rate-limit or drop an ask: a policy whose
+        next step depends on how much of its ask took effect learns it here instead of inferring it
+        from the next observation. Most policies need only what is in force, which the next
+        Observation carries, so the default does nothing."""
+        return None
+
     def terms(self) -> dict[str, float]:
         """Internal terms (error, integral, baseline, ...) exported as gauges."""
         return {}
@@ -112,32 +122,54 @@ class PolicyError(ValueError):
     """A policy name or parameter is invalid; the message names it and the fix."""
 
 
-REGISTRY: dict[str, type[Policy]] = {}
+BUILT_INS: dict[str, str] = {
+    "aimd": "policies.aimd:AimdPolicy",
+    "gradient": "policies.gradient:GradientPolicy",
+    "hysteresis": "policies.hysteresis:HysteresisPolicy",
+    "pid": "policies.pid:PidPolicy",
+    "static": "policies.static:StaticPolicy",
+}
+"""The built-in policies by name, as import strings: a policy module imports this one, so this one
+imports a policy only when it is asked for (no import circle)."""
 
 
-def register(cls: type[Policy]) -> type[Policy]:
-    REGISTRY[cls.name] = cls
-    return cls
+class _Registry(Mapping[str, type[Policy]]):
+    """The built-ins by name; a class is imported the first time it is looked up."""
+
+    def __getitem__(self, name: str) -> type[Policy]:
+        return _load(name, BUILT_INS[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(BUILT_INS)
+
+    def __len__(self) -> int:
+        return len(BUILT_INS)
+
+
+REGISTRY: Mapping[str, type[Policy]] = _Registry()
 
 
 def resolve(name: str) -> type[Policy]:
     """A registered name, or ``"module:Class"`` for an outside plug-in."""
-    from policies import aimd, gradient, hysteresis, pid, static  # noqa: F401  (registers the built-ins)
-
     if ":" in name:
-        module, _, attr = name.partition(":")
-        try:
-            cls = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as exc:
-            raise PolicyError(f"policy '{name}': cannot import it ({exc}); check the module path") from exc
-        if not (isinstance(cls, type) and issubclass(cls, Policy)):
-            raise PolicyError(f"policy '{name}' is not a subclass of policies.base.Policy")
-        return cls
+        return _load(name, name)
     if name not in REGISTRY:
         raise PolicyError(
             f"unknown policy '{name}': use one of {', '.join(sorted(REGISTRY))} or 'module:Class'"
         )
     return REGISTRY[name]
+
+
+def _load(name: str, target: str) -> type[Policy]:
+    """The class ``target`` ("module:Class") names; errors quote ``name``, as the config spells it."""
+    module, _, attr = target.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise PolicyError(f"policy '{name}': cannot import it ({exc}); check the module path") from exc
+    if not (isinstance(cls, type) and issubclass(cls, Policy)):
+        raise PolicyError(f"policy '{name}' is not a subclass of policies.base.Policy")
+    return cls
 
 
 def build_policy(name: str, params: Mapping[str, Any], *, max_num_seqs: int, initial_limit: int) -> Policy:

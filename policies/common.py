@@ -1,4 +1,5 @@
-"""Small pieces the built-in policies share: parameter checks, staleness, demand, the cap -> limit map.
+"""Small pieces the built-in policies share: parameter checks, staleness, demand, the cap -> limit map,
+and the cap follower (the parameters and steps every cap-moving policy shares).
 
 Parameters arrive from ``[control.params]`` in config.toml, so they may be any TOML value: every check
 names the key, the value and what would be accepted (STYLE.md practice 7).
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 from policies.base import Decision, Observation, PolicyError
 
@@ -103,16 +105,6 @@ class IdleTimer:
         return now_mono - self._since
 
 
-def check_idle_restore(value: object) -> float | None:
-    return None if value is None else check_float("idle_restore_s", value, 0.0)
-
-
-def idle_restore_due(idle_for_s: float, idle_restore_s: float | None, cap: int, ceiling: int) -> bool:
-    """The load that made a policy cut is gone: after ``idle_restore_s`` of idleness the cap goes
-    back to its ceiling, ready for the next workload. None disables it."""
-    return idle_restore_s is not None and idle_for_s >= idle_restore_s and cap < ceiling
-
-
 def kv_signal(obs: Observation, source: str) -> float:
     """KV usage as ``source`` (one of KV_SOURCES) reads it."""
     if source == "latest":
@@ -126,22 +118,69 @@ def limit_decision(limit: int, reason: str, cap_follows_limit: bool, max_num_seq
     return Decision(limit, cap, reason)
 
 
-def check_cap_follower(
-    max_num_seqs: int,
-    min_cap: object,
-    demand_fraction: object,
-    limit_factor: object,
-    limit_headroom: object,
-    stale_after_s: object,
-    idle_restore_s: object,
-) -> tuple[int, float, float, int, float, float | None]:
-    """The parameters every cap-moving policy shares, checked: ``min_cap``, ``demand_fraction``,
-    ``limit_factor``, ``limit_headroom``, ``stale_after_s``, ``idle_restore_s``."""
-    return (
-        check_int("min_cap", min_cap, 1, max_num_seqs),
-        check_float("demand_fraction", demand_fraction, 0.0, 1.0, lo_open=True),
-        check_float("limit_factor", limit_factor, 0.0, lo_open=True),
-        check_int("limit_headroom", limit_headroom, 0),
-        check_float("stale_after_s", stale_after_s, 0.0, lo_open=True),
-        check_idle_restore(idle_restore_s),
+class CapFollower:
+    """The part every policy that moves the batch cap shares, its parameters defined once: the
+    admission limit follows the cap, a raise needs demand, stale stats hold, and idleness gives the
+    cap back to its ceiling.
+
+    Parameters (defaults): ``min_cap`` 1, the lowest cap the policy asks for; ``demand_fraction``
+    0.9: a raise needs requests queued in the gate or ``running >= demand_fraction * cap``;
+    ``limit_factor`` 1.0 and ``limit_headroom`` 2: ``limit = ceil(cap * limit_factor) +
+    limit_headroom``, so a few requests wait inside the engine, ready when a running one finishes;
+    ``stale_after_s`` 5.0: requests in flight and no engine step for that long, hold;
+    ``idle_restore_s`` 60.0: idle (nothing in flight or queued) that long, the cap goes back to
+    ``max_num_seqs``, ready for the next workload (None: never).
+
+    State: since when the system has been idle.
+    """
+
+    names = (
+        "min_cap",
+        "demand_fraction",
+        "limit_factor",
+        "limit_headroom",
+        "stale_after_s",
+        "idle_restore_s",
     )
+
+    def __init__(
+        self,
+        max_num_seqs: int,
+        *,
+        min_cap: object = 1,
+        demand_fraction: object = 0.9,
+        limit_factor: object = 1.0,
+        limit_headroom: object = 2,
+        stale_after_s: object = 5.0,
+        idle_restore_s: object = 60.0,
+    ) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.min_cap = check_int("min_cap", min_cap, 1, max_num_seqs)
+        self.demand_fraction = check_float("demand_fraction", demand_fraction, 0.0, 1.0, lo_open=True)
+        self.limit_factor = check_float("limit_factor", limit_factor, 0.0, lo_open=True)
+        self.limit_headroom = check_int("limit_headroom", limit_headroom, 0)
+        self.stale_after_s = check_float("stale_after_s", stale_after_s, 0.0, lo_open=True)
+        self.idle_restore_s = (
+            None if idle_restore_s is None else check_float("idle_restore_s", idle_restore_s, 0.0)
+        )
+        self._idle = IdleTimer()
+
+    def params(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.names}
+
+    def stale(self, obs: Observation) -> bool:
+        return is_stale(obs, self.stale_after_s)
+
+    def restore_due(self, obs: Observation, now_mono: float) -> bool:
+        """Moves the idle clock; True once the system has been idle for ``idle_restore_s`` and the
+        cap is below its ceiling: the load that made the policy cut is gone."""
+        idle_for = self._idle.update(obs, now_mono)
+        restore = self.idle_restore_s
+        return restore is not None and idle_for >= restore and obs.batch_cap < self.max_num_seqs
+
+    def has_demand(self, obs: Observation) -> bool:
+        return has_demand(obs, obs.running, obs.batch_cap, self.demand_fraction)
+
+    def decision(self, cap: int, reason: str) -> Decision:
+        """Both knobs: the cap, and the admission limit that goes with it."""
+        return Decision(limit_for_cap(cap, self.limit_factor, self.limit_headroom), cap, reason)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from policies.base import Decision, Observation, Policy, PolicyError, register
+from policies.base import Decision, Observation, Policy, PolicyError
 from policies.common import (
     LATENCIES,
     check_bool,
@@ -21,7 +21,6 @@ from policies.common import (
 MEASURING, NORMAL = "measuring", "normal"
 
 
-@register
 class GradientPolicy(Policy):
     """Grows the admission limit while latency stays near its unloaded baseline, shrinks it when not.
 
@@ -128,21 +127,12 @@ class GradientPolicy(Policy):
         self._sample: float | None = None
         self._gradient = math.nan
         self._applied: int | None = None  # the limit this policy set last
-        self._limit_seen: int | None = None  # the limit in force at the previous tick
-        self._asked_at: float | None = None  # when the previous tick asked for a new limit
+        self._limit_seen: int | None = None  # the limit in force when this tick decided
         self._moved_at: float | None = None  # when the limit last moved (start of a dwell)
         self._updated_at: float | None = None  # when the estimate last changed (start of a dwell)
 
     def decide(self, obs: Observation, now_mono: float) -> Decision:
-        seen, self._limit_seen = self._limit_seen, obs.admission_limit
-        if seen is not None and obs.admission_limit != seen:  # the limit moved since the previous tick
-            self._moved_at = now_mono if self._asked_at is None else self._asked_at
-        decision = self._decide(obs, now_mono)
-        asks = decision.admission_limit is not None and decision.admission_limit != obs.admission_limit
-        self._asked_at = now_mono if asks else None
-        return decision
-
-    def _decide(self, obs: Observation, now_mono: float) -> Decision:
+        self._limit_seen = obs.admission_limit
         if is_stale(obs, self.stale_after_s):
             return Decision(None, None, "stale_stats")
         self._sample = latency_sample(obs, self.latency)
@@ -201,6 +191,11 @@ class GradientPolicy(Policy):
 
     def _decision(self, limit: int, reason: str) -> Decision:
         return limit_decision(limit, reason, self.cap_follows_limit, self.max_num_seqs)
+
+    def applied(self, admission_limit: int, batch_cap: int, now_mono: float) -> None:
+        """A limit the loop moved this tick starts a dwell: later samples still cover time before it."""
+        if self._limit_seen is not None and admission_limit != self._limit_seen:
+            self._moved_at = now_mono
 
     def terms(self) -> dict[str, float]:
         """Limit estimate, last gradient, baseline and sample latencies (s), 1.0 while measuring."""

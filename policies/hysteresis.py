@@ -3,24 +3,12 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
-from policies.base import Decision, Observation, Policy, PolicyError, register
-from policies.common import (
-    KV_SOURCES,
-    IdleTimer,
-    check_cap_follower,
-    check_choice,
-    check_float,
-    check_int,
-    has_demand,
-    idle_restore_due,
-    is_stale,
-    kv_signal,
-    limit_for_cap,
-)
+from policies.base import Decision, Observation, Policy, PolicyError
+from policies.common import KV_SOURCES, CapFollower, check_choice, check_float, check_int, kv_signal
 
 
-@register
 class HysteresisPolicy(Policy):
     """Steps the batch cap between two thresholds; cuts it at once on KV exhaustion or preemptions.
 
@@ -43,26 +31,28 @@ class HysteresisPolicy(Policy):
     6. otherwise                                             -> hold, "within_deadband"
 
     The cap stays in ``[min_cap, max_num_seqs]``; a move that would not change it holds with "at_min" /
-    "at_max". The admission limit follows every cap change: ``limit = ceil(cap * limit_factor) +
-    limit_headroom``, so a few requests wait inside the engine, ready when a running one finishes.
-    On a hold both knobs are left as they are.
+    "at_max". The admission limit follows every cap change (``CapFollower``). On a hold both knobs
+    are left as they are.
 
     Parameters (defaults): ``low`` 0.70, ``high`` 0.95, ``critical`` 0.98 (KV usage fractions);
     ``kv_source`` "max" (the window max: a burst's peak is what overflows the cache, and the window
     mean hides it; or "mean", "latest"); ``gpu_low`` / ``gpu_high`` None (off:
     NVML utilisation is the share of time a kernel ran, near 1.0 under any load, so it is opt-in);
     ``step`` ``max(1, max_num_seqs // 16)``; ``cut_factor`` 0.5; ``cooldown_s`` 5.0; ``cut_cooldown_s``
-    10.0; ``min_cap`` 1; ``demand_fraction`` 0.9; ``limit_factor`` 1.0; ``limit_headroom`` 2;
-    ``stale_after_s`` 5.0; ``idle_restore_s`` 60.0 (None: never).
+    10.0; and the cap follower's ``min_cap``, ``demand_fraction``, ``limit_factor``,
+    ``limit_headroom``, ``stale_after_s``, ``idle_restore_s`` (``policies.common.CapFollower``).
 
-    States: the time of the last change and of the last cut (None before the first); since when
-    the system has been idle.
+    The cooldowns stay here rather than in the normalize stage: they depend on the reason (a cut
+    skips the step cooldown and waits for its own, at least one observation window), which a
+    generic stage cannot tell apart.
+
+    States: the time of the last change and of the last cut (None before the first); the cap
+    follower's idle clock.
     """
 
     name = "hysteresis"
     param_names = tuple(
-        "low high critical kv_source gpu_low gpu_high step cut_factor cooldown_s cut_cooldown_s "
-        "min_cap demand_fraction limit_factor limit_headroom stale_after_s idle_restore_s".split()
+        "low high critical kv_source gpu_low gpu_high step cut_factor cooldown_s cut_cooldown_s".split()
     )
 
     def __init__(
@@ -80,12 +70,7 @@ class HysteresisPolicy(Policy):
         cut_factor: float = 0.5,
         cooldown_s: float = 5.0,
         cut_cooldown_s: float = 10.0,
-        min_cap: int = 1,
-        demand_fraction: float = 0.9,
-        limit_factor: float = 1.0,
-        limit_headroom: int = 2,
-        stale_after_s: float = 5.0,
-        idle_restore_s: float | None = 60.0,
+        **follower: Any,
     ) -> None:
         self.max_num_seqs = max_num_seqs
         self.low = check_float("low", low, 0.0, 1.0)
@@ -104,23 +89,7 @@ class HysteresisPolicy(Policy):
         self.cut_factor = check_float("cut_factor", cut_factor, 0.0, 0.99, lo_open=True)
         self.cooldown_s = check_float("cooldown_s", cooldown_s, 0.0)
         self.cut_cooldown_s = check_float("cut_cooldown_s", cut_cooldown_s, 0.0)
-        (
-            self.min_cap,
-            self.demand_fraction,
-            self.limit_factor,
-            self.limit_headroom,
-            self.stale_after_s,
-            self.idle_restore_s,
-        ) = check_cap_follower(
-            max_num_seqs,
-            min_cap,
-            demand_fraction,
-            limit_factor,
-            limit_headroom,
-            stale_after_s,
-            idle_restore_s,
-        )
-        self._idle = IdleTimer()
+        self.follower = CapFollower(max_num_seqs, **follower)
         self._last_change_mono: float | None = None
         self._last_cut_mono: float | None = None
         self._kv = math.nan
@@ -128,10 +97,9 @@ class HysteresisPolicy(Policy):
 
     def decide(self, obs: Observation, now_mono: float) -> Decision:
         self._kv, self._now_mono = kv_signal(obs, self.kv_source), now_mono
-        if is_stale(obs, self.stale_after_s):
+        if self.follower.stale(obs):
             return Decision(None, None, "stale_stats")
-        idle_for = self._idle.update(obs, now_mono)
-        if idle_restore_due(idle_for, self.idle_restore_s, obs.batch_cap, self.max_num_seqs):
+        if self.follower.restore_due(obs, now_mono):
             return self._move(obs, self.max_num_seqs, "idle_restore", now_mono)
         cut_reason = self._cut_reason(obs)
         if cut_reason is not None:
@@ -146,7 +114,7 @@ class HysteresisPolicy(Policy):
         if high_reason is not None:
             return self._move(obs, obs.batch_cap - self.step, high_reason, now_mono)
         if self._is_low(obs):
-            if not has_demand(obs, obs.running, obs.batch_cap, self.demand_fraction):
+            if not self.follower.has_demand(obs):
                 return Decision(None, None, "no_demand")
             return self._move(obs, obs.batch_cap + self.step, "kv_low", now_mono)
         return Decision(None, None, "within_deadband")
@@ -170,13 +138,16 @@ class HysteresisPolicy(Policy):
         return self._kv < self.low and gpu_low
 
     def _move(self, obs: Observation, wanted: int, reason: str, now_mono: float) -> Decision:
-        cap = max(self.min_cap, min(self.max_num_seqs, wanted))
+        cap = max(self.follower.min_cap, min(self.max_num_seqs, wanted))
         if cap == obs.batch_cap:
             return Decision(None, None, "at_max" if wanted > cap else "at_min")
         self._last_change_mono = now_mono
         if cap < obs.batch_cap and reason in ("kv_critical", "preemptions"):
             self._last_cut_mono = now_mono
-        return Decision(limit_for_cap(cap, self.limit_factor, self.limit_headroom), cap, reason)
+        return self.follower.decision(cap, reason)
+
+    def params(self) -> dict[str, Any]:
+        return {**super().params(), **self.follower.params()}
 
     def terms(self) -> dict[str, float]:
         """The KV signal and the cooldowns left, as of the last tick."""

@@ -3,27 +3,15 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
-from policies.base import Decision, Observation, Policy, PolicyError, register
-from policies.common import (
-    KV_SOURCES,
-    IdleTimer,
-    check_cap_follower,
-    check_choice,
-    check_float,
-    clamp,
-    has_demand,
-    idle_restore_due,
-    is_stale,
-    kv_signal,
-    limit_for_cap,
-)
+from policies.base import Decision, Observation, Policy, PolicyError
+from policies.common import KV_SOURCES, CapFollower, check_choice, check_float, clamp, kv_signal
 
 TARGETS = ("kv_usage", "ttft_p99", "itl_p99")
 DEFAULT_SETPOINTS = {"kv_usage": 0.9}
 
 
-@register
 class PidPolicy(Policy):
     """A positional PID on a relative error; its output in [0, 1] spans the batch cap's range.
 
@@ -37,7 +25,7 @@ class PidPolicy(Policy):
         u = clamp(kp * e + I + D, 0, 1)
         batch_cap = min_cap + round(u * (max_num_seqs - min_cap))      # output_scale = "linear"
         batch_cap = round(min_cap * (max_num_seqs / min_cap) ** u)    # output_scale = "log"
-        admission_limit = ceil(batch_cap * limit_factor) + limit_headroom
+        admission_limit = ceil(batch_cap * limit_factor) + limit_headroom   # CapFollower
 
     The error is relative, so the same gains suit KV usage and latencies. With ``output_scale = "log"``
     a step of ``u`` changes the cap by a fixed ratio: KV usage grows in proportion to the cap, so the
@@ -54,8 +42,9 @@ class PidPolicy(Policy):
     Anti-windup: ``I`` is clamped to [-kp, 1 + kp] (just enough to hold any output against the
     largest P term), and it is not integrated while the error pushes an output that cannot follow:
     ``kp*e + I + D`` beyond [0, 1], the loop's normalize stage having moved the cap only part of the
-    way asked (rate limit; a change it dropped whole, as within its tolerance band, does not stop
-    the integral, or the cap would never leave the band), or a raise held for lack of demand.
+    way asked at the previous tick (rate limit, as ``applied`` reports it; a change it dropped whole,
+    as within its tolerance band, does not stop the integral, or the cap would never leave the
+    band), or a raise held for lack of demand.
 
     Holds (both knobs None): "stale_stats"; "settling" (above the setpoint while more requests run
     than the cap allows: the previous cut is still taking effect, so neither P nor I acts on it);
@@ -70,21 +59,17 @@ class PidPolicy(Policy):
     burst's peak is what overflows the cache and preempts); ``output_scale`` "log" (or "linear");
     ``setpoint`` 0.9 for kv_usage, required (seconds) for latencies, e.g. the TPOT SLO for
     "itl_p99"; ``kp`` 0.2, ``ki`` 0.2 (per second), ``kd`` 0.0 (seconds); ``deadband`` 0.1 (a
-    fraction of the setpoint); ``min_cap`` 1; ``demand_fraction`` 0.9; ``limit_factor`` 1.0;
-    ``limit_headroom`` 2;
-    ``stale_after_s`` 5.0; ``idle_restore_s`` 60.0: idle (nothing in flight or queued) that long, the
-    cap goes back to ``max_num_seqs`` ("idle_restore") and the controller restarts bumpless from there
-    (None: never).
+    fraction of the setpoint); and the cap follower's ``min_cap``, ``demand_fraction``,
+    ``limit_factor``, ``limit_headroom``, ``stale_after_s``, ``idle_restore_s``
+    (``policies.common.CapFollower``); after an "idle_restore" the controller restarts bumpless
+    from the ceiling.
 
-    States: idle since; integral ``I`` (None until the first measurement), previous measurement and its time,
-    the cap asked for at the previous tick.
+    States: the cap follower's idle clock; integral ``I`` (None until the first measurement),
+    previous measurement and its time; this tick's ask and whether the previous one was held short.
     """
 
     name = "pid"
-    param_names = tuple(
-        "target setpoint kv_source output_scale kp ki kd deadband min_cap demand_fraction limit_factor "
-        "limit_headroom stale_after_s idle_restore_s".split()
-    )
+    param_names = tuple("target setpoint kv_source output_scale kp ki kd deadband".split())
 
     def __init__(
         self,
@@ -99,12 +84,7 @@ class PidPolicy(Policy):
         ki: float = 0.2,
         kd: float = 0.0,
         deadband: float = 0.1,
-        min_cap: int = 1,
-        demand_fraction: float = 0.9,
-        limit_factor: float = 1.0,
-        limit_headroom: int = 2,
-        stale_after_s: float = 5.0,
-        idle_restore_s: float | None = 60.0,
+        **follower: Any,
     ) -> None:
         self.max_num_seqs = max_num_seqs
         self.target = check_choice("target", target, TARGETS)
@@ -119,37 +99,20 @@ class PidPolicy(Policy):
         self.ki = check_float("ki", ki, 0.0)
         self.kd = check_float("kd", kd, 0.0)
         self.deadband = check_float("deadband", deadband, 0.0, 0.99)
-        (
-            self.min_cap,
-            self.demand_fraction,
-            self.limit_factor,
-            self.limit_headroom,
-            self.stale_after_s,
-            self.idle_restore_s,
-        ) = check_cap_follower(
-            max_num_seqs,
-            min_cap,
-            demand_fraction,
-            limit_factor,
-            limit_headroom,
-            stale_after_s,
-            idle_restore_s,
-        )
-        self._idle = IdleTimer()
+        self.follower = CapFollower(max_num_seqs, **follower)
         self._integral: float | None = None
         self._prev: tuple[float, float] | None = None  # (now_mono, measurement)
-        self._asked: int | None = None
-        self._cap_seen: int | None = None
+        self._ask: tuple[int, int] | None = None  # this tick's (cap in force, cap asked), for applied()
+        self._held = 0  # the previous ask took effect only in part: -1 held below it, +1 above
         self._terms = {"measurement": math.nan, "error": math.nan, "derivative": math.nan, "output": math.nan}
 
     def decide(self, obs: Observation, now_mono: float) -> Decision:
-        if is_stale(obs, self.stale_after_s):
+        self._ask = None
+        if self.follower.stale(obs):
             return self._hold("stale_stats", forget=True)
-        idle_for = self._idle.update(obs, now_mono)
-        if idle_restore_due(idle_for, self.idle_restore_s, obs.batch_cap, self.max_num_seqs):
-            self._integral, self._prev, self._asked = None, None, None  # bumpless from the ceiling
-            cap = self.max_num_seqs
-            return Decision(limit_for_cap(cap, self.limit_factor, self.limit_headroom), cap, "idle_restore")
+        if self.follower.restore_due(obs, now_mono):
+            self._integral, self._prev = None, None  # bumpless from the ceiling
+            return self.follower.decision(self.max_num_seqs, "idle_restore")
         m = self._measure(obs)
         if m is None:
             return self._hold("no_measurement", forget=True)
@@ -163,20 +126,26 @@ class PidPolicy(Policy):
         integral, dt = self._start_integral(obs, e), self._dt(now_mono)
         d = self._derivative(m, dt)
         self._prev = (now_mono, m)
-        saturated = self._saturated(obs, e, integral + self.kp * e + d)
-        self._cap_seen = obs.batch_cap
-        if dt is not None and not saturated:
+        if dt is not None and not self._saturated(e, integral + self.kp * e + d):
             integral = clamp(integral + self.ki * e * dt, -self.kp, 1.0 + self.kp)
         u = clamp(self.kp * e + integral + d, 0.0, 1.0)
         cap = self._cap_for(u)
         self._terms = {"measurement": m, "error": e, "derivative": d, "output": u}
-        if cap > obs.batch_cap and not has_demand(obs, obs.running, obs.batch_cap, self.demand_fraction):
+        if cap > obs.batch_cap and not self.follower.has_demand(obs):
             if e <= 0:  # a raise from D alone: the integral may still move down
                 self._integral = integral
             return self._hold("no_demand", forget=False)
-        self._integral, self._asked = integral, cap
-        reason = _reason(cap, obs.batch_cap, e)
-        return Decision(limit_for_cap(cap, self.limit_factor, self.limit_headroom), cap, reason)
+        self._integral, self._ask = integral, (obs.batch_cap, cap)
+        return self.follower.decision(cap, _reason(cap, obs.batch_cap, e))
+
+    def applied(self, admission_limit: int, batch_cap: int, now_mono: float) -> None:
+        """Whether this tick's ask took effect only in part: the normalize stage moved the cap, but
+        not as far as asked (rate limit, stabilisation window). A cap left where it was (an ask
+        dropped whole, as within the tolerance band) is not held short."""
+        self._held = 0
+        if self._ask is not None and batch_cap != self._ask[0]:
+            asked = self._ask[1]
+            self._held = (batch_cap > asked) - (batch_cap < asked)
 
     def _measure(self, obs: Observation) -> float | None:
         if self.target == "kv_usage":
@@ -191,14 +160,14 @@ class PidPolicy(Policy):
         return self._integral
 
     def _cap_for(self, u: float) -> int:
-        lo, hi = self.min_cap, self.max_num_seqs
+        lo, hi = self.follower.min_cap, self.max_num_seqs
         if self.output_scale == "log":
             ratio: float = (hi / lo) ** u
             return max(lo, min(hi, round(lo * ratio)))
         return lo + round(u * (hi - lo))
 
     def _u_for(self, cap: int) -> float:
-        lo, hi = self.min_cap, self.max_num_seqs
+        lo, hi = self.follower.min_cap, self.max_num_seqs
         if hi == lo:
             return 0.0
         cap = max(lo, min(hi, cap))
@@ -216,21 +185,19 @@ class PidPolicy(Policy):
             return 0.0
         return -self.kd * ((m - self._prev[1]) / self.setpoint) / dt
 
-    def _saturated(self, obs: Observation, e: float, u_raw: float) -> bool:
+    def _saturated(self, e: float, u_raw: float) -> bool:
         """The output cannot move further the way the error pushes it (conditional integration)."""
-        seen, asked, cap = self._cap_seen, self._asked, obs.batch_cap
-        moved = seen is not None and cap != seen  # the normalize stage applied part of the last ask
-        held_low = asked is not None and moved and cap < asked
-        held_high = asked is not None and moved and cap > asked
         if e > 0:
-            return u_raw > 1.0 or held_low
-        return e < 0 and (u_raw < 0.0 or held_high)
+            return u_raw > 1.0 or self._held < 0
+        return e < 0 and (u_raw < 0.0 or self._held > 0)
 
     def _hold(self, reason: str, *, forget: bool) -> Decision:
         if forget:
             self._prev = None
-        self._asked = None
         return Decision(None, None, reason)
+
+    def params(self) -> dict[str, Any]:
+        return {**super().params(), **self.follower.params()}
 
     def terms(self) -> dict[str, float]:
         """Measurement, error, integral, derivative and output (0..1) of the last computed tick."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from policies.base import Decision, Observation, Policy, PolicyError, register
+from policies.base import Decision, Observation, Policy, PolicyError
 
 PRESETS: dict[str, dict[str, int]] = {
     # The usual tuning advice: small batches for chat latency, large ones for batch throughput.
@@ -15,7 +15,6 @@ PRESETS: dict[str, dict[str, int]] = {
 }
 
 
-@register
 class StaticPolicy(Policy):
     """Holds the batch cap and the admission limit at fixed values.
 

@@ -72,6 +72,9 @@ class ControlLoop:
             decision = self.policy.decide(obs, obs.now_mono)
             self.last_reason = decision.reason
             changes = await self._apply(self.normalizer.normalize(decision, obs, obs.now_mono), obs)
+            in_force = {"admission_limit": obs.admission_limit, "batch_cap": obs.batch_cap}
+            in_force.update({c.knob: c.new for c in changes})
+            self.policy.applied(in_force["admission_limit"], in_force["batch_cap"], obs.now_mono)
             for notify in self._subscribers:
                 notify(obs, changes)
             return changes

@@ -27,10 +27,11 @@ def at(now: float, ttft: float | None, **fields: Any) -> Observation:
 
 
 def measured(**params: Any) -> GradientPolicy:
-    """Baseline 0.25 s, measured over t = 0..10; the limit is back at 64."""
+    """Baseline 0.25 s, measured over t = 0..10; the limit is back at 64 (the loop applied it at 10)."""
     policy = make(**params)
     for now, ttft in ((0.0, 0.5), (5.0, 0.25), (10.0, 0.3)):
         decision = policy.decide(at(now, ttft, admission_limit=4), now)
+        policy.applied(decision.admission_limit or 4, 32, now)
     assert decision.reason == "baseline_measured"
     assert policy.state == NORMAL
     return policy
@@ -135,7 +136,8 @@ def test_defaults_hold_still_where_the_plain_update_chatters() -> None:
     every tick."""
     policy = GradientPolicy(max_num_seqs=64, initial_limit=64)
     for now, ttft in ((0.0, 0.5), (5.0, 0.25), (10.0, 0.3)):
-        policy.decide(at(now, ttft, admission_limit=4), now)
+        decision = policy.decide(at(now, ttft, admission_limit=4), now)
+        policy.applied(decision.admission_limit or 4, 32, now)  # as the loop does after each tick
     limit, moves, reasons = 64, [], set()
     for t in range(11, 600):
         ttft = 0.25 * max(1.0, limit / 32)
@@ -144,6 +146,7 @@ def test_defaults_hold_still_where_the_plain_update_chatters() -> None:
         if decision.admission_limit is not None and decision.admission_limit != limit:
             moves.append((t, limit, decision.admission_limit, decision.reason))
         limit = decision.admission_limit if decision.admission_limit is not None else limit
+        policy.applied(limit, 32, float(t))
     assert {"dwell", "below_min_change"} <= reasons
     # t = 11..20: dwell after the baseline window (the limit went 4 -> 64 at t = 10); updates at
     # t = 21, 32, 43 stay within 6.4 of 64; the one at t = 54 is not
@@ -172,6 +175,7 @@ def test_dwell_waits_after_each_move_and_each_update() -> None:
     # the limit went 4 -> 64 at t = 10: dwell through t = 15
     assert policy.decide(at(15.0, 0.75), 15.0) == Decision(None, None, "dwell")
     assert policy.decide(at(16.0, 0.75), 16.0) == Decision(59, None, "latency_high")  # 59.2, as above
+    policy.applied(59, 32, 16.0)  # the loop applies it
     for t in (17.0, 21.0):  # the sample still covers the time before this move
         assert policy.decide(at(t, 0.75, admission_limit=59, in_flight=59), t) == Decision(
             None, None, "dwell"

@@ -119,7 +119,8 @@ def test_no_wind_up_while_saturated() -> None:
 def test_no_wind_up_while_the_normalize_stage_rate_limits_the_cap() -> None:
     policy = warmed()
     assert policy.decide(at(1.0, queued=1), 1.0) == Decision(38, 36, "below_setpoint")
-    # asked for 36, the loop's rate limit moved the cap only to 34: no integration
+    # asked for 36, the loop's rate limit moved the cap only to 34 (the loop says so): no integration
+    policy.applied(36, 34, 1.0)
     assert policy.decide(at(2.0, queued=1, batch_cap=34), 2.0) == Decision(38, 36, "below_setpoint")
     assert policy.terms()["integral"] == pytest.approx(0.4)
 
@@ -129,6 +130,7 @@ def test_a_change_dropped_by_the_tolerance_band_keeps_integrating() -> None:
     assert policy.decide(at(1.0, queued=1), 1.0) == Decision(38, 36, "below_setpoint")
     # asked for 36, the loop applied nothing (within its tolerance band): the ask must grow out of
     # the band, so the integral goes on: I = 0.45, u = 0.6, cap = 1 + round(0.6 * 64) = 39
+    policy.applied(34, 33, 1.0)
     assert policy.decide(at(2.0, queued=1), 2.0) == Decision(41, 39, "below_setpoint")
     assert policy.terms()["integral"] == pytest.approx(0.45)
 
