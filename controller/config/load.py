@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from controller.admission.classes import DEFAULT_CLASSES, PriorityClass, parse_classes
+from policies.base import PolicyError, build_policy
 
 DEFAULT_CONFIG = Path("config.toml")
 
@@ -269,7 +270,8 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
     if not isinstance(restart_on_reload, bool):
         errors.append(f"[engine] restart_on_reload = {restart_on_reload!r}: must be true or false")
     tables = {name: _build_table(name, _table(data, name), errors) for name in _TABLES}
-    from controller.engine.runtime.args import engine_table_errors  # vLLM's own argument names
+    # Lazy: engine.runtime.args imports vLLM (seconds), which only loading a config file needs.
+    from controller.engine.runtime.args import engine_table_errors
 
     errors.extend(engine_table_errors(engine, {}))
     errors.extend(_server_option_errors(tables["server"].vllm))
@@ -290,7 +292,7 @@ def _table(data: dict[str, Any], name: str) -> dict[str, Any]:
 def _server_option_errors(extra: dict[str, Any]) -> list[str]:
     """vLLM checks the free [server] keys; a near miss of our own keys (prot -> port) says so too,
     since vLLM's parser does not know them."""
-    from controller.engine.runtime.args import engine_table_errors
+    from controller.engine.runtime.args import engine_table_errors  # lazy: imports vLLM (as above)
 
     own = [f.name for f in dataclasses.fields(ServerConfig) if f.name not in _DICT_FIELDS]
     errors: list[str] = []
@@ -315,8 +317,6 @@ def _cross_check(engine: dict[str, Any], tables: dict[str, Any]) -> list[str]:
 
 
 def _policy_errors(engine: dict[str, Any], tables: dict[str, Any]) -> list[str]:
-    from policies.base import PolicyError, build_policy
-
     try:
         build_policy(
             tables["control"].policy,

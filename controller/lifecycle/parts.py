@@ -21,9 +21,9 @@ from controller.admin.metrics import GateMetrics, Metrics
 from controller.admission.gate import AdmissionGate
 from controller.config.load import Config
 from controller.control.actuator import Actuator
+from controller.control.build import normalizer_for, policy_for
 from controller.control.diagnosis import Diagnoser, Diagnosis
 from controller.control.loop import Change, ControlLoop, Subscriber
-from controller.control.normalize import Normalizer
 from controller.control.observe import Observer
 from controller.control.samplers import GpuSource, HostReadingSource, HostSource, NvmlSource
 from controller.control.telemetry import TelemetryWindow
@@ -32,30 +32,10 @@ from controller.engine.runtime.host import EngineHost
 from controller.lifecycle.guard import Guard
 from controller.lifecycle.notify import Notifier
 from controller.lifecycle.tasks import BackgroundTasks
-from policies.base import Observation, Policy, build_policy
+from policies.base import Observation
 
 TICK_JOB = "control_tick"
 """The scheduler's job id for the loop's tick (a reload reschedules it)."""
-
-
-def make_policy(config: Config) -> Policy:
-    return build_policy(
-        config.control.policy,
-        config.control.params,
-        max_num_seqs=config.max_num_seqs,
-        initial_limit=config.admission.limit,
-    )
-
-
-def make_normalizer(config: Config) -> Normalizer:
-    c = config.control
-    return Normalizer(
-        limit_max=c.limit_max,
-        tolerance=c.tolerance,
-        max_step_up=c.max_step_up,
-        max_step_down=c.max_step_down,
-        stabilization_s=c.stabilization_s,
-    )
 
 
 @dataclass(eq=False)
@@ -127,7 +107,7 @@ def build_parts(
     actuator = Actuator(gate, host)
     diagnoser, tasks = Diagnoser(), BackgroundTasks()
     subscribers = [diagnoser.on_tick, watch_memory(guard, tasks), metrics.count_decisions]
-    policy, normalizer = make_policy(config), make_normalizer(config)
+    policy, normalizer = policy_for(config), normalizer_for(config.control)
     loop = ControlLoop(policy, normalizer, observer.observe, actuator, subscribers, config.control.history)
     metrics.live.read_from(gate, host, loop)
     return Parts(

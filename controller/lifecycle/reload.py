@@ -12,7 +12,8 @@ import structlog
 
 from controller.config.diff import ConfigDiff, diff_config, engine_overrides, merge_live
 from controller.config.load import Config, ConfigError, load_config
-from controller.lifecycle.parts import TICK_JOB, Parts, make_normalizer, make_policy
+from controller.control.build import normalizer_for, policy_for
+from controller.lifecycle.parts import TICK_JOB, Parts
 
 log = structlog.get_logger(__name__)
 
@@ -74,8 +75,8 @@ class Reloader:
             p.actuator.set_admission_limit(a.limit)
         p.window.window_s = new.control.window_seconds
         if "control" in diff.live or limit_moved:
-            p.loop.policy = make_policy(p.config)
-            p.loop.normalizer = make_normalizer(p.config)
+            p.loop.policy = policy_for(p.config)
+            p.loop.normalizer = normalizer_for(p.config.control)
         p.loop.resize_history(new.control.history)
         p.guard.configure(new.guard)
         tick = new.control.tick_seconds

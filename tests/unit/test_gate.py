@@ -7,6 +7,8 @@ comes from a ``FakeClock``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+from typing import Any
 
 import pytest
 
@@ -22,6 +24,14 @@ async def settle() -> None:
     """Let every ready task run until it blocks again (a few loop iterations, no real time)."""
     for _ in range(5):
         await asyncio.sleep(0)
+
+
+IDLE = GateStats(0, 0, 0, 0, admitted_total=0, rejected_total=0, completed_total=0, closed=False)
+"""Nothing in flight, queued, pending, refused or closed: a case names only what differs."""
+
+
+def stats(**fields: Any) -> GateStats:
+    return dataclasses.replace(IDLE, **fields)
 
 
 class Waiters:
@@ -88,16 +98,7 @@ async def test_limit_admits_up_to_limit_and_queues_the_rest() -> None:
     for label in ("a", "b", "c"):
         await waiters.add(label)
     assert waiters.granted == ["a", "b"]
-    assert gate.stats() == GateStats(
-        limit=2,
-        in_flight=2,
-        queued=1,
-        pending=0,
-        admitted_total=2,
-        rejected_total=0,
-        completed_total=0,
-        closed=False,
-    )
+    assert gate.stats() == stats(limit=2, in_flight=2, queued=1, admitted_total=2, completed_total=0)
     release(gate)
     await settle()
     assert waiters.granted == ["a", "b", "c"]
@@ -213,16 +214,7 @@ async def test_cancelling_the_only_waiter_does_not_block_later_requests() -> Non
     assert gate.stats().in_flight == 0
     # the queue is empty, so a new request takes the free slot without waiting
     await asyncio.wait_for(gate.acquire(), timeout=1.0)
-    assert gate.stats() == GateStats(
-        limit=1,
-        in_flight=1,
-        queued=0,
-        pending=0,
-        admitted_total=2,
-        rejected_total=0,
-        completed_total=1,
-        closed=False,
-    )
+    assert gate.stats() == stats(limit=1, in_flight=1, admitted_total=2, completed_total=1)
 
 
 async def test_cancel_racing_with_grant_gives_the_slot_back() -> None:
@@ -427,15 +419,8 @@ async def test_stats_and_queue_depth() -> None:
     await settle()
     assert waiters.granted == ["b"]
     assert gate.queued_by_class() == {"all": 2}
-    assert gate.stats() == GateStats(
-        limit=2,
-        in_flight=2,
-        queued=2,
-        pending=1,
-        admitted_total=3,
-        rejected_total=0,
-        completed_total=1,
-        closed=False,
+    assert gate.stats() == stats(
+        limit=2, in_flight=2, queued=2, pending=1, admitted_total=3, completed_total=1
     )
     clock.advance(31.0)
     assert gate.stats().pending == 0

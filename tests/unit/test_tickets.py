@@ -5,6 +5,7 @@ its pending place back. vLLM's serving object is replaced by a fake with the sam
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from http import HTTPStatus
 from typing import Any
@@ -19,7 +20,7 @@ from controller.admission.classes import PriorityClass
 from controller.admission.gate import AdmissionGate
 from controller.engine.frontend import tickets
 from controller.engine.frontend.app import AdmissionMiddleware
-from controller.engine.frontend.client import GovernedEngineClient
+from controller.engine.frontend.client import GateRefusal, GovernedEngineClient
 from tests.unit.test_gate import Events, Recorder
 
 
@@ -144,10 +145,6 @@ async def test_a_4xx_after_admission_gives_the_pending_place_back() -> None:
 def test_gate_refusal_tracebacks_are_dropped_from_the_serving_loggers(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    import logging
-
-    from controller.engine.frontend.client import GateRefusal
-
     app = FastAPI()
     app.state.serving = FakeServing(GovernedEngineClient(FakeHost(), make_gate()[0], lambda: None))  # type: ignore[arg-type]
     tickets.capture_priorities(app.state, GateRefusal)
