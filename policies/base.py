@@ -12,13 +12,14 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 
 @dataclass(frozen=True)
 class Observation:
-    """One tick's view of the system, built by the samplers, only read by policies."""
+    """One tick's view of the system, built by the samplers, only read: by the policies, the normalize
+    stage, the memory guard and the diagnosis. A field none of them reads does not belong here."""
 
     now_mono: float
     """Monotonic time of the observation (seconds)."""
@@ -34,8 +35,6 @@ class Observation:
     """Requests waiting in the gate."""
     running: int
     """Requests RUNNING in the engine at its last step."""
-    waiting: int
-    """Requests waiting inside the engine at its last step."""
     kv_usage: float
     """KV-cache usage at the last step, 0..1."""
     kv_usage_mean: float
@@ -56,12 +55,6 @@ class Observation:
     """p50 time to first token over the window; None without samples."""
     itl_p50_s: float | None = None
     """p50 inter-token latency over the window; None without samples."""
-    finished_per_s: float = 0.0
-    """Requests finished per second over the window."""
-    queued_by_class: Mapping[str, int] = field(default_factory=dict)
-    """Requests waiting in the gate, by priority class."""
-    gpu_memory_used_bytes: int | None = None
-    """NVML: memory used on the engine's GPUs (sum); None without a GPU."""
     gpu_memory_total_bytes: int | None = None
     """NVML: memory of the engine's GPUs (sum); None without a GPU."""
     gpu_memory_free_bytes: int | None = None

@@ -14,7 +14,6 @@ DEFAULTS: dict[str, Any] = {
     "in_flight": 20,
     "queued": 0,
     "running": 20,
-    "waiting": 0,
     "kv_usage": 0.5,
     "kv_usage_mean": 0.5,
     "kv_usage_max": 0.5,
