@@ -10,6 +10,7 @@ from typing import Any
 from controller.bench import phases
 from controller.bench.prompts import Tokenizer, counter
 from controller.bench.runner import RunConfig
+from controller.bench.tables import cell
 from controller.bench.workload import (
     RequestSpec,
     WorkloadError,
@@ -134,10 +135,6 @@ def run_config(args: argparse.Namespace, out: Path) -> RunConfig:
     )  # fmt: skip
 
 
-def _fmt(value: Any, spec: str = ".3f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def format_summary(s: dict[str, Any]) -> str:
     """A few lines for the terminal."""
     return (
@@ -145,10 +142,10 @@ def format_summary(s: dict[str, Any]) -> str:
         f"({s['ok']} ok, {s['refused']} refused, {s['failed']} failed) "
         f"in {s['duration_s']:.1f} s\n"
         f"  throughput {s['throughput_tok_s']:.1f} tok/s, goodput {s['goodput_rps']:.2f} req/s "
-        f"(SLO TTFT {_fmt(s['slo_ttft_s'], 'g')} s, TPOT {_fmt(s['slo_tpot_s'], 'g')} s; "
-        f"attainment {_fmt(s['slo_attainment'], '.1%')})\n"
-        f"  TTFT p50/p99 {_fmt(s['ttft_p50'])}/{_fmt(s['ttft_p99'])} s, "
-        f"TPOT p50/p99 {_fmt(s['tpot_p50'], '.4f')}/{_fmt(s['tpot_p99'], '.4f')} s, "
-        f"KV mean/max {_fmt(s['kv_usage_mean'], '.2f')}/{_fmt(s['kv_usage_max'], '.2f')}, "
-        f"preemptions {_fmt(s['preemptions'], 'd')}"
+        f"(SLO TTFT {cell(s['slo_ttft_s'], 'g')} s, TPOT {cell(s['slo_tpot_s'], 'g')} s; "
+        f"attainment {cell(s['slo_attainment'], '.1%')})\n"
+        f"  TTFT p50/p99 {cell(s['ttft_p50'])}/{cell(s['ttft_p99'])} s, "
+        f"TPOT p50/p99 {cell(s['tpot_p50'], '.4f')}/{cell(s['tpot_p99'], '.4f')} s, "
+        f"KV mean/max {cell(s['kv_usage_mean'], '.2f')}/{cell(s['kv_usage_max'], '.2f')}, "
+        f"preemptions {cell(s['preemptions'], 'd')}"
     )

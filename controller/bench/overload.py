@@ -23,7 +23,7 @@ from typing import Any
 
 from controller.bench.mix import BATCH, INTERACTIVE, Mix, capacity, run_mix, summarize, unloaded_ttft
 from controller.bench.servers import ServerSpec, launched, load_base_config, served_model
-from controller.bench.tables import VLLM_SERVE
+from controller.bench.tables import VLLM_SERVE, cell
 from controller.bench.targets import parse_assignments
 
 DAEMON = "daemon"
@@ -122,10 +122,6 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0f}"
-
-
 def format_table(summaries: dict[str, dict[str, Any]]) -> str:
     head = ("| server | class | sent | served | 429 (with Retry-After) | 5xx | no answer | TTFT p50 ms | "
             "TTFT p99 ms | within SLO | goodput/s |")  # fmt: skip
@@ -133,11 +129,12 @@ def format_table(summaries: dict[str, dict[str, Any]]) -> str:
     for name, s in summaries.items():
         for cls in (INTERACTIVE, BATCH):
             c = s[cls]
-            share = "-" if c["within_slo_share"] is None else f"{c['within_slo_share']:.1%}"
+            share = cell(c["within_slo_share"], ".1%")
             rows.append(
                 f"| {name} | {cls} | {c['sent']} | {c['served']} | {c['refused_429']} "
                 f"({c['refused_with_retry_after']}) | {c['server_errors_5xx']} | {c['no_answer']} | "
-                f"{_ms(c['ttft_p50_ms'])} | {_ms(c['ttft_p99_ms'])} | {share} | {c['goodput_per_s']:.2f} |"
+                f"{cell(c['ttft_p50_ms'], '.0f')} | {cell(c['ttft_p99_ms'], '.0f')} | {share} | "
+                f"{c['goodput_per_s']:.2f} |"
             )
         rows.append(f"| {name} | all | | | | | | | | | {s['goodput_per_s']:.2f} |")
     return "\n".join(rows)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from controller.bench.records import RequestRecord, SeriesPoint, meets_slo, percentile
-from controller.bench.tables import best_static
+from controller.bench.tables import best_static, cell
 from controller.bench.workload import RequestSpec
 
 PROMPT_TOKENS = 40
@@ -112,10 +112,6 @@ def summarize(
     return out
 
 
-def _num(value: float | None, fmt: str) -> str:
-    return "-" if value is None else format(value, fmt)
-
-
 def markdown(results: dict[str, dict[str, Any]]) -> str:
     """Two markdown tables: figures per phase, and goodput ratios to the best static server."""
     names = [*(p.name for p in PHASES), OVERALL]
@@ -125,7 +121,7 @@ def markdown(results: dict[str, dict[str, Any]]) -> str:
     ceiling = [f"{any_res[p]['ceiling_rps']:.2f}" if i == 0 else "" for p in names for i in range(3)]
     lines.append("| ceiling (every arrival good) | " + " | ".join(ceiling) + " |")
     for name, res in results.items():
-        cells = [f"{res[p]['goodput_rps']:.2f} | {_num(res[p]['ttft_p99_s'], '.2f')} | "
+        cells = [f"{res[p]['goodput_rps']:.2f} | {cell(res[p]['ttft_p99_s'], '.2f')} | "
                  f"{res[p]['preemptions']:.0f}" for p in names]  # fmt: skip
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     ref = best_static([{"target": k, "goodput_rps": v[OVERALL]["goodput_rps"], "throughput_tok_s": 0.0}

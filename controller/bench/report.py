@@ -17,7 +17,7 @@ from typing import Any
 
 from controller.bench.records import SeriesPoint, read_series
 from controller.bench.runner import SERIES, SUMMARY, read_summary
-from controller.bench.tables import run_dirs
+from controller.bench.tables import cell, run_dirs
 from controller.bench.tables import table as make_table
 
 REPORT = "report.md"
@@ -104,23 +104,19 @@ def _workload_lines(runs: Sequence[Run]) -> list[str]:
     if not work:
         return []
     return [
-        f"Workload: {work.get('requests')} requests over {_num(work.get('span_s'), '.0f')} s "
-        f"({_num(work.get('rate_rps'), '.2f')} req/s), "
-        f"mean prompt {_num(work.get('prompt_tokens_mean'), '.0f')} "
-        f"and output {_num(work.get('output_tokens_mean'), '.0f')} tokens; "
+        f"Workload: {work.get('requests')} requests over {cell(work.get('span_s'), '.0f')} s "
+        f"({cell(work.get('rate_rps'), '.2f')} req/s), "
+        f"mean prompt {cell(work.get('prompt_tokens_mean'), '.0f')} "
+        f"and output {cell(work.get('output_tokens_mean'), '.0f')} tokens; "
         f"SLO TTFT {first.get('slo_ttft_s')} s, "
         f"TPOT {first.get('slo_tpot_s')} s.",
         "",
     ]
 
 
-def _num(value: Any, fmt: str) -> str:
-    return "-" if value is None else format(value, fmt)
-
-
 def _run_line(run: Run) -> str:
     s = run.summary
-    bits = [f"{s.get('requests')} requests in {_num(s.get('duration_s'), '.1f')} s"]
+    bits = [f"{s.get('requests')} requests in {cell(s.get('duration_s'), '.1f')} s"]
     if s.get("server"):
         bits.append(f"server {s['server']}")
     if s.get("control"):

@@ -34,7 +34,9 @@ RATIOS: tuple[tuple[str, str], ...] = (
 )
 
 
-def _cell(value: Any, fmt: str) -> str:
+def cell(value: Any, fmt: str = ".3f") -> str:
+    """A figure for a table or the terminal: "-" when unknown; formats ``ms`` (seconds shown as ms),
+    ``gib`` (bytes as GiB), ``d`` (an integer, from an int or float), else ``format(value, fmt)``."""
     if value is None:
         return "-"
     if fmt == "ms":
@@ -68,8 +70,8 @@ def table(
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in summaries:
         cells = [str(s["target"]) + (f" ({note})" if s is ref else "")]
-        cells += [_cell(s.get(key), fmt) for _, key, fmt in COLUMNS]
-        cells += [_cell(ratio(s.get(key), ref.get(key) if ref else None), ".2f") for _, key in RATIOS]
+        cells += [cell(s.get(key), fmt) for _, key, fmt in COLUMNS]
+        cells += [cell(ratio(s.get(key), ref.get(key) if ref else None), ".2f") for _, key in RATIOS]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -1,0 +1,56 @@
+"""``bench overload``: its servers, the mix's per-class accounting and the table (no servers)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from controller.bench import overload
+from controller.bench.cli import add_bench_commands
+from controller.bench.mix import BATCH, INTERACTIVE, Outcome, summarize
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_bench_commands(p.add_subparsers(dest="bench_command"))
+    return p.parse_args(["overload", "--out", "/tmp/x", *argv])
+
+
+def test_servers_daemon_per_poll_sleep_and_vllm_serve_with_priority_scheduling() -> None:
+    engine = {"model": "/m", "max_num_seqs": 16}
+    specs = overload.servers(engine, _args("--poll-sleep", "0", "0.0002", "--limit", "8"))
+    assert [s.name for s in specs] == ["daemon:poll_sleep=0", "daemon:poll_sleep=0.0002", "vllm-serve"]
+    assert specs[1].server == {"shutdown_timeout_s": 10.0, "engine_poll_sleep_s": 0.0002}
+    assert specs[0].admission["limit"] == 8
+    assert specs[0].admission["classes"]["interactive"]["reserved_share"] == 0.5
+    assert specs[2].kind == "vllm-serve" and specs[2].engine["scheduling_policy"] == "priority"
+    assert overload.servers(engine, _args())[0].admission["limit"] == 16  # default: max_num_seqs
+    with pytest.raises(ValueError, match="use daemon or vllm-serve"):
+        overload.servers(engine, _args("--targets", "nginx"))
+
+
+def test_summarize_counts_refusals_errors_and_goodput_per_class() -> None:
+    outcomes = [
+        Outcome(INTERACTIVE, 200, 0.0, 0.1, ttft_s=0.1),
+        Outcome(INTERACTIVE, 200, 0.0, 2.0, ttft_s=2.0),  # served, over the SLO
+        Outcome(INTERACTIVE, 429, 0.0, 0.0, retry_after="1"),
+        Outcome(BATCH, 429, 0.0, 0.0, detail="stream error event: deadline"),
+        Outcome(BATCH, 0, 0.0, 60.0, detail="TimeoutError"),
+        Outcome(BATCH, 503, 0.0, 0.0),
+    ]
+    s = summarize(outcomes, {INTERACTIVE: 1.0, BATCH: 20.0}, 10.0)
+    inter, batch = s[INTERACTIVE], s[BATCH]
+    assert (inter["sent"], inter["served"], inter["refused_429"], inter["refused_with_retry_after"]) == (
+        3,
+        2,
+        1,
+        1,
+    )
+    assert inter["within_slo"] == 1 and inter["goodput_per_s"] == pytest.approx(0.1)
+    assert inter["ttft_p50_ms"] == pytest.approx(1050.0)
+    assert (batch["refused_in_stream"], batch["no_answer"], batch["server_errors_5xx"]) == (1, 1, 1)
+    assert batch["ttft_p99_ms"] is None and batch["goodput_per_s"] == 0.0
+    table = overload.format_table({"daemon": s})
+    assert "| daemon | interactive | 3 | 2 | 1 (1) | 0 | 0 | 1050 | 1981 | 33.3% | 0.10 |" in table
+    assert "| daemon | batch | 3 | 0 | 1 (0) | 1 | 1 | - | - | 0.0% | 0.00 |" in table
