@@ -16,7 +16,6 @@ report, use ``vllm-autopilot bench run``: locust's users are a closed loop.
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import sys
 import time
@@ -28,7 +27,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from controller.bench.client import Target, parse_event, payload  # noqa: E402
 from controller.bench.prompts import PromptBuilder, load_tokenizer  # noqa: E402
+from controller.bench.workload import RequestSpec  # noqa: E402
 
 MODEL = os.environ.get("MODEL", "tiny")
 PROMPT_TOKENS = int(os.environ.get("PROMPT_TOKENS", "128"))
@@ -37,6 +38,7 @@ PRIORITY = int(os.environ.get("PRIORITY", "0"))
 WAIT_S = float(os.environ.get("WAIT_S", "0"))
 BUILDER = PromptBuilder(load_tokenizer(Path(os.environ.get("TOKENIZER", str(ROOT / "models" / "tiny")))))
 COUNTER = itertools.count()
+TARGET = Target("", MODEL)  # locust's --host is the base URL
 
 
 class CompletionUser(HttpUser):
@@ -44,13 +46,8 @@ class CompletionUser(HttpUser):
 
     @task
     def completion(self) -> None:
-        prompt, _ = BUILDER.build(next(COUNTER), PROMPT_TOKENS)
-        body = {
-            "model": MODEL, "prompt": prompt, "max_tokens": OUTPUT_TOKENS, "min_tokens": OUTPUT_TOKENS,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-        }  # fmt: skip
-        if PRIORITY:
-            body["priority"] = PRIORITY
+        spec = RequestSpec(next(COUNTER), 0.0, PROMPT_TOKENS, OUTPUT_TOKENS, PRIORITY)
+        body = payload(TARGET, spec, BUILDER.build(spec.index, PROMPT_TOKENS)[0])  # the body bench run sends
         start = time.perf_counter()
         with self.client.post("/v1/completions", json=body, stream=True, catch_response=True,
                               name="headers") as resp:  # fmt: skip
@@ -59,10 +56,9 @@ class CompletionUser(HttpUser):
                 return
             first = None
             for line in resp.iter_lines():
-                text = line.decode("utf-8", errors="replace")
-                if not text.startswith("data:") or text.strip() == "data: [DONE]":
+                event = parse_event(line)
+                if event is None:
                     continue
-                event = json.loads(text[len("data:") :])
                 if event.get("choices") and first is None:
                     first = time.perf_counter() - start
                     self._timing("ttft", first)
