@@ -27,14 +27,16 @@ from controller.bench.workload import (
     with_lengths,
 )
 
+WORKLOADS = ("phases", "closed")
+WORKLOAD_HELP = (
+    "a named workload: phases (the phase-changing load of controller/bench/phases.py); closed (--requests N "
+    "at once, lengths --prompt-tokens/--output-tokens; with --concurrency: a closed loop)"
+)
+
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload (one of --rate, --trace, --sharegpt, --workload)")
-    g.add_argument(
-        "--workload", choices=WORKLOADS,
-        help="a named workload: phases (the phase-changing load of controller/bench/phases.py); closed "
-        "(--requests N at once, lengths --prompt-tokens/--output-tokens; with --concurrency: a closed loop)",
-    )  # fmt: skip
+    g.add_argument("--workload", choices=WORKLOADS, help=WORKLOAD_HELP)
     g.add_argument("--requests", type=int, default=128, help="requests of --workload closed (default 128)")
     g.add_argument(
         "--concurrency", type=int, help="at most N requests in flight (arrivals wait for a free slot)"
@@ -82,9 +84,6 @@ def add_slo_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--request-timeout", type=float, default=600.0, help="per-request limit in seconds")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-WORKLOADS = ("phases", "closed")
 
 
 def build_specs(args: argparse.Namespace, tokenizer: Tokenizer, max_model_len: int) -> list[RequestSpec]:
