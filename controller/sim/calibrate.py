@@ -59,29 +59,19 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import itertools
 import json
-import math
-import random
-import re
-import statistics
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
-import aiohttp
-import numpy as np
-
-from controller.bench.client import pooled_connector
-from controller.bench.workload import RequestSpec
-from controller.control.normalize import Normalizer
-from controller.sim.profile import CostModel, EngineLimits, Profile, Variance
+from controller.config.load import AdmissionConfig
+from controller.sim.fit import fit
+from controller.sim.measure import CalibrationPlan, LoadPhase, Measurements, engine_limits, measure
+from controller.sim.profile import CostModel, EngineLimits, Profile, Variance, dump_profile
 from controller.sim.quantiles import LoadTables, QuantileTable
-from controller.sim.run import ControlSettings, Simulation
-from policies.base import build_policy
+from controller.sim.twin import build_simulation
 
-COLUMNS = ("a_s", "b_s_per_prefill_token", "c_s_per_decode_seq", "d_s_per_kv_token", "http_s")
 LOAD_EDGES = (1, 2, 4, 8, 16, 32, 64)
 """Lowest in-flight count of each ``[variance.frontend_loaded]`` table."""
 LOAD_RAMP_S = 2.0
@@ -89,317 +79,6 @@ LOAD_RAMP_S = 2.0
 ramping up to its level, and the client opens the extra connections it needs then."""
 LOAD_MIN_SAMPLES = 100
 """A load level with fewer measured delays joins its neighbour (its p99 needs about 100)."""
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One measured row: step features (totals over ``steps`` steps) and the seconds they took."""
-
-    kind: str
-    """"decode" (one step between two streamed tokens) or "prefill" (a time to first token)."""
-    steps: int
-    prefill_tokens: int
-    decode_seqs: int
-    kv_tokens_read: int
-    seconds: float
-
-    def row(self) -> list[float]:
-        ttft = 1.0 if self.kind == "prefill" else 0.0
-        return [float(self.steps), self.prefill_tokens, self.decode_seqs, self.kv_tokens_read, ttft]
-
-
-def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares with every coefficient >= 0 (active set: fix the most negative at 0, refit)."""
-    free = list(range(x.shape[1]))
-    coef = np.zeros(x.shape[1])
-    while free:
-        sol, *_ = np.linalg.lstsq(x[:, free], y, rcond=None)
-        if (sol >= 0).all():
-            coef[:] = 0
-            coef[free] = sol
-            return coef
-        free.pop(int(np.argmin(sol)))
-    return coef
-
-
-def fit(samples: Sequence[Sample]) -> tuple[CostModel, float, float]:
-    """The cost model, the fitted HTTP overhead of a TTFT, and R^2 over the samples."""
-    if len(samples) < len(COLUMNS):
-        raise ValueError(f"{len(samples)} samples: need at least {len(COLUMNS)} to fit {len(COLUMNS)} terms")
-    x = np.array([s.row() for s in samples])
-    y = np.array([s.seconds for s in samples])
-    # Rows are scaled to relative error: a 2 ms step and a 200 ms prefill weigh the same.
-    w = 1.0 / np.maximum(y, 1e-6)
-    coef = nnls(x * w[:, None], y * w)
-    pred = x @ coef
-    ss_res = float(((y - pred) ** 2).sum())
-    ss_tot = float(((y - y.mean()) ** 2).sum()) or 1.0
-    a, b, c, d, front = (float(v) for v in coef)
-    model = CostModel(a, b, c, d, frontend_s=front)
-    return model, float(coef[4]), 1.0 - ss_res / ss_tot
-
-
-# -- talking to the server -------------------------------------------------------------------------
-
-
-class Server:
-    def __init__(self, session: aiohttp.ClientSession, url: str, vocab: int, seed: int) -> None:
-        self.session = session
-        self.url = url.rstrip("/")
-        self.vocab = vocab
-        self.rng = random.Random(seed)
-        self.model = ""
-
-    async def model_info(self) -> dict[str, Any]:
-        async with self.session.get(f"{self.url}/v1/models") as resp:
-            resp.raise_for_status()
-            data = (await resp.json())["data"][0]
-        self.model = str(data["id"])
-        return dict(data)
-
-    async def cache_info(self, metrics_url: str | None) -> dict[str, str]:
-        """Labels of ``vllm:cache_config_info`` (block_size, num_gpu_blocks, ...); {} when absent."""
-        try:
-            async with self.session.get(metrics_url or f"{self.url}/metrics") as resp:
-                text = await resp.text()
-        except aiohttp.ClientError:
-            return {}
-        match = re.search(r"^vllm:cache_config_info\{([^}]*)\}", text, re.MULTILINE)
-        return dict(re.findall(r'(\w+)="([^"]*)"', match.group(1))) if match else {}
-
-    async def stream(self, prompt_tokens: int, max_tokens: int) -> tuple[float, list[float]]:
-        """Send one request; (time sent, arrival time of each streamed token chunk)."""
-        prompt = [self.rng.randrange(10, self.vocab) for _ in range(prompt_tokens)]
-        body = {
-            "model": self.model,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "min_tokens": max_tokens,
-            "ignore_eos": True,
-            "temperature": 0.0,
-            "stream": True,
-        }
-        t0 = time.perf_counter()
-        times: list[float] = []
-        async with self.session.post(f"{self.url}/v1/completions", json=body) as resp:
-            if resp.status != 200:
-                raise RuntimeError(f"{self.url}: HTTP {resp.status}: {(await resp.text())[:200]}")
-            async for raw in resp.content:
-                line = raw.decode().strip()
-                if not line.startswith("data:") or line == "data: [DONE]":
-                    continue
-                if json.loads(line[5:]).get("choices"):
-                    times.append(time.perf_counter())
-        return t0, times
-
-
-async def decode_samples(server: Server, n: int, prompt: int, out: int) -> tuple[list[Sample], list[float]]:
-    """``n`` concurrent requests of ``out`` tokens: one sample, the median over the requests of their
-    mean step (first to last token over ``out - 1`` steps), and one stream's step ratios. Timing whole
-    decodes rather than single chunk gaps keeps the sample right when the server coalesces several
-    tokens into one chunk."""
-    results = await asyncio.gather(*(server.stream(prompt, out) for _ in range(n)))
-    steps = [(times[-1] - times[0]) / (out - 1) for _, times in results if len(times) >= 2]
-    if not steps:
-        return [], []
-    context = prompt + out // 2
-    return [Sample("decode", 1, 0, n, n * context, statistics.median(steps))], step_ratios(results, out)
-
-
-def step_ratios(results: Sequence[tuple[float, list[float]]], out: int, min_gaps: int = 8) -> list[float]:
-    """The first stream with one chunk per token: its gaps once every stream has its first token,
-    each over their mean (see the module docstring); [] when no stream qualifies."""
-    lockstep_from = max((times[0] for _, times in results if times), default=math.inf)
-    for _, times in results:
-        if len(times) != out:
-            continue  # coalesced chunks: one gap would span several steps
-        gaps = [b - a for a, b in itertools.pairwise(times) if a >= lockstep_from]
-        mean = sum(gaps) / len(gaps) if gaps else 0.0
-        if len(gaps) >= min_gaps and mean > 0:
-            return [g / mean for g in gaps]
-    return []
-
-
-async def frontend_ttfts(server: Server, probes: int, prompt: int) -> list[float]:
-    """TTFTs of ``probes`` single ``max_tokens = 1`` requests, one at a time, 0-20 ms apart."""
-    ttfts = []
-    for _ in range(probes):
-        await asyncio.sleep(server.rng.uniform(0.0, 0.02))
-        t0, times = await server.stream(prompt, 1)
-        ttfts.append(times[0] - t0)
-    return ttfts
-
-
-async def prefill_sample(server: Server, prompt: int, budget: int) -> Sample:
-    t0, times = await server.stream(prompt, 1)
-    steps = max(1, math.ceil(prompt / budget))
-    kv = sum(min(prompt, (k + 1) * budget) for k in range(steps))
-    return Sample("prefill", steps, prompt, 0, kv, times[0] - t0)
-
-
-@dataclass(frozen=True)
-class CalibrationPlan:
-    concurrency: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
-    decode_prompts: tuple[int, ...] = (16, 512)
-    output_tokens: int = 96
-    prefill_prompts: tuple[int, ...] = (32, 128, 256, 512, 1024, 1536)
-    repeats: int = 5
-    frontend_probes: int = 200
-    """Single light-load requests whose TTFT spread gives the front-end table (0: no tables)."""
-    frontend_prompt: int = 32
-    load_in_flight: tuple[int, ...] = (2, 6, 12, 24)
-    """In-flight targets of the open-loop phases that measure the front end under load (empty: none)."""
-    load_phase_s: float = 30.0
-    """Seconds of arrivals per phase at least: a phase must last long enough to meet the server's
-    occasional stalls as often as a real run does, or the tables' tails are noise."""
-    load_requests: int = 300
-    """Requests per phase at least (a low-load phase lasts longer)."""
-
-
-@dataclass(frozen=True)
-class LoadPhase:
-    """One open-loop phase: what was sent and what came back."""
-
-    specs: tuple[RequestSpec, ...]
-    """As sent: ``arrival_s`` is the measured send time, seconds after the phase's start."""
-    ttft_s: dict[int, float]
-    """Measured TTFT by request index (failed requests are absent)."""
-    e2e_s: dict[int, float]
-    """Measured send-to-last-token time by request index."""
-
-
-@dataclass
-class Measurements:
-    samples: list[Sample]
-    """The fit's rows."""
-    step_ratios: list[float]
-    """Single decode steps over their stream's mean step."""
-    frontend_ttfts: list[float]
-    """TTFTs of the front-end probes (``plan.frontend_prompt`` tokens each)."""
-    frontend_prompt: int
-    load_phases: list[LoadPhase] = field(default_factory=list)
-    """The open-loop phases under load (``plan.load_in_flight``)."""
-
-
-async def measure(
-    url: str, plan: CalibrationPlan, limits: EngineLimits, vocab: int, seed: int, log: Any = print
-) -> Measurements:
-    samples: list[Sample] = []
-    ratios: list[float] = []
-    timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout, connector=pooled_connector(256)) as session:
-        server = Server(session, url, vocab, seed)
-        await server.model_info()
-        for prompt in plan.prefill_prompts:  # warm up: the CPU backend prepares kernels per shape
-            if prompt + 1 <= limits.max_model_len:
-                await server.stream(prompt, 4)
-        ttfts = await frontend_ttfts(server, plan.frontend_probes, plan.frontend_prompt)
-        if ttfts:
-            log(f"front end: {len(ttfts)} probes, TTFT median {statistics.median(ttfts) * 1e3:.2f} ms")
-        for prompt in plan.prefill_prompts:
-            if prompt + 1 > limits.max_model_len:
-                continue
-            prefills = [
-                await prefill_sample(server, prompt, limits.max_num_batched_tokens)
-                for _ in range(plan.repeats)
-            ]
-            samples.append(median_sample(prefills))
-            log(f"prefill P={prompt}: ttft {samples[-1].seconds:.4f} s")
-        for prompt in plan.decode_prompts:
-            for n in plan.concurrency:
-                if n > limits.max_num_seqs or prompt + plan.output_tokens > limits.max_model_len:
-                    continue
-                got: list[Sample] = []
-                for _ in range(plan.repeats):
-                    rows, gaps = await decode_samples(server, n, prompt, plan.output_tokens)
-                    got += rows
-                    ratios += gaps
-                if got:
-                    samples.append(median_sample(got))
-                    log(f"decode N={n} P={prompt}: step {samples[-1].seconds * 1e3:.2f} ms")
-        phases = []
-        if plan.load_in_flight and len(samples) >= len(COLUMNS):
-            cost = fit(samples)[0]
-            for k, target in enumerate(plan.load_in_flight):
-                specs = load_workload(cost, limits, target, plan.load_requests, server.rng, plan.load_phase_s)
-                phases.append(await load_phase(server, specs))
-                ok = len(phases[-1].ttft_s)
-                log(f"load phase {k + 1}: {len(specs)} requests for ~{target} in flight, {ok} answered")
-                await asyncio.sleep(1.0)
-    return Measurements(samples, ratios if plan.frontend_probes else [], ttfts, plan.frontend_prompt, phases)
-
-
-def load_workload(
-    cost: CostModel,
-    limits: EngineLimits,
-    in_flight: int,
-    requests: int,
-    rng: random.Random,
-    seconds: float = 0.0,
-) -> list[RequestSpec]:
-    """Poisson arrivals, at least ``requests`` of them and for at least ``seconds``, at the rate that
-    keeps ``in_flight`` requests in flight by Little's law with the fitted model: rate = in_flight /
-    (prefill + mean output * decode step)."""
-    hi = max(17, min(1024, limits.max_model_len // 2))
-    mean_prompt, mean_out = (hi - 16) / math.log(hi / 16), 68.0
-    decode = cost.step_s(0, in_flight, int(in_flight * (mean_prompt + mean_out / 2)))
-    latency = cost.frontend_s + cost.step_s(int(mean_prompt), 0, int(mean_prompt)) + mean_out * decode
-    rate = in_flight / latency
-    specs: list[RequestSpec] = []
-    t = rng.expovariate(rate)
-    while len(specs) < requests or t < seconds:
-        prompt = int(math.exp(rng.uniform(math.log(16), math.log(hi))))
-        out = max(1, min(rng.randint(8, 128), limits.max_model_len - prompt))
-        specs.append(RequestSpec(len(specs), t, prompt, out))
-        t += rng.expovariate(rate)
-    return specs
-
-
-async def load_phase(server: Server, specs: Sequence[RequestSpec]) -> LoadPhase:
-    """Send ``specs`` open loop (each at its ``arrival_s``) and record what each one got."""
-    start = time.perf_counter() + 0.05
-
-    async def one(spec: RequestSpec) -> tuple[RequestSpec, float, list[float]]:
-        await asyncio.sleep(max(0.0, start + spec.arrival_s - time.perf_counter()))
-        try:
-            t0, times = await server.stream(spec.prompt_tokens, spec.output_tokens)
-        except (aiohttp.ClientError, RuntimeError):
-            return spec, time.perf_counter(), []
-        return spec, t0, times
-
-    results = await asyncio.gather(*(one(s) for s in specs))
-    sent = tuple(replace(spec, arrival_s=t0 - start) for spec, t0, _ in results)
-    ok = [(spec, t0, times) for spec, t0, times in results if times]
-    return LoadPhase(
-        sent,
-        {spec.index: times[0] - t0 for spec, t0, times in ok},
-        {spec.index: times[-1] - t0 for spec, t0, times in ok},
-    )
-
-
-def median_sample(repeats: Sequence[Sample]) -> Sample:
-    """One row per measured point: the median of its repeats (a shared machine gives outliers)."""
-    return replace(repeats[0], seconds=statistics.median(s.seconds for s in repeats))
-
-
-async def engine_limits(
-    url: str, metrics_url: str | None, overrides: dict[str, Any]
-) -> tuple[EngineLimits, int]:
-    """The server's limits (KV blocks from /metrics, max_model_len from /v1/models) and a vocab bound."""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-        server = Server(session, url, 1000, 0)
-        info = await server.model_info()
-        cache = await server.cache_info(metrics_url)
-    values: dict[str, Any] = {}
-    if "max_model_len" in info:
-        values["max_model_len"] = int(info["max_model_len"])
-    if cache.get("block_size", "").isdigit() and cache.get("num_gpu_blocks", "").isdigit():
-        values["block_size"] = int(cache["block_size"])
-        values["kv_cache_tokens"] = int(cache["block_size"]) * int(cache["num_gpu_blocks"])
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    limits = EngineLimits(**values)
-    limits.validate(f"calibration of {url}")
-    return limits, 1000
 
 
 def variance(cost: CostModel, m: Measurements, limits: EngineLimits | None = None) -> Variance:
@@ -438,9 +117,8 @@ def loaded_delays(
     sent after the first ``ramp_s`` seconds. The twin replays the whole phase as sent: mean model,
     no front end, no gate in the way."""
     profile = Profile("calibration", replace(cost, frontend_s=0.0), limits)
-    policy = build_policy("static", {}, max_num_seqs=limits.max_num_seqs, initial_limit=4096)
-    control = ControlSettings(admission_limit=4096, max_queue=len(phase.specs) + 1, drain_s=3600.0)
-    sim = Simulation(profile, policy, Normalizer(limit_max=4096), control, use_variance=False)
+    admission = AdmissionConfig(limit=4096, max_queue=len(phase.specs) + 1)
+    sim = build_simulation(profile, admission=admission, drain_s=3600.0, use_variance=False)
     twin = {r.index: r.ttft_s for r in asyncio.run(sim.run(phase.specs)).records}
     n = in_flight_at_send(phase)
     sent = {s.index: s.arrival_s for s in phase.specs}
@@ -489,3 +167,45 @@ def build_profile(
         },
         variance=variance(cost, m, limits),
     )
+
+
+def calibrate(
+    url: str,
+    metrics_url: str | None,
+    out: Path,
+    name: str,
+    plan: CalibrationPlan,
+    overrides: dict[str, Any],
+    described: tuple[str, str] = ("", ""),
+) -> Profile:
+    """Measure the server at ``url``, fit, write the profile to ``out`` and return it.
+    ``overrides``: engine limits the server does not report (None: ask the server);
+    ``described``: the hardware and model strings the profile records."""
+    limits, vocab = asyncio.run(engine_limits(url, metrics_url, overrides))
+    measured = asyncio.run(measure(url, plan, limits, vocab, seed=0))
+    profile = build_profile(name, url, limits, measured, *described)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(dump_profile(profile))
+    return profile
+
+
+def describe_fit(profile: Profile, path: Path) -> list[str]:
+    """What a calibration found, for the terminal."""
+    c, v = profile.cost, profile.variance
+    lines = [
+        f"wrote {path}: a={c.a_s * 1e3:.3f} ms, b={c.b_s_per_prefill_token * 1e6:.3f} us/token, "
+        f"c={c.c_s_per_decode_seq * 1e6:.3f} us/seq, d={c.d_s_per_kv_token * 1e9:.3f} ns/kv-token, "
+        f"R^2={profile.fit['r2']} over {profile.fit['samples']} samples"
+    ]
+    if v.frontend:
+        f = v.frontend
+        lines.append(f"front end over {f.samples} probes: p50 {f.sample(0.5) * 1e3:.2f} ms, "
+                     f"p99 {f.sample(0.99) * 1e3:.2f} ms, max {f.values[-1] * 1e3:.2f} ms")  # fmt: skip
+    if v.step:
+        lines.append(f"step / mean step over {v.step.samples} gaps: p1 {v.step.sample(0.01):.2f}, "
+                     f"p50 {v.step.sample(0.5):.2f}, p99 {v.step.sample(0.99):.2f}")  # fmt: skip
+    if v.frontend_loaded:
+        for level, t in zip(v.frontend_loaded.levels, v.frontend_loaded.tables, strict=True):
+            lines.append(f"front end with >= {level} in flight over {t.samples} requests: "
+                         f"p50 {t.sample(0.5) * 1e3:.2f} ms, p99 {t.sample(0.99) * 1e3:.2f} ms")  # fmt: skip
+    return lines

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
-import json
 import sys
 import tomllib
 from pathlib import Path
@@ -57,19 +55,27 @@ def add_simulate_parser(sub: Any) -> None:
     p.add_argument("--no-variance", action="store_true",
                    help="ignore the profile's [variance]: constant frontend_s, mean steps")  # fmt: skip
     p.add_argument("--no-report", action="store_true", help="skip the plots and report.md in DIR/report")
+    p.add_argument("--compare", action="store_true",
+                   help="run the static presets and every policy with its defaults instead of one "
+                        "--policy; write DIR/<config>/, compare.json, compare.md and plots")  # fmt: skip
+    p.set_defaults(func=run_simulate)
 
 
 def add_calibrate_parser(bench_sub: Any) -> None:
-    from controller.sim.calibrate import CalibrationPlan
+    from controller.sim.measure import CalibrationPlan
 
     plan = CalibrationPlan()
     p = bench_sub.add_parser(
         "calibrate",
-        help="fit the twin's cost model from a running vLLM server and write a profile",
-        description="Drive prefill-heavy and decode-heavy loads against URL and fit step_s = a + "
+        help="fit the twin's cost model from a vLLM server and write a profile",
+        description="Drive prefill-heavy and decode-heavy loads against URL (or our daemon started with "
+        "--config) and fit step_s = a + "
         "b*prefill_tokens + c*decode_seqs + d*kv_tokens_read by least squares (controller/sim/calibrate.py).",
     )
-    p.add_argument("--url", required=True, help="base URL of the OpenAI API, e.g. http://127.0.0.1:8000")
+    p.add_argument("--url", default=None, help="base URL of a running OpenAI API, e.g. http://127.0.0.1:8000")
+    p.add_argument("--config", type=Path, default=None,
+                   help="instead of --url: start our daemon with this config.toml (free ports, the bench's "
+                        "launcher), fit against it, stop it")  # fmt: skip
     p.add_argument("--out", type=Path, required=True, help="profile file to write (.toml)")
     p.add_argument("--name", default=None, help="profile name (default: the file's stem)")
     p.add_argument("--metrics-url", default=None, help="Prometheus endpoint (default URL/metrics)")
@@ -93,6 +99,13 @@ def add_calibrate_parser(bench_sub: Any) -> None:
     p.set_defaults(func=run_calibrate)
 
 
+def add_validate_parser(bench_sub: Any) -> None:
+    """``bench validate``: the twin against the real engine (``controller/sim/validate.py``)."""
+    from controller.sim.validate import add_parser
+
+    add_parser(bench_sub)
+
+
 def parse_params(items: list[str]) -> dict[str, Any]:
     """``KEY=VALUE`` pairs; VALUE is read as a TOML value, else taken as a string."""
     out: dict[str, Any] = {}
@@ -107,55 +120,17 @@ def parse_params(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def _simulation_parts(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
-    """(profile, policy, normalizer, control settings) from the arguments and the optional config."""
-    from controller.config.load import AdmissionConfig, ControlConfig
-    from controller.control.normalize import Normalizer
-    from controller.sim.profile import load_profile
-    from controller.sim.run import ControlSettings
-    from policies.base import build_policy
-
-    profile = load_profile(args.profile)
-    control, admission = ControlConfig(), AdmissionConfig(limit=profile.engine.max_num_seqs)
-    if args.config is not None:
-        from controller.config.load import load_config
-
-        config = load_config(args.config)
-        limits = profile.engine.replace(config.engine, f"{args.config} [engine]")
-        profile = dataclasses.replace(profile, engine=limits)
-        control, admission = config.control, config.admission
-    params = dict(control.params) if args.policy is None else {}
-    params.update(parse_params(args.param))
-    control = dataclasses.replace(control, policy=args.policy or control.policy, params=params)
-    seqs = profile.engine.max_num_seqs
-    policy = build_policy(control.policy, params, max_num_seqs=seqs, initial_limit=admission.limit)
-    normalizer = Normalizer(  # as Daemon's make_normalizer builds it from [control]
-        limit_max=control.limit_max,
-        tolerance=control.tolerance,
-        max_step_up=control.max_step_up,
-        max_step_down=control.max_step_down,
-        stabilization_s=control.stabilization_s,
-    )
-    settings = ControlSettings(
-        tick_s=control.tick_seconds,
-        window_s=control.window_seconds,
-        admission_limit=admission.limit,
-        max_queue=admission.max_queue,
-        aging_s=admission.aging_s,
-        classes=admission.classes,
-    )
-    return profile, policy, normalizer, settings
-
-
 def run_simulate(args: argparse.Namespace) -> int:
-    from controller.bench.records import write_jsonl
     from controller.bench.workload import WorkloadError, read_azure_trace, trace_window
     from controller.config.load import ConfigError
-    from controller.sim.run import Simulation
+    from controller.sim.profile import load_profile
+    from controller.sim.twin import build_simulation, with_config, write_result
     from policies.base import PolicyError
 
     try:
-        profile, policy, normalizer, settings = _simulation_parts(args)
+        profile, control, admission = with_config(
+            load_profile(args.profile), args.config, args.policy, parse_params(args.param)
+        )
         specs = trace_window(
             read_azure_trace(args.trace),
             start_s=args.start,
@@ -163,14 +138,13 @@ def run_simulate(args: argparse.Namespace) -> int:
             time_scale=args.time_scale,
             token_scale=args.token_scale,
         )
-        sim = Simulation(
-            profile,
-            policy,
-            normalizer,
-            settings,
-            seed=args.seed,
-            jitter=args.jitter,
-            use_variance=not args.no_variance,
+        if args.compare:
+            from controller.sim.compare import run_compare
+
+            _quiet_logs()
+            return run_compare(args, profile, control, admission, specs)
+        sim = build_simulation(
+            profile, control, admission, seed=args.seed, jitter=args.jitter, use_variance=not args.no_variance
         )
     except ConfigError as exc:
         print(f"{args.config}: invalid config: {'; '.join(exc.errors)}", file=sys.stderr)
@@ -179,6 +153,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         print(f"simulate: {exc}", file=sys.stderr)
         return 1
     _quiet_logs()
+    policy = sim.loop.policy
     result = asyncio.run(sim.run(specs))
     result.extra.update(
         kind="sim",
@@ -195,13 +170,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         jitter=args.jitter,
     )
     summary = result.summary(args.slo_ttft, args.slo_tpot)
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_jsonl(args.out / "records.jsonl", result.records)
-    write_jsonl(args.out / "timeseries.jsonl", result.series)
-    with (args.out / "decisions.jsonl").open("w") as fh:
-        for change in result.changes:
-            fh.write(json.dumps(dataclasses.asdict(change)) + "\n")
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_result(args.out, result, summary)
     print(format_summary(summary))
     if not args.no_report:
         from controller.bench.report import render
@@ -234,20 +203,20 @@ def _quiet_logs() -> None:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
-    from controller.sim.calibrate import CalibrationPlan, build_profile, engine_limits, measure
-    from controller.sim.profile import dump_profile
+    """Fit against ``--url``, or against our daemon started with ``--config``'s tables."""
+    from controller.sim.calibrate import calibrate, describe_fit
+    from controller.sim.measure import CalibrationPlan, our_daemon
 
+    if (args.url is None) == (args.config is None):
+        print("bench calibrate: give --url URL (a running server) or --config PATH (start our daemon)",
+              file=sys.stderr)  # fmt: skip
+        return 2
     overrides = {
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "scheduling_policy": args.scheduling_policy,
         "kv_cache_tokens": args.kv_cache_tokens,
     }
-    try:
-        limits, vocab = asyncio.run(engine_limits(args.url, args.metrics_url, overrides))
-    except (OSError, ProfileError) as exc:
-        print(f"bench calibrate: {args.url}: {exc}", file=sys.stderr)
-        return 1
     plan = CalibrationPlan(
         concurrency=tuple(n for n in CalibrationPlan.concurrency if n <= args.max_concurrency),
         repeats=args.repeats,
@@ -256,28 +225,18 @@ def run_calibrate(args: argparse.Namespace) -> int:
         load_requests=args.load_requests,
         load_phase_s=args.load_phase_s,
     )
-    measured = asyncio.run(measure(args.url, plan, limits, vocab, seed=0))
-    profile = build_profile(args.name or args.out.stem, args.url, limits, measured, args.hardware, args.model)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(dump_profile(profile))
-    c = profile.cost
-    print(
-        f"wrote {args.out}: a={c.a_s * 1e3:.3f} ms, b={c.b_s_per_prefill_token * 1e6:.3f} us/token, "
-        f"c={c.c_s_per_decode_seq * 1e6:.3f} us/seq, d={c.d_s_per_kv_token * 1e9:.3f} ns/kv-token, "
-        f"R^2={profile.fit['r2']} over {len(measured.samples)} samples"
-    )
-    v = profile.variance
-    if v.frontend:
-        f = v.frontend
-        print(f"front end over {f.samples} probes: p50 {f.sample(0.5) * 1e3:.2f} ms, "
-              f"p99 {f.sample(0.99) * 1e3:.2f} ms, max {f.values[-1] * 1e3:.2f} ms")  # fmt: skip
-    if v.step:
-        print(f"step / mean step over {v.step.samples} gaps: p1 {v.step.sample(0.01):.2f}, "
-              f"p50 {v.step.sample(0.5):.2f}, p99 {v.step.sample(0.99):.2f}")  # fmt: skip
-    if v.frontend_loaded:
-        for level, t in zip(v.frontend_loaded.levels, v.frontend_loaded.tables, strict=True):
-            print(f"front end with >= {level} in flight over {t.samples} requests: "
-                  f"p50 {t.sample(0.5) * 1e3:.2f} ms, p99 {t.sample(0.99) * 1e3:.2f} ms")  # fmt: skip
+    name, described = args.name or args.out.stem, (args.hardware, args.model)
+    try:
+        if args.config is None:
+            profile = calibrate(args.url, args.metrics_url, args.out, name, plan, overrides, described)
+        else:
+            with our_daemon(args.config, args.out.parent / f"{args.out.stem}-logs") as server:
+                url, metrics = server.base_url, server.metrics_url
+                profile = calibrate(url, metrics, args.out, name, plan, overrides, described)
+    except (OSError, ProfileError, RuntimeError) as exc:
+        print(f"bench calibrate: {args.url or args.config}: {exc}", file=sys.stderr)
+        return 1
+    print("\n".join(describe_fit(profile, args.out)))
     return 0
 
 

@@ -39,7 +39,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller.admission.classes import DEFAULT_CLASSES, PriorityClass
 from controller.admission.gate import AdmissionGate, GateRejected
 from controller.bench.records import (
     RequestRecord,
@@ -51,6 +50,7 @@ from controller.bench.records import (
 )
 from controller.bench.workload import RequestSpec, describe
 from controller.clock import FakeClock
+from controller.config.load import AdmissionConfig, ControlConfig
 from controller.control.loop import Change, ControlLoop
 from controller.control.normalize import Normalizer
 from controller.control.observe import build_observation
@@ -71,15 +71,12 @@ MIN_STEP_S = 1e-6
 
 @dataclass(frozen=True)
 class ControlSettings:
-    """The ``[control]`` and ``[admission]`` settings a simulation runs under."""
+    """What a simulation runs under besides the profile: the daemon's own ``[control]`` and
+    ``[admission]`` tables (the gate's limit, queue, aging and classes; the loop's tick and window), so
+    the twin reads the same settings as ``serve``, and two settings only a simulation has."""
 
-    tick_s: float = 1.0
-    window_s: float = 10.0
-    admission_limit: int = 64
-    max_queue: int = 1024
-    aging_s: float = 10.0
-    classes: tuple[PriorityClass, ...] = DEFAULT_CLASSES
-    """The gate's priority classes (their queue limits and deadlines apply, as in the daemon)."""
+    control: ControlConfig = field(default_factory=ControlConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     sample_period_s: float = 1.0
     """Period of the time series written to timeseries.jsonl."""
     drain_s: float = 600.0
@@ -130,9 +127,9 @@ class Simulation:
         self.control = control or ControlSettings()
         self.clock = FakeClock(0.0)
         self.engine = SimEngine(profile.engine, profile.cost)
-        self.window = TelemetryWindow(self.control.window_s, self.clock)
-        c = self.control
-        self.gate = AdmissionGate(c.admission_limit, c.max_queue, c.classes, c.aging_s, clock=self.clock)
+        self.window = TelemetryWindow(self.control.control.window_seconds, self.clock)
+        a = self.control.admission
+        self.gate = AdmissionGate(a.limit, a.max_queue, a.classes, a.aging_s, clock=self.clock)
         self.changes: list[Change] = []
         self.loop = ControlLoop(policy, normalizer, self.observe, self, [self._record_changes], history=50)
         self._rng = random.Random(seed)
@@ -310,7 +307,7 @@ class Simulation:
         delay from the load it finds), then entries into the gate, then the control tick, then the
         time-series sample; then the next step is planned from what the tasks did."""
         c = self.control
-        next_tick, next_sample = c.tick_s, c.sample_period_s
+        next_tick, next_sample = c.control.tick_seconds, c.sample_period_s
         end_by = (arrivals[-1].arrival_s if arrivals else 0.0) + c.drain_s
         entries: list[tuple[float, int, RequestSpec]] = []
         i, plan, step_end = 0, None, 0.0
@@ -342,7 +339,7 @@ class Simulation:
                 await self._settle()
             if next_tick <= t:
                 await self.loop.tick()
-                next_tick += c.tick_s
+                next_tick += c.control.tick_seconds
                 await self._settle()
             if next_sample <= t:
                 self._sample(t)

@@ -8,10 +8,10 @@ from dataclasses import replace
 from typing import Any
 
 from controller.bench.workload import RequestSpec, poisson
-from controller.control.normalize import Normalizer
+from controller.config.load import AdmissionConfig, ControlConfig
 from controller.sim.profile import CostModel, EngineLimits, Profile
-from controller.sim.run import ControlSettings, SimResult, Simulation
-from policies.base import build_policy
+from controller.sim.run import SimResult
+from controller.sim.twin import build_simulation
 
 COST = CostModel(a_s=0.005, b_s_per_prefill_token=2e-5, c_s_per_decode_seq=1e-4, d_s_per_kv_token=1e-7)
 LIMITS = EngineLimits(
@@ -50,17 +50,15 @@ def simulate(
     *,
     profile: Profile = PROFILE,
     normalizer: dict[str, Any] | None = None,
-    control: ControlSettings | None = None,
+    admission: AdmissionConfig | None = None,
     seed: int = 0,
     jitter: float = 0.0,
     use_variance: bool = True,
 ) -> SimResult:
-    control = control or ControlSettings(admission_limit=profile.engine.max_num_seqs)
-    pol = build_policy(
-        policy, params or {}, max_num_seqs=profile.engine.max_num_seqs, initial_limit=control.admission_limit
-    )
-    norm = Normalizer(limit_max=4096, **(normalizer or {}))
-    sim = Simulation(profile, pol, norm, control, seed=seed, jitter=jitter, use_variance=use_variance)
+    """``specs`` through the twin under ``policy``; ``normalizer`` sets ``[control]``'s normalize keys
+    (tolerance, max_step_up, ...), ``admission`` the gate (default: its limit at ``max_num_seqs``)."""
+    control = ControlConfig(policy=policy, params=params or {}, **(normalizer or {}))
+    sim = build_simulation(profile, control, admission, seed=seed, jitter=jitter, use_variance=use_variance)
     return asyncio.run(sim.run(specs))
 
 

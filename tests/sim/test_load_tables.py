@@ -10,14 +10,9 @@ import random
 import pytest
 
 from controller.bench.workload import RequestSpec
-from controller.sim.calibrate import (
-    LOAD_RAMP_S,
-    LoadPhase,
-    in_flight_at_send,
-    load_workload,
-    loaded_delays,
-)
+from controller.sim.calibrate import LOAD_RAMP_S, in_flight_at_send, loaded_delays
 from controller.sim.cli import in_flight_list
+from controller.sim.measure import LoadPhase, load_workload
 from controller.sim.profile import Profile, ProfileError, Variance, dump_profile, load_profile, parse_profile
 from controller.sim.quantiles import LoadTables, QuantileTable, parse_load_tables
 from tests.sim.scenarios import COST, LIMITS, PROFILE, simulate

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from controller.cli import main
-from controller.sim.calibrate import Sample, fit, nnls
 from controller.sim.cli import parse_params
+from controller.sim.fit import Sample, fit, nnls
 from controller.sim.profile import (
     CostModel,
     ProfileError,

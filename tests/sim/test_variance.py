@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 
 from controller.bench.workload import RequestSpec
-from controller.sim.calibrate import Measurements, step_ratios, variance
+from controller.sim.calibrate import variance
+from controller.sim.measure import Measurements, step_ratios
 from controller.sim.profile import (
     CostModel,
     Profile,

@@ -1,0 +1,80 @@
+"""The twin's wiring, written once: a :class:`Simulation` from a profile and the daemon's own tables.
+
+``serve`` builds its policy from ``[control]`` (policy, params, the initial limit of ``[admission]``) and
+its normalize stage from ``[control]``'s limits; every caller of the twin (``simulate``, ``simulate
+--compare``, ``bench validate``, the calibration's replay, the tests) builds through
+:func:`build_simulation` so the twin runs what the daemon would run with the same tables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from controller.bench.runner import write_run
+from controller.config.load import AdmissionConfig, ControlConfig, load_config
+from controller.control.build import normalizer_for
+from controller.sim.profile import Profile
+from controller.sim.run import ControlSettings, SimResult, Simulation
+from policies.base import build_policy
+
+
+def build_simulation(
+    profile: Profile,
+    control: ControlConfig | None = None,
+    admission: AdmissionConfig | None = None,
+    *,
+    drain_s: float = ControlSettings.drain_s,
+    seed: int = 0,
+    jitter: float = 0.0,
+    use_variance: bool = True,
+) -> Simulation:
+    """The twin under ``control`` (default: ``[control]``'s defaults, the static policy) and
+    ``admission`` (default: its defaults with the limit at the engine's ``max_num_seqs``, as
+    config.toml sets it: no gate limit below the engine's ceiling)."""
+    control = control or ControlConfig()
+    admission = admission or AdmissionConfig(limit=profile.engine.max_num_seqs)
+    policy = build_policy(
+        control.policy,
+        dict(control.params),
+        max_num_seqs=profile.engine.max_num_seqs,
+        initial_limit=admission.limit,
+    )
+    settings = ControlSettings(control=control, admission=admission, drain_s=drain_s)
+    return Simulation(
+        profile,
+        policy,
+        normalizer_for(control),
+        settings,
+        seed=seed,
+        jitter=jitter,
+        use_variance=use_variance,
+    )
+
+
+def with_config(
+    profile: Profile, config: Path | None, policy: str | None, params: dict[str, Any]
+) -> tuple[Profile, ControlConfig, AdmissionConfig]:
+    """The profile with a config file's ``[engine]`` limits on top, and its ``[control]`` and
+    ``[admission]`` (defaults without a file). ``policy`` replaces the file's policy and drops its
+    params; ``params`` are laid over what is left. Raises ``ConfigError`` and ``ProfileError``."""
+    control, admission = ControlConfig(), AdmissionConfig(limit=profile.engine.max_num_seqs)
+    if config is not None:
+        loaded = load_config(config)
+        limits = profile.engine.replace(loaded.engine, f"{config} [engine]")
+        profile = dataclasses.replace(profile, engine=limits)
+        control, admission = loaded.control, loaded.admission
+    merged = dict(control.params) if policy is None else {}
+    merged.update(params)
+    control = dataclasses.replace(control, policy=policy or control.policy, params=merged)
+    return profile, control, admission
+
+
+def write_result(out: Path, result: SimResult, summary: dict[str, Any]) -> None:
+    """What ``bench run`` writes (records, time series, summary), plus every knob change."""
+    write_run(out, result.records, result.series, summary)
+    with (out / "decisions.jsonl").open("w") as fh:
+        for change in result.changes:
+            fh.write(json.dumps(dataclasses.asdict(change)) + "\n")

@@ -1,0 +1,69 @@
+"""The twin's commands that replaced the bench scripts: ``simulate --compare`` (was
+``bench/sim_compare.py``), ``bench validate`` (was ``bench/validate_sim.py``) and ``bench calibrate
+--config`` (was ``bench/calibrate_cpu.sh``). Only what runs without an engine is tested here."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from controller.cli import main
+from controller.sim.compare import CONFIGS
+from controller.sim.validate import RATIO_KEYS
+
+TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
+needs_traces = pytest.mark.skipif(
+    not (TRACES / "azure_llm_2023_code.csv").exists(), reason="needs ../shared/traces"
+)
+
+
+@needs_traces
+def test_simulate_compare_runs_every_configuration(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "code"
+    code = main([
+        "simulate", "--compare", "--trace", str(TRACES / "azure_llm_2023_code.csv"), "--duration", "30",
+        "--time-scale", "2", "--profile", "h200-8b", "--slo-ttft", "1.0", "--slo-tpot", "0.05",
+        "--out", str(out),
+    ])  # fmt: skip
+    assert code == 0
+    assert "| config | goodput req/s |" in capsys.readouterr().out
+    data = json.loads((out / "compare.json").read_text())
+    assert [r["config"] for r in data["runs"]] == [name for name, _, _ in CONFIGS]
+    assert data["meta"]["profile"] == "h200-8b" and data["meta"]["time_scale"] == 2.0
+    pid = json.loads((out / "pid" / "summary.json").read_text())
+    assert pid["policy"] == "pid" and pid["target"] == "twin:h200-8b:pid"
+    assert (out / "pid" / "records.jsonl").is_file() and (out / "pid" / "decisions.jsonl").is_file()
+    assert (out / "goodput.png").is_file() and (out / "series.png").is_file()
+    assert (out / "compare.md").read_text().count("\n") == len(CONFIGS) + 2
+
+
+@needs_traces
+def test_validate_from_real_figures_reruns_only_the_twin(tmp_path: Path) -> None:
+    real = {"requests": 10, "ok": 10, "throughput_tok_s": 100.0, "ttft_p50": 0.02, "ttft_p99": 0.05,
+            "tpot_p50": 0.004, "duration_s": 20.0}  # fmt: skip
+    previous = tmp_path / "before.json"
+    previous.write_text(json.dumps([{"time_scale": 4.0, "real": real}]))
+    out = tmp_path / "v"
+    code = main([
+        "bench", "validate", "--trace", str(TRACES / "azure_llm_2023_conv.csv"), "--duration", "20",
+        "--time-scale", "4", "--real-from", str(previous), "--out", str(out),
+    ])  # fmt: skip
+    assert code == 0
+    (row,) = json.loads((out / "validation.json").read_text())
+    assert row["real"] == real
+    assert len(row["twin_p99_over_seeds"]) == 5
+    for key in RATIO_KEYS:
+        assert row["twin_over_real"][key] == pytest.approx(row["twin"][key] / real[key])
+    assert row["twin_mean_model"]["requests"] == row["twin"]["requests"] > 0
+
+
+def test_calibrate_needs_a_server_or_a_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "calibrate", "--out", str(tmp_path / "p.toml")]) == 2
+    assert "give --url URL" in capsys.readouterr().err
+    out = str(tmp_path / "p.toml")
+    args = ["bench", "calibrate", "--url", "http://x", "--config", "c.toml", "--out", out]
+    assert main(args) == 2
