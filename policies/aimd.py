@@ -3,20 +3,10 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from policies.base import Decision, Observation, Policy
-from policies.common import (
-    LATENCIES,
-    check_bool,
-    check_choice,
-    check_float,
-    check_int,
-    clamp,
-    has_demand,
-    is_stale,
-    latency_sample,
-    limit_decision,
-)
+from policies.common import LimitMover, check_float, check_int
 
 
 class AimdPolicy(Policy):
@@ -42,18 +32,18 @@ class AimdPolicy(Policy):
     1, max_num_seqs)``.
 
     Parameters (defaults): ``latency`` "ttft_p99" (or "ttft_p50", "itl_p50", "itl_p99");
-    ``threshold_s`` 1.0; ``increase`` 1; ``backoff`` 0.9; ``cooldown_s`` 5.0; ``min_limit`` 1;
-    ``max_limit`` 2 * max_num_seqs; ``demand_fraction`` 0.5 (Netflix: ``inflight * 2 >= limit``);
-    ``cap_follows_limit`` false; ``stale_after_s`` 5.0.
+    ``threshold_s`` 1.0; ``increase`` 1; ``backoff`` 0.9; ``cooldown_s`` 5.0; ``demand_fraction`` 0.5
+    (Netflix: ``inflight * 2 >= limit``); and the limit mover's ``min_limit``, ``max_limit``,
+    ``cap_follows_limit``, ``stale_after_s`` (``policies.common.LimitMover``).
+
+    The cooldown stays here rather than in the normalize stage: it follows a backoff only, not a
+    growth step, which a generic stage cannot tell apart.
 
     States: the limit estimate, the time of the last backoff.
     """
 
     name = "aimd"
-    param_names = tuple(
-        "latency threshold_s increase backoff cooldown_s min_limit max_limit demand_fraction "
-        "cap_follows_limit stale_after_s".split()
-    )
+    param_names = ("threshold_s", "increase", "backoff", "cooldown_s")
 
     def __init__(
         self,
@@ -65,46 +55,36 @@ class AimdPolicy(Policy):
         increase: int = 1,
         backoff: float = 0.9,
         cooldown_s: float = 5.0,
-        min_limit: int = 1,
-        max_limit: int | None = None,
         demand_fraction: float = 0.5,
-        cap_follows_limit: bool = False,
-        stale_after_s: float = 5.0,
+        **limits: Any,
     ) -> None:
-        self.max_num_seqs = max_num_seqs
-        self.latency = check_choice("latency", latency, LATENCIES)
+        self.limits = LimitMover(max_num_seqs, latency=latency, demand_fraction=demand_fraction, **limits)
         self.threshold_s = check_float("threshold_s", threshold_s, 0.0, lo_open=True)
         self.increase = check_int("increase", increase, 1)
         self.backoff = check_float("backoff", backoff, 0.5, 0.99)
         self.cooldown_s = check_float("cooldown_s", cooldown_s, 0.0)
-        self.min_limit = check_int("min_limit", min_limit, 1)
-        limit_max = 2 * max_num_seqs if max_limit is None else max_limit
-        self.max_limit = check_int("max_limit", limit_max, self.min_limit)
-        self.demand_fraction = check_float("demand_fraction", demand_fraction, 0.0, 1.0, lo_open=True)
-        self.cap_follows_limit = check_bool("cap_follows_limit", cap_follows_limit)
-        self.stale_after_s = check_float("stale_after_s", stale_after_s, 0.0, lo_open=True)
-        self._estimate = clamp(float(initial_limit), self.min_limit, self.max_limit)
+        self._estimate = self.limits.clamp(float(initial_limit))
         self._backoff_mono: float | None = None
         self._sample: float | None = None
 
     def decide(self, obs: Observation, now_mono: float) -> Decision:
-        if is_stale(obs, self.stale_after_s):
+        if self.limits.stale(obs):
             return Decision(None, None, "stale_stats")
         if self._backoff_mono is not None and now_mono - self._backoff_mono < self.cooldown_s:
             return Decision(None, None, "cooldown")
         if math.floor(self._estimate) != obs.admission_limit:
-            self._estimate = clamp(float(obs.admission_limit), self.min_limit, self.max_limit)
-        self._sample = latency_sample(obs, self.latency)
+            self._estimate = self.limits.clamp(float(obs.admission_limit))
+        self._sample = self.limits.sample(obs)
         overload = self._overload(obs)
         if overload is not None:
-            self._estimate = max(self.min_limit, self._estimate * self.backoff)
+            self._estimate = max(self.limits.min_limit, self._estimate * self.backoff)
             self._backoff_mono = now_mono
             return self._decision(overload)
         if self._sample is None:
             return Decision(None, None, "no_measurement")
-        if not has_demand(obs, obs.in_flight, obs.admission_limit, self.demand_fraction):
+        if not self.limits.has_demand(obs):
             return Decision(None, None, "no_demand")
-        self._estimate = min(self.max_limit, self._estimate + self.increase)
+        self._estimate = min(self.limits.max_limit, self._estimate + self.increase)
         return self._decision("latency_ok")
 
     def _overload(self, obs: Observation) -> str | None:
@@ -115,7 +95,10 @@ class AimdPolicy(Policy):
         return None
 
     def _decision(self, reason: str) -> Decision:
-        return limit_decision(math.floor(self._estimate), reason, self.cap_follows_limit, self.max_num_seqs)
+        return self.limits.decision(math.floor(self._estimate), reason)
+
+    def params(self) -> dict[str, Any]:
+        return {**super().params(), **self.limits.params()}
 
     def terms(self) -> dict[str, float]:
         """Limit estimate and the last latency sample (s)."""

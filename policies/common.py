@@ -112,12 +112,6 @@ def kv_signal(obs: Observation, source: str) -> float:
     return obs.kv_usage_max if source == "max" else obs.kv_usage_mean
 
 
-def limit_decision(limit: int, reason: str, cap_follows_limit: bool, max_num_seqs: int) -> Decision:
-    """A decision on the admission limit; the batch cap follows it (clamped) or is left alone."""
-    cap = max(1, min(max_num_seqs, limit)) if cap_follows_limit else None
-    return Decision(limit, cap, reason)
-
-
 class CapFollower:
     """The part every policy that moves the batch cap shares, its parameters defined once: the
     admission limit follows the cap, a raise needs demand, stale stats hold, and idleness gives the
@@ -184,3 +178,58 @@ class CapFollower:
     def decision(self, cap: int, reason: str) -> Decision:
         """Both knobs: the cap, and the admission limit that goes with it."""
         return Decision(limit_for_cap(cap, self.limit_factor, self.limit_headroom), cap, reason)
+
+
+class LimitMover:
+    """The part every policy that moves the admission limit shares, its parameters defined once: a
+    latency sample to follow, bounds for the limit, growth only with demand, stale stats hold, and
+    the batch cap following the limit on request.
+
+    Parameters: ``latency`` (one of LATENCIES; each policy sets its default); ``demand_fraction``
+    (growth needs requests queued in the gate or ``in_flight >= demand_fraction * limit``; each
+    policy sets its default); ``min_limit`` 1; ``max_limit`` 2 * max_num_seqs; ``cap_follows_limit``
+    false (true: ``batch_cap = clamp(limit, 1, max_num_seqs)``); ``stale_after_s`` 5.0.
+    """
+
+    names = ("latency", "min_limit", "max_limit", "demand_fraction", "cap_follows_limit", "stale_after_s")
+
+    def __init__(
+        self,
+        max_num_seqs: int,
+        *,
+        latency: object,
+        demand_fraction: object,
+        min_limit: object = 1,
+        max_limit: object = None,
+        cap_follows_limit: object = False,
+        stale_after_s: object = 5.0,
+    ) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.latency = check_choice("latency", latency, LATENCIES)
+        self.min_limit = check_int("min_limit", min_limit, 1)
+        self.max_limit = check_int(
+            "max_limit", 2 * max_num_seqs if max_limit is None else max_limit, self.min_limit
+        )
+        self.demand_fraction = check_float("demand_fraction", demand_fraction, 0.0, 1.0, lo_open=True)
+        self.cap_follows_limit = check_bool("cap_follows_limit", cap_follows_limit)
+        self.stale_after_s = check_float("stale_after_s", stale_after_s, 0.0, lo_open=True)
+
+    def params(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.names}
+
+    def stale(self, obs: Observation) -> bool:
+        return is_stale(obs, self.stale_after_s)
+
+    def sample(self, obs: Observation) -> float | None:
+        return latency_sample(obs, self.latency)
+
+    def has_demand(self, obs: Observation) -> bool:
+        return has_demand(obs, obs.in_flight, obs.admission_limit, self.demand_fraction)
+
+    def clamp(self, estimate: float) -> float:
+        return clamp(estimate, self.min_limit, self.max_limit)
+
+    def decision(self, limit: int, reason: str) -> Decision:
+        """The limit, and the batch cap with it when it follows (clamped to the engine's ceiling)."""
+        cap = max(1, min(self.max_num_seqs, limit)) if self.cap_follows_limit else None
+        return Decision(limit, cap, reason)

@@ -3,20 +3,10 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from policies.base import Decision, Observation, Policy, PolicyError
-from policies.common import (
-    LATENCIES,
-    check_bool,
-    check_choice,
-    check_float,
-    check_int,
-    clamp,
-    has_demand,
-    is_stale,
-    latency_sample,
-    limit_decision,
-)
+from policies.common import LimitMover, check_float, check_int, clamp
 
 MEASURING, NORMAL = "measuring", "normal"
 
@@ -66,16 +56,20 @@ class GradientPolicy(Policy):
     1, max_num_seqs)``.
 
     Parameters (defaults): ``latency`` "ttft_p50" (or "ttft_p99", "itl_p50", "itl_p99");
-    ``tolerance`` 0.5; ``smoothing`` 0.2; ``min_limit`` 1; ``max_limit`` 2 * max_num_seqs;
-    ``baseline_interval_s`` 300.0; ``baseline_window_s`` 10.0; ``baseline_limit`` 4;
-    ``demand_fraction`` 0.9; ``cap_follows_limit`` false; ``stale_after_s`` 5.0; ``dwell_s`` None
-    (the telemetry window; 0: update every tick); ``min_change`` 0.1 (0: any whole step).
+    ``tolerance`` 0.5; ``smoothing`` 0.2; ``baseline_interval_s`` 300.0; ``baseline_window_s`` 10.0;
+    ``baseline_limit`` 4; ``demand_fraction`` 0.9; ``dwell_s`` None (the telemetry window; 0: update
+    every tick); ``min_change`` 0.1 (0: any whole step); and the limit mover's ``min_limit``,
+    ``max_limit``, ``cap_follows_limit``, ``stale_after_s`` (``policies.common.LimitMover``).
+
+    Dwell and minimum change stay here rather than in the normalize stage: both act on the estimate
+    ``L``, which only this policy has (a dwell also starts at an update that moves no knob), and
+    the normalize stage's tolerance band, applied to the limit alone, would drop the steps the
+    estimate accumulates.
     """
 
     name = "gradient"
     param_names = tuple(
-        "latency tolerance smoothing min_limit max_limit baseline_interval_s baseline_window_s "
-        "baseline_limit demand_fraction cap_follows_limit stale_after_s dwell_s min_change".split()
+        "tolerance smoothing baseline_interval_s baseline_window_s baseline_limit dwell_s min_change".split()
     )
 
     def __init__(
@@ -86,24 +80,17 @@ class GradientPolicy(Policy):
         latency: str = "ttft_p50",
         tolerance: float = 0.5,
         smoothing: float = 0.2,
-        min_limit: int = 1,
-        max_limit: int | None = None,
         baseline_interval_s: float = 300.0,
         baseline_window_s: float = 10.0,
         baseline_limit: int = 4,
         demand_fraction: float = 0.9,
-        cap_follows_limit: bool = False,
-        stale_after_s: float = 5.0,
         dwell_s: float | None = None,
         min_change: float = 0.1,
+        **limits: Any,
     ) -> None:
-        self.max_num_seqs = max_num_seqs
-        self.latency = check_choice("latency", latency, LATENCIES)
+        self.limits = LimitMover(max_num_seqs, latency=latency, demand_fraction=demand_fraction, **limits)
         self.tolerance = check_float("tolerance", tolerance, 0.0)
         self.smoothing = check_float("smoothing", smoothing, 0.0, 1.0, lo_open=True)
-        self.min_limit = check_int("min_limit", min_limit, 1)
-        limit_max = 2 * max_num_seqs if max_limit is None else max_limit
-        self.max_limit = check_int("max_limit", limit_max, self.min_limit)
         self.baseline_window_s = check_float("baseline_window_s", baseline_window_s, 0.0)
         self.baseline_interval_s = check_float("baseline_interval_s", baseline_interval_s, 0.0, lo_open=True)
         if self.baseline_interval_s <= self.baseline_window_s:
@@ -111,14 +98,11 @@ class GradientPolicy(Policy):
                 f"baseline_interval_s = {baseline_interval_s}: must be longer than "
                 f"baseline_window_s = {baseline_window_s}"
             )
-        self.baseline_limit = check_int("baseline_limit", baseline_limit, 1, self.max_limit)
-        self.demand_fraction = check_float("demand_fraction", demand_fraction, 0.0, 1.0, lo_open=True)
-        self.cap_follows_limit = check_bool("cap_follows_limit", cap_follows_limit)
-        self.stale_after_s = check_float("stale_after_s", stale_after_s, 0.0, lo_open=True)
+        self.baseline_limit = check_int("baseline_limit", baseline_limit, 1, self.limits.max_limit)
         self.dwell_s = None if dwell_s is None else check_float("dwell_s", dwell_s, 0.0)
         self.min_change = check_float("min_change", min_change, 0.0, 1.0)
         self.state = MEASURING
-        self._estimate = clamp(float(initial_limit), self.min_limit, self.max_limit)
+        self._estimate = self.limits.clamp(float(initial_limit))
         self._deferred = self._estimate  # the estimate to go back to after a measuring window
         self._window_start: float | None = None
         self._best: float | None = None  # smallest sample in the current measuring window
@@ -133,9 +117,9 @@ class GradientPolicy(Policy):
 
     def decide(self, obs: Observation, now_mono: float) -> Decision:
         self._limit_seen = obs.admission_limit
-        if is_stale(obs, self.stale_after_s):
+        if self.limits.stale(obs):
             return Decision(None, None, "stale_stats")
-        self._sample = latency_sample(obs, self.latency)
+        self._sample = self.limits.sample(obs)
         if self.state == NORMAL and now_mono - self._baseline_mono >= self.baseline_interval_s:
             self.state, self._window_start = MEASURING, None
         if self.state == MEASURING:
@@ -173,11 +157,10 @@ class GradientPolicy(Policy):
         if self._gradient < 1.0 and obs.in_flight < obs.admission_limit:
             # The limit does not bind: a cut to any value above the requests in flight changes
             # nothing, so the cut starts from them.
-            estimate = min(estimate, max(float(self.min_limit), float(obs.in_flight)))
+            estimate = min(estimate, max(float(self.limits.min_limit), float(obs.in_flight)))
         target = estimate * self._gradient + math.sqrt(estimate)
-        new = (1 - self.smoothing) * estimate + self.smoothing * target
-        new = clamp(new, self.min_limit, self.max_limit)
-        if new > estimate and not has_demand(obs, obs.in_flight, obs.admission_limit, self.demand_fraction):
+        new = self.limits.clamp((1 - self.smoothing) * estimate + self.smoothing * target)
+        if new > estimate and not self.limits.has_demand(obs):
             return Decision(None, None, "no_demand")
         self._estimate, self._updated_at = new, now_mono
         reason = "latency_high" if self._gradient < 1.0 else "latency_ok"
@@ -190,7 +173,10 @@ class GradientPolicy(Policy):
         return self._decision(self._applied, reason)
 
     def _decision(self, limit: int, reason: str) -> Decision:
-        return limit_decision(limit, reason, self.cap_follows_limit, self.max_num_seqs)
+        return self.limits.decision(limit, reason)
+
+    def params(self) -> dict[str, Any]:
+        return {**super().params(), **self.limits.params()}
 
     def applied(self, admission_limit: int, batch_cap: int, now_mono: float) -> None:
         """A limit the loop moved this tick starts a dwell: later samples still cover time before it."""
