@@ -58,7 +58,9 @@ class AimdPolicy(Policy):
         demand_fraction: float = 0.5,
         **limits: Any,
     ) -> None:
-        self.limits = LimitMover(max_num_seqs, latency=latency, demand_fraction=demand_fraction, **limits)
+        self.limits = LimitMover(
+            max_num_seqs=max_num_seqs, latency=latency, demand_fraction=demand_fraction, **limits
+        )
         self.threshold_s = check_float("threshold_s", threshold_s, 0.0, lo_open=True)
         self.increase = check_int("increase", increase, 1)
         self.backoff = check_float("backoff", backoff, 0.5, 0.99)
@@ -84,7 +86,7 @@ class AimdPolicy(Policy):
             return Decision(None, None, "no_measurement")
         if not self.limits.has_demand(obs):
             return Decision(None, None, "no_demand")
-        self._estimate = min(self.limits.max_limit, self._estimate + self.increase)
+        self._estimate = min(self.limits.top, self._estimate + self.increase)
         return self._decision("latency_ok")
 
     def _overload(self, obs: Observation) -> str | None:

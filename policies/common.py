@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from policies.base import Decision, Observation, PolicyError
@@ -112,55 +113,45 @@ def kv_signal(obs: Observation, source: str) -> float:
     return obs.kv_usage_max if source == "max" else obs.kv_usage_mean
 
 
+@dataclass(kw_only=True)
 class CapFollower:
     """The part every policy that moves the batch cap shares, its parameters defined once: the
     admission limit follows the cap, a raise needs demand, stale stats hold, and idleness gives the
-    cap back to its ceiling.
-
-    Parameters (defaults): ``min_cap`` 1, the lowest cap the policy asks for; ``demand_fraction``
-    0.9: a raise needs requests queued in the gate or ``running >= demand_fraction * cap``;
-    ``limit_factor`` 1.0 and ``limit_headroom`` 2: ``limit = ceil(cap * limit_factor) +
-    limit_headroom``, so a few requests wait inside the engine, ready when a running one finishes;
-    ``stale_after_s`` 5.0: requests in flight and no engine step for that long, hold;
-    ``idle_restore_s`` 60.0: idle (nothing in flight or queued) that long, the cap goes back to
-    ``max_num_seqs``, ready for the next workload (None: never).
+    cap back to its ceiling. Built as ``CapFollower(max_num_seqs=..., **params)``; each parameter is
+    checked, and an unknown one is a TypeError that names it.
 
     State: since when the system has been idle.
     """
 
-    names = (
-        "min_cap",
-        "demand_fraction",
-        "limit_factor",
-        "limit_headroom",
-        "stale_after_s",
-        "idle_restore_s",
-    )
+    max_num_seqs: int
+    """The engine's ceiling of the batch cap."""
+    min_cap: int = 1
+    """The lowest cap the policy asks for."""
+    demand_fraction: float = 0.9
+    """A raise needs requests queued in the gate or ``running >= demand_fraction * cap``."""
+    limit_factor: float = 1.0
+    """``limit = ceil(cap * limit_factor) + limit_headroom``: a few requests wait inside the engine,
+    ready when a running one finishes."""
+    limit_headroom: int = 2
+    """See ``limit_factor``."""
+    stale_after_s: float = 5.0
+    """Requests in flight and no engine step for this long: hold."""
+    idle_restore_s: float | None = 60.0
+    """Idle (nothing in flight or queued) this long, the cap goes back to ``max_num_seqs``, ready for
+    the next workload; None: never."""
+    _idle: IdleTimer = field(default_factory=IdleTimer, init=False, repr=False)
 
-    def __init__(
-        self,
-        max_num_seqs: int,
-        *,
-        min_cap: object = 1,
-        demand_fraction: object = 0.9,
-        limit_factor: object = 1.0,
-        limit_headroom: object = 2,
-        stale_after_s: object = 5.0,
-        idle_restore_s: object = 60.0,
-    ) -> None:
-        self.max_num_seqs = max_num_seqs
-        self.min_cap = check_int("min_cap", min_cap, 1, max_num_seqs)
-        self.demand_fraction = check_float("demand_fraction", demand_fraction, 0.0, 1.0, lo_open=True)
-        self.limit_factor = check_float("limit_factor", limit_factor, 0.0, lo_open=True)
-        self.limit_headroom = check_int("limit_headroom", limit_headroom, 0)
-        self.stale_after_s = check_float("stale_after_s", stale_after_s, 0.0, lo_open=True)
-        self.idle_restore_s = (
-            None if idle_restore_s is None else check_float("idle_restore_s", idle_restore_s, 0.0)
-        )
-        self._idle = IdleTimer()
+    def __post_init__(self) -> None:
+        self.min_cap = check_int("min_cap", self.min_cap, 1, self.max_num_seqs)
+        self.demand_fraction = check_float("demand_fraction", self.demand_fraction, 0.0, 1.0, lo_open=True)
+        self.limit_factor = check_float("limit_factor", self.limit_factor, 0.0, lo_open=True)
+        self.limit_headroom = check_int("limit_headroom", self.limit_headroom, 0)
+        self.stale_after_s = check_float("stale_after_s", self.stale_after_s, 0.0, lo_open=True)
+        restore = self.idle_restore_s
+        self.idle_restore_s = None if restore is None else check_float("idle_restore_s", restore, 0.0)
 
     def params(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.names}
+        return _params(self)
 
     def stale(self, obs: Observation) -> bool:
         return is_stale(obs, self.stale_after_s)
@@ -180,42 +171,45 @@ class CapFollower:
         return Decision(limit_for_cap(cap, self.limit_factor, self.limit_headroom), cap, reason)
 
 
+@dataclass(kw_only=True)
 class LimitMover:
     """The part every policy that moves the admission limit shares, its parameters defined once: a
     latency sample to follow, bounds for the limit, growth only with demand, stale stats hold, and
-    the batch cap following the limit on request.
-
-    Parameters: ``latency`` (one of LATENCIES; each policy sets its default); ``demand_fraction``
-    (growth needs requests queued in the gate or ``in_flight >= demand_fraction * limit``; each
-    policy sets its default); ``min_limit`` 1; ``max_limit`` 2 * max_num_seqs; ``cap_follows_limit``
-    false (true: ``batch_cap = clamp(limit, 1, max_num_seqs)``); ``stale_after_s`` 5.0.
+    the batch cap following the limit on request. Built as ``LimitMover(max_num_seqs=...,
+    latency=..., demand_fraction=..., **params)``: each policy sets its own default for the two.
     """
 
-    names = ("latency", "min_limit", "max_limit", "demand_fraction", "cap_follows_limit", "stale_after_s")
+    max_num_seqs: int
+    """The engine's ceiling of the batch cap."""
+    latency: str
+    """The latency sample the policy follows, one of LATENCIES."""
+    demand_fraction: float
+    """Growth needs requests queued in the gate or ``in_flight >= demand_fraction * limit``."""
+    min_limit: int = 1
+    """The lowest admission limit the policy asks for."""
+    max_limit: int | None = None
+    """The highest admission limit the policy asks for; None: 2 * max_num_seqs."""
+    cap_follows_limit: bool = False
+    """True: ``batch_cap = clamp(limit, 1, max_num_seqs)``; false: the cap is left alone."""
+    stale_after_s: float = 5.0
+    """Requests in flight and no engine step for this long: hold."""
 
-    def __init__(
-        self,
-        max_num_seqs: int,
-        *,
-        latency: object,
-        demand_fraction: object,
-        min_limit: object = 1,
-        max_limit: object = None,
-        cap_follows_limit: object = False,
-        stale_after_s: object = 5.0,
-    ) -> None:
-        self.max_num_seqs = max_num_seqs
-        self.latency = check_choice("latency", latency, LATENCIES)
-        self.min_limit = check_int("min_limit", min_limit, 1)
-        self.max_limit = check_int(
-            "max_limit", 2 * max_num_seqs if max_limit is None else max_limit, self.min_limit
-        )
-        self.demand_fraction = check_float("demand_fraction", demand_fraction, 0.0, 1.0, lo_open=True)
-        self.cap_follows_limit = check_bool("cap_follows_limit", cap_follows_limit)
-        self.stale_after_s = check_float("stale_after_s", stale_after_s, 0.0, lo_open=True)
+    def __post_init__(self) -> None:
+        self.latency = check_choice("latency", self.latency, LATENCIES)
+        self.min_limit = check_int("min_limit", self.min_limit, 1)
+        top = 2 * self.max_num_seqs if self.max_limit is None else self.max_limit
+        self.max_limit = check_int("max_limit", top, self.min_limit)
+        self.demand_fraction = check_float("demand_fraction", self.demand_fraction, 0.0, 1.0, lo_open=True)
+        self.cap_follows_limit = check_bool("cap_follows_limit", self.cap_follows_limit)
+        self.stale_after_s = check_float("stale_after_s", self.stale_after_s, 0.0, lo_open=True)
+
+    @property
+    def top(self) -> int:
+        """The highest admission limit, as checked (``max_limit`` is set once constructed)."""
+        return 2 * self.max_num_seqs if self.max_limit is None else self.max_limit
 
     def params(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.names}
+        return _params(self)
 
     def stale(self, obs: Observation) -> bool:
         return is_stale(obs, self.stale_after_s)
@@ -227,9 +221,14 @@ class LimitMover:
         return has_demand(obs, obs.in_flight, obs.admission_limit, self.demand_fraction)
 
     def clamp(self, estimate: float) -> float:
-        return clamp(estimate, self.min_limit, self.max_limit)
+        return clamp(estimate, self.min_limit, self.top)
 
     def decision(self, limit: int, reason: str) -> Decision:
         """The limit, and the batch cap with it when it follows (clamped to the engine's ceiling)."""
         cap = max(1, min(self.max_num_seqs, limit)) if self.cap_follows_limit else None
         return Decision(limit, cap, reason)
+
+
+def _params(part: CapFollower | LimitMover) -> dict[str, Any]:
+    """A shared part's parameters for /state (its ceiling and its state are not parameters)."""
+    return {f.name: getattr(part, f.name) for f in fields(part) if f.init and f.name != "max_num_seqs"}

@@ -88,7 +88,9 @@ class GradientPolicy(Policy):
         min_change: float = 0.1,
         **limits: Any,
     ) -> None:
-        self.limits = LimitMover(max_num_seqs, latency=latency, demand_fraction=demand_fraction, **limits)
+        self.limits = LimitMover(
+            max_num_seqs=max_num_seqs, latency=latency, demand_fraction=demand_fraction, **limits
+        )
         self.tolerance = check_float("tolerance", tolerance, 0.0)
         self.smoothing = check_float("smoothing", smoothing, 0.0, 1.0, lo_open=True)
         self.baseline_window_s = check_float("baseline_window_s", baseline_window_s, 0.0)
@@ -98,7 +100,7 @@ class GradientPolicy(Policy):
                 f"baseline_interval_s = {baseline_interval_s}: must be longer than "
                 f"baseline_window_s = {baseline_window_s}"
             )
-        self.baseline_limit = check_int("baseline_limit", baseline_limit, 1, self.limits.max_limit)
+        self.baseline_limit = check_int("baseline_limit", baseline_limit, 1, self.limits.top)
         self.dwell_s = None if dwell_s is None else check_float("dwell_s", dwell_s, 0.0)
         self.min_change = check_float("min_change", min_change, 0.0, 1.0)
         self.state = MEASURING

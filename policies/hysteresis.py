@@ -89,7 +89,7 @@ class HysteresisPolicy(Policy):
         self.cut_factor = check_float("cut_factor", cut_factor, 0.0, 0.99, lo_open=True)
         self.cooldown_s = check_float("cooldown_s", cooldown_s, 0.0)
         self.cut_cooldown_s = check_float("cut_cooldown_s", cut_cooldown_s, 0.0)
-        self.follower = CapFollower(max_num_seqs, **follower)
+        self.follower = CapFollower(max_num_seqs=max_num_seqs, **follower)
         self._last_change_mono: float | None = None
         self._last_cut_mono: float | None = None
         self._kv = math.nan

@@ -99,7 +99,7 @@ class PidPolicy(Policy):
         self.ki = check_float("ki", ki, 0.0)
         self.kd = check_float("kd", kd, 0.0)
         self.deadband = check_float("deadband", deadband, 0.0, 0.99)
-        self.follower = CapFollower(max_num_seqs, **follower)
+        self.follower = CapFollower(max_num_seqs=max_num_seqs, **follower)
         self._integral: float | None = None
         self._prev: tuple[float, float] | None = None  # (now_mono, measurement)
         self._ask: tuple[int, int] | None = None  # this tick's (cap in force, cap asked), for applied()
