@@ -2,7 +2,9 @@
 
 Shared work lives here once (STYLE.md practice 2): clamping, a tolerance band, a scale-down
 stabilisation window, a maximum step per tick, and "apply only on change". Pure: time comes in as
-``now_mono``; the only state is the recent recommendations the stabilisation window needs.
+``now_mono``; the only state is the recent recommendations the stabilisation window needs. After the
+apply stage the loop tells the policy which knobs are in force (``Policy.applied``), so a policy
+never has to guess what this stage made of its ask.
 """
 
 from __future__ import annotations
