@@ -94,12 +94,18 @@ async def test_slots_and_admissions_are_counted_per_class() -> None:
 # -- strict priority and aging --------------------------------------------------------------------
 
 
-async def test_interactive_never_waits_behind_batch_without_aging() -> None:
-    gate, clock, _ = make(limit=1, classes=PATIENT)
+async def one_slot_held(aging_s: float, hold_priority: int = 0, batch: int = 1) -> tuple[FakeClock, Requests]:
+    """One slot (deadlines out of the way), taken by "hold"; batch requests b0, b1, ... wait behind it."""
+    gate, clock, _ = make(limit=1, classes=PATIENT, aging_s=aging_s)
     reqs = Requests(gate)
-    await reqs.add("hold", 5)
-    for i in range(3):
+    await reqs.add("hold", hold_priority)
+    for i in range(batch):
         await reqs.add(f"b{i}", 3)
+    return clock, reqs
+
+
+async def test_interactive_never_waits_behind_batch_without_aging() -> None:
+    clock, reqs = await one_slot_held(0.0, hold_priority=5, batch=3)
     clock.advance(100.0)  # however long batch waited
     await reqs.add("i0", 0)
     await reqs.finish("hold")
@@ -107,11 +113,7 @@ async def test_interactive_never_waits_behind_batch_without_aging() -> None:
 
 
 async def test_aging_lets_an_old_batch_request_take_one_slot_per_aging_period() -> None:
-    gate, clock, _ = make(limit=1, classes=PATIENT, aging_s=5.0)
-    reqs = Requests(gate)
-    await reqs.add("hold", 0)
-    await reqs.add("b0", 3)
-    await reqs.add("b1", 3)
+    clock, reqs = await one_slot_held(5.0, batch=2)
     clock.advance(1.0)
     for i in range(4):
         await reqs.add(f"i{i}", 0)
@@ -129,10 +131,7 @@ async def test_aging_lets_an_old_batch_request_take_one_slot_per_aging_period() 
 
 
 async def test_aging_of_zero_is_pure_strict_priority() -> None:
-    gate, clock, _ = make(limit=1, classes=PATIENT, aging_s=0.0)
-    reqs = Requests(gate)
-    await reqs.add("hold", 0)
-    await reqs.add("b0", 3)
+    clock, reqs = await one_slot_held(0.0)
     await reqs.add("i0", 0)
     clock.advance(1000.0)
     await reqs.finish("hold")
