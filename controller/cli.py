@@ -1,4 +1,4 @@
-"""``vllm-autopilot``: serve, check-config, make-tiny-model, simulate, bench.
+"""``vllm-autopilot``: serve, check-config, make-model, simulate, bench.
 
 Each subcommand's parser names its handler with ``set_defaults(func=...)``; ``main`` only calls it.
 """
@@ -14,8 +14,8 @@ from pathlib import Path
 from controller.bench.cli import add_bench_commands, bench_main
 from controller.config.load import DEFAULT_CONFIG, Config, ConfigError, describe, load_config
 from controller.lifecycle.logs import configure_logging
-from controller.models.tiny import ensure_tiny_model, make_tiny_model
-from controller.sim.cli import add_calibrate_parser, add_simulate_parser
+from controller.models.cli import add_model_parser
+from controller.sim.cli import add_calibrate_parser, add_simulate_parser, add_validate_parser
 from policies.base import PolicyError
 
 
@@ -47,12 +47,6 @@ def _check_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def _make_tiny_model(args: argparse.Namespace) -> int:
-    out = ensure_tiny_model(args.dir) if args.if_missing else make_tiny_model(args.dir)
-    print(f"tiny model ready in {out}")
-    return 0
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vllm-autopilot", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -62,16 +56,14 @@ def _parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-config", help="validate a config file and print the effective config")
     check.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     check.set_defaults(func=_check_config)
-    tiny = sub.add_parser("make-tiny-model", help="build the local CPU test model into DIR")
-    tiny.add_argument("dir", type=Path)
-    tiny.add_argument("--if-missing", action="store_true", help="do nothing when DIR already holds it")
-    tiny.set_defaults(func=_make_tiny_model)
+    add_model_parser(sub)
     add_simulate_parser(sub)
     bench = sub.add_parser("bench", help="benchmark and tune: run, sweep, compare, soak, report, calibrate")
     bench.set_defaults(func=bench_main)  # run, sweep, compare, soak, report; calibrate sets its own
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     add_bench_commands(bench_sub)
     add_calibrate_parser(bench_sub)  # each bench tool adds its own parser to bench_sub
+    add_validate_parser(bench_sub)
     return p
 
 

