@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from controller.percentile import percentile
+
 Status = Literal["ok", "refused", "failed"]
 STATUSES: tuple[Status, ...] = ("ok", "refused", "failed")
 # HTTP statuses that mean "the server refused this request" rather than "it broke".
@@ -158,18 +160,6 @@ def read_series(path: Path) -> list[SeriesPoint]:
 
 
 # --- math --------------------------------------------------------------------------------------------------
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (0..100), linear interpolation between ranks; None for no values."""
-    if not 0.0 <= q <= 100.0:
-        raise ValueError(f"percentile q={q}: must be in [0, 100]")
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100.0
-    lo, hi = math.floor(rank), math.ceil(rank)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
 
 
 def tpot(ttft_s: float, e2e_s: float, output_tokens: int) -> float | None:

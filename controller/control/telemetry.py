@@ -7,12 +7,11 @@ arrives as an argument or from the injected clock, never from a hidden read.
 
 from __future__ import annotations
 
-import math
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from controller.clock import Clock, monotonic
+from controller.percentile import percentile
 
 
 @dataclass(frozen=True)
@@ -65,15 +64,6 @@ class EngineStats:
     last_step_age_s: float | None
     """Seconds since the engine last reported a step; None before the first one. A large age with
     nothing running means idle, not stalled."""
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in 0..100) of ``values``; None when empty."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
-    return ordered[min(rank, len(ordered)) - 1]
 
 
 class TelemetryWindow:
@@ -133,10 +123,10 @@ class TelemetryWindow:
             preemptions_per_s=preempted / span,
             generated_tokens_per_s=sum(s.generated_tokens for s in steps) / span,
             finished_per_s=sum(s.finished for s in steps) / span,
-            ttft_p50_s=percentile(ttft, 50),
-            ttft_p99_s=percentile(ttft, 99),
-            itl_p50_s=percentile(itl, 50),
-            itl_p99_s=percentile(itl, 99),
+            ttft_p50_s=percentile(ttft, 50, "nearest_rank"),
+            ttft_p99_s=percentile(ttft, 99, "nearest_rank"),
+            itl_p50_s=percentile(itl, 50, "nearest_rank"),
+            itl_p99_s=percentile(itl, 99, "nearest_rank"),
             last_step_age_s=(now - self._last_t_mono) if self._last_t_mono is not None else None,
         )
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from controller.clock import FakeClock
-from controller.control.telemetry import EngineStats, StepSample, TelemetryWindow, percentile
+from controller.control.telemetry import EngineStats, StepSample, TelemetryWindow
+from controller.percentile import percentile
 
 
 def step(
@@ -54,7 +55,7 @@ def step(
     ],
 )
 def test_percentile_nearest_rank(values: list[float], q: float, expected: float | None) -> None:
-    assert percentile(values, q) == expected
+    assert percentile(values, q, "nearest_rank") == expected
 
 
 def test_empty_window_snapshot() -> None:
