@@ -19,9 +19,8 @@ import pytest
 import pytest_asyncio
 
 from controller.bench.records import read_records, read_series
-from controller.config.load import load_config
 from controller.lifecycle.daemon import Daemon
-from tests.conftest import ROOT, write_config
+from tests.helpers import ROOT, running_daemon, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -35,10 +34,8 @@ async def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> 
         engine={"kv_cache_memory_bytes": 2 << 20, "max_num_seqs": 64},
         admission={"limit": 48, "max_queue": 512},
     )
-    d = Daemon(load_config(path), install_signals=False)
-    await d.startup()
-    yield d
-    await d.shutdown()
+    async with running_daemon(path) as d:
+        yield d
 
 
 async def test_bench_run_against_the_daemon(daemon: Daemon, tmp_path: Path) -> None:

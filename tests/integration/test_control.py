@@ -20,10 +20,8 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from controller.config.load import load_config
 from controller.lifecycle.daemon import Daemon
-from tests.conftest import write_config
-from tests.integration.client import http_session, stream_completion
+from tests.helpers import http_session, running_daemon, stream_completion, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -64,10 +62,8 @@ async def daemon(
         },
         control={"tick_seconds": 0.5, "window_seconds": 3.0, "policy": policy, **POLICIES[policy]},
     )
-    d = Daemon(load_config(path), install_signals=False)
-    await d.startup()
-    yield d
-    await d.shutdown()
+    async with running_daemon(path) as d:
+        yield d
 
 
 def base(d: Daemon) -> str:

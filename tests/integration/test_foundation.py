@@ -16,11 +16,9 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from controller.config.load import load_config
 from controller.lifecycle.daemon import Daemon
 from tests.assets import vllm_metric_names
-from tests.conftest import write_config
-from tests.integration.client import http_session, stream_completion
+from tests.helpers import http_session, running_daemon, stream_completion, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -32,10 +30,8 @@ async def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> 
         admission={"limit": 4, "max_queue": 256},
         control={"tick_seconds": 3600.0, "policy": "static"},
     )
-    d = Daemon(load_config(path), install_signals=False)
-    await d.startup()
-    yield d
-    await d.shutdown()
+    async with running_daemon(path) as d:
+        yield d
 
 
 def url(d: Daemon, path: str) -> str:

@@ -21,11 +21,9 @@ import psutil
 import pytest
 import pytest_asyncio
 
-from controller.config.load import load_config
 from controller.control.samplers import FakeHostSource, HostReading
 from controller.lifecycle.daemon import Daemon
-from tests.conftest import write_config
-from tests.integration.client import http_session, stream_completion
+from tests.helpers import http_session, running_daemon, stream_completion, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -50,10 +48,8 @@ async def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> 
             "cooldown_s": 5.0,
         },
     )
-    d = Daemon(load_config(path), install_signals=False, host_source=FakeHostSource(PLENTY))
-    await d.startup()
-    yield d
-    await d.shutdown()
+    async with running_daemon(path, host_source=FakeHostSource(PLENTY)) as d:
+        yield d
 
 
 def base(d: Daemon) -> str:

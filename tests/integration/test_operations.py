@@ -16,9 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.conftest import write_config
-from tests.integration.client import http_session, stream_completion
-from tests.integration.procs import daemon_process
+from tests.helpers import daemon_process, http_session, stream_completion, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -45,7 +43,7 @@ def _config(path: Path, ports: tuple[int, int], limit: int, extra: str = "", **e
 
 @pytest.fixture(scope="module")
 def daemon_proc(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Proc]:
-    from tests.conftest import free_port
+    from tests.helpers import free_port
 
     path = tmp_path_factory.mktemp("ops") / "config.toml"
     ports = (free_port(), free_port())

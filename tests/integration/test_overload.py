@@ -24,9 +24,7 @@ import psutil
 import pytest
 
 from controller.bench.mix import BATCH, INTERACTIVE, Mix, capacity, run_mix, summarize, unloaded_ttft
-from tests.conftest import free_port, write_config
-from tests.integration.client import http_session
-from tests.integration.procs import daemon_process
+from tests.helpers import daemon_process, free_port, http_session, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 

@@ -11,7 +11,7 @@ import pytest
 from controller.admission.classes import DEFAULT_CLASSES, PriorityClass, parse_classes
 from controller.config.load import ConfigError, load_config
 from controller.lifecycle.daemon import Daemon
-from tests.conftest import write_config
+from tests.helpers import write_config
 
 
 def errors_of(raw: Any) -> list[str]:

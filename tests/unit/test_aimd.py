@@ -9,7 +9,7 @@ import pytest
 
 from policies.aimd import AimdPolicy
 from policies.base import Decision, Observation, PolicyError
-from tests.unit.obs import obs
+from tests.helpers import obs
 
 
 def make(**params: Any) -> AimdPolicy:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from controller.bench.servers import ServerSpec, daemon_config, load_base_config, to_toml
 from controller.config.load import load_config
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 
 def test_the_default_config_round_trips_with_its_nested_class_tables() -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from controller.control.diagnosis import Diagnoser
-from tests.unit.obs import obs
+from tests.helpers import obs
 
 
 def feed(d: Diagnoser, running: int, tps: float, cpu: float = 20.0) -> None:

@@ -15,15 +15,10 @@ import pytest
 from controller.admission.classes import PriorityClass
 from controller.admission.gate import AdmissionGate, GateRejected, GateStats, Slot
 from controller.clock import FakeClock
+from tests.helpers import Events, Recorder, settle
 
 ONE_CLASS = (PriorityClass("all", max_queue=100_000, queue_deadline_s=1e6),)
 """One class for every priority and no deadline to speak of: the tests of the limit and the order."""
-
-
-async def settle() -> None:
-    """Let every ready task run until it blocks again (a few loop iterations, no real time)."""
-    for _ in range(5):
-        await asyncio.sleep(0)
 
 
 IDLE = GateStats(0, 0, 0, 0, admitted_total=0, rejected_total=0, completed_total=0, closed=False)
@@ -51,31 +46,6 @@ class Waiters:
         self.tasks[label] = task
         await settle()
         return task
-
-
-class Events:
-    """Records the gate's per-class events."""
-
-    def __init__(self) -> None:
-        self.admitted: list[tuple[str, float]] = []
-        self.rejected: list[tuple[str, str]] = []
-        self.timed_out: list[tuple[str, float]] = []
-
-
-class Recorder:
-    def __init__(self, reasons: list[str], events: Events) -> None:
-        self.reasons = reasons
-        self.events = events
-
-    def admitted(self, cls: str, wait_s: float) -> None:
-        self.events.admitted.append((cls, wait_s))
-
-    def rejected(self, cls: str, reason: str) -> None:
-        self.reasons.append(reason)
-        self.events.rejected.append((cls, reason))
-
-    def timed_out(self, cls: str, wait_s: float) -> None:
-        self.events.timed_out.append((cls, wait_s))
 
 
 def make_gate(limit: int = 1, max_queue: int = 100) -> tuple[AdmissionGate, FakeClock, list[str]]:

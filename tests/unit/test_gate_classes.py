@@ -11,7 +11,7 @@ import pytest
 from controller.admission.classes import PriorityClass
 from controller.admission.gate import AdmissionGate, GateRejected, Slot
 from controller.clock import FakeClock
-from tests.unit.test_gate import Events, Recorder, settle
+from tests.helpers import Events, Recorder, settle
 
 INTERACTIVE = PriorityClass("interactive", max_priority=0, max_queue=4, queue_deadline_s=2.0)
 BATCH = PriorityClass("batch", min_priority=1, max_queue=8, queue_deadline_s=30.0)

@@ -10,7 +10,7 @@ import pytest
 
 from policies.base import Decision, Observation, PolicyError
 from policies.gradient import MEASURING, NORMAL, GradientPolicy
-from tests.unit.obs import obs
+from tests.helpers import obs
 
 # Most tables pin the plain Gradient2 update, one per tick (no dwell, no minimum change), where the
 # arithmetic is easy to follow; the defaults (dwell, min_change) have their own tests at the end.

@@ -9,7 +9,7 @@ import pytest
 
 from policies.base import Decision, PolicyError, build_policy
 from policies.hysteresis import HysteresisPolicy
-from tests.unit.obs import obs
+from tests.helpers import obs
 
 
 def make(**params: Any) -> HysteresisPolicy:

@@ -17,7 +17,7 @@ from controller.control.loop import Change, ControlLoop
 from controller.control.normalize import Normalizer
 from policies.base import Decision, Observation, Policy
 from policies.static import StaticPolicy
-from tests.unit.obs import idle_obs
+from tests.helpers import idle_obs
 
 MAX_NUM_SEQS = 64
 

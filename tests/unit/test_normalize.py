@@ -9,7 +9,7 @@ import pytest
 
 from controller.control.normalize import Move, Normalizer
 from policies.base import Decision
-from tests.unit.obs import obs
+from tests.helpers import obs
 
 
 def cap(want: int | None, reason: str = "r") -> Decision:

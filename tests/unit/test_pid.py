@@ -10,7 +10,7 @@ import pytest
 
 from policies.base import Decision, Observation, PolicyError
 from policies.pid import PidPolicy
-from tests.unit.obs import obs
+from tests.helpers import obs
 
 # max_num_seqs 65 and min_cap 1: the output u in [0, 1] spans 64 caps, cap = 1 + round(64 * u).
 # Most tables pin a plain linear PID on the window mean (no deadband), where the arithmetic is easy

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from policies.base import REGISTRY, Decision, Policy, build_policy, resolve
-from tests.unit.obs import obs
+from tests.helpers import obs
 
 BUILT_INS = ["aimd", "gradient", "hysteresis", "pid", "static"]
 

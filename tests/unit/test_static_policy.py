@@ -9,7 +9,7 @@ import pytest
 
 from policies.base import REGISTRY, Decision, Observation, Policy, PolicyError, build_policy, resolve
 from policies.static import PRESETS, StaticPolicy
-from tests.unit.obs import idle_obs
+from tests.helpers import idle_obs
 
 MAX_NUM_SEQS = 64
 INITIAL_LIMIT = 100

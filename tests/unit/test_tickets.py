@@ -21,7 +21,7 @@ from controller.admission.gate import AdmissionGate
 from controller.engine.frontend import tickets
 from controller.engine.frontend.app import AdmissionMiddleware
 from controller.engine.frontend.client import GateRefusal, GovernedEngineClient
-from tests.unit.test_gate import Events, Recorder
+from tests.helpers import Events, Recorder
 
 
 class FakeLLM:

@@ -1,0 +1,261 @@
+"""The tests' one helpers module: paths and ports, the config writer, the daemon (in-process and as a
+subprocess), the streaming client, and the gate and observation builders.
+
+Moved here from tests/conftest.py (paths, ports, the config writer), tests/unit/obs.py (observations),
+tests/unit/test_gate.py (the gate's event recorder and ``settle``), tests/integration/client.py (the
+streaming client) and tests/integration/procs.py (the daemon as a subprocess), so that no test module
+imports another test module. The daemon and vLLM are imported inside the functions that need them:
+unit tests import this module without paying for vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+
+from controller.bench.client import parse_event, pooled_connector
+from controller.bench.servers import to_toml
+from policies.base import Observation
+
+if TYPE_CHECKING:
+    from controller.lifecycle.daemon import Daemon
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY_MODEL = ROOT / "models" / "tiny"
+SMOLLM2_MODEL = ROOT / "models" / "smollm2"
+
+
+# -- ports and config files -----------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def write_config(path: Path, **tables: dict[str, Any]) -> Path:
+    """A config for the tiny CPU model; ``tables`` override keys per table."""
+    base: dict[str, dict[str, Any]] = {
+        "engine": {
+            "model": str(TINY_MODEL),
+            "max_num_seqs": 16,
+            "max_model_len": 2048,
+            "kv_cache_memory_bytes": 64 << 20,
+            "scheduling_policy": "priority",
+            "enable_prefix_caching": False,
+            "served_model_name": ["tiny"],
+        },
+        "server": {"host": "127.0.0.1", "port": free_port(), "shutdown_timeout_s": 20.0},
+        "admin": {"host": "127.0.0.1", "port": free_port()},
+        "admission": {"limit": 16, "max_queue": 256},
+        "control": {"tick_seconds": 1.0, "policy": "static"},
+    }
+    for name, values in tables.items():
+        base.setdefault(name, {}).update(values)
+    path.write_text(to_toml(base))
+    return path
+
+
+# -- the daemon ---------------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def running_daemon(config: Path, **parts: Any) -> AsyncIterator[Daemon]:
+    """The daemon in this process on ``config`` (no signal handlers), started and shut down around the
+    block; ``parts`` go to ``Daemon`` (fake host or GPU sources)."""
+    from controller.config.load import load_config
+    from controller.lifecycle.daemon import Daemon
+
+    d = Daemon(load_config(config), install_signals=False, **parts)
+    try:
+        await d.startup()
+        yield d
+    finally:
+        await d.shutdown()
+
+
+def wait_healthy(popen: subprocess.Popen[bytes], admin_url: str, timeout_s: float = 240.0) -> None:
+    """Until ``/healthz`` answers 200; fails if the daemon exits or the timeout passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert popen.poll() is None, "daemon exited during startup"
+        try:
+            with urllib.request.urlopen(admin_url + "/healthz", timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError("daemon did not become healthy")
+
+
+@contextlib.contextmanager
+def daemon_process(config: Path, admin_url: str) -> Iterator[subprocess.Popen[bytes]]:
+    """Start the daemon on ``config`` in its own process group (log beside the config), yield it once
+    healthy, and kill the group if it is still running at the end."""
+    with open(config.parent / "daemon.log", "wb") as log:
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "controller", "serve", "--config", str(config)],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            wait_healthy(popen, admin_url)
+            yield popen
+        finally:
+            if popen.poll() is None:
+                os.killpg(popen.pid, signal.SIGKILL)
+                popen.wait()
+
+
+# -- the streaming client -----------------------------------------------------------------------
+
+
+def http_session(**kwargs: Any) -> aiohttp.ClientSession:
+    """An aiohttp session without a connection limit, on the bench's pool (idle connections are dropped
+    before the server's keep-alive closes them)."""
+    return aiohttp.ClientSession(connector=pooled_connector(0), **kwargs)
+
+
+async def stream_completion(
+    session: aiohttp.ClientSession, base_url: str, max_tokens: int, priority: int = 0, prompt: str = ""
+) -> dict[str, Any]:
+    """One streamed /v1/completions request: status, generated tokens (from the usage chunk; a chunk
+    may carry several tokens), content chunks, TTFT and when it ended."""
+    body = {
+        "model": "tiny",
+        "prompt": prompt or "the engine serves requests",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "priority": priority,
+    }
+    chunks = tokens = 0
+    t0 = time.monotonic()
+    first: float | None = None
+    async with session.post(base_url + "/v1/completions", json=body) as resp:
+        status = resp.status
+        if status != 200:
+            return {"status": status, "chunks": 0, "headers": dict(resp.headers), "body": await resp.text()}
+        async for line in resp.content:
+            event = parse_event(line)
+            if event is None:
+                continue
+            if "error" in event:
+                return {"status": 500, "chunks": chunks, "tokens": tokens, "error": event}
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            if not event.get("choices"):
+                continue  # the usage-only chunk at the end
+            if first is None:
+                first = time.monotonic()
+            chunks += 1
+    done = time.monotonic()
+    return {
+        "status": status,
+        "chunks": chunks,
+        "tokens": tokens,
+        "start_mono": t0,
+        "first_token_mono": first,
+        "done_mono": done,
+        "ttft_s": (first or done) - t0,
+    }
+
+
+# -- the gate -----------------------------------------------------------------------------------
+
+
+async def settle() -> None:
+    """Let every ready task run until it blocks again (a few loop iterations, no real time)."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+class Events:
+    """Records the gate's per-class events."""
+
+    def __init__(self) -> None:
+        self.admitted: list[tuple[str, float]] = []
+        self.rejected: list[tuple[str, str]] = []
+        self.timed_out: list[tuple[str, float]] = []
+
+
+class Recorder:
+    """The gate's event sink for tests: refusal reasons in order, and every event by class."""
+
+    def __init__(self, reasons: list[str], events: Events) -> None:
+        self.reasons = reasons
+        self.events = events
+
+    def admitted(self, cls: str, wait_s: float) -> None:
+        self.events.admitted.append((cls, wait_s))
+
+    def rejected(self, cls: str, reason: str) -> None:
+        self.reasons.append(reason)
+        self.events.rejected.append((cls, reason))
+
+    def timed_out(self, cls: str, wait_s: float) -> None:
+        self.events.timed_out.append((cls, wait_s))
+
+
+# -- observations -------------------------------------------------------------------------------
+
+OBS_DEFAULTS: dict[str, Any] = {
+    "now_mono": 0.0,
+    "admission_limit": 34,
+    "batch_cap": 32,
+    "max_num_seqs": 64,
+    "in_flight": 20,
+    "queued": 0,
+    "running": 20,
+    "kv_usage": 0.5,
+    "kv_usage_mean": 0.5,
+    "kv_usage_max": 0.5,
+    "preemptions_per_s": 0.0,
+    "generated_tokens_per_s": 1000.0,
+    "ttft_p99_s": None,
+    "itl_p99_s": None,
+    "stats_age_s": 0.1,
+}
+
+
+def obs(**overrides: Any) -> Observation:
+    """An Observation of a loaded, healthy engine (cap 32 of 64, KV half full), with ``overrides``."""
+    unknown = set(overrides) - set(Observation.__dataclass_fields__)
+    if unknown:
+        raise TypeError(f"not Observation fields: {sorted(unknown)}")
+    return Observation(**{**OBS_DEFAULTS, **overrides})
+
+
+OBS_IDLE: dict[str, Any] = {
+    **OBS_DEFAULTS,
+    "now_mono": 1000.0,
+    "in_flight": 0,
+    "running": 0,
+    "kv_usage": 0.0,
+    "kv_usage_mean": 0.0,
+    "kv_usage_max": 0.0,
+    "generated_tokens_per_s": 0.0,
+    "stats_age_s": None,
+}
+
+
+def idle_obs(**overrides: Any) -> Observation:
+    """An Observation of an idle engine (nothing in flight, no stats yet), with ``overrides``."""
+    return obs(**{**OBS_IDLE, **overrides})
