@@ -1,7 +1,7 @@
 """Locust load for any OpenAI-compatible server (ours or plain ``vllm serve``), for users who prefer locust.
 
     pip install locust
-    MODEL=tiny TOKENIZER=models/tiny PROMPT_TOKENS=128 OUTPUT_TOKENS=128 \\
+    MODEL=smollm2 TOKENIZER=models/smollm2 PROMPT_TOKENS=128 OUTPUT_TOKENS=128 \\
         locust -f bench/locustfile.py --host http://127.0.0.1:8000 --users 32 --spawn-rate 8
 
 Each user sends streaming ``/v1/completions`` requests forced to ``OUTPUT_TOKENS`` (``ignore_eos``) with a
@@ -31,12 +31,12 @@ from controller.bench.client import Target, parse_event, payload  # noqa: E402
 from controller.bench.prompts import PromptBuilder, load_tokenizer  # noqa: E402
 from controller.bench.workload import RequestSpec  # noqa: E402
 
-MODEL = os.environ.get("MODEL", "tiny")
+MODEL = os.environ.get("MODEL", "smollm2")  # config.toml's served_model_name
 PROMPT_TOKENS = int(os.environ.get("PROMPT_TOKENS", "128"))
 OUTPUT_TOKENS = int(os.environ.get("OUTPUT_TOKENS", "128"))
 PRIORITY = int(os.environ.get("PRIORITY", "0"))
 WAIT_S = float(os.environ.get("WAIT_S", "0"))
-BUILDER = PromptBuilder(load_tokenizer(Path(os.environ.get("TOKENIZER", str(ROOT / "models" / "tiny")))))
+BUILDER = PromptBuilder(load_tokenizer(Path(os.environ.get("TOKENIZER", str(ROOT / "models" / "smollm2")))))
 COUNTER = itertools.count()
 TARGET = Target("", MODEL)  # locust's --host is the base URL
 
