@@ -135,7 +135,7 @@ class AdmissionGate:
         q = self._queue_of(priority)
         if self._refuse_new is not None:
             self._events.rejected(q.spec.name, self._refuse_new.reason)
-            raise self._refuse_new
+            raise self._refuse_new.fresh()
         self._expire_pending()
         position, own = self._position(q, n)
         if position > 0:
@@ -223,7 +223,7 @@ class AdmissionGate:
         if from_pending and q.pending:
             q.pending.popleft()
         if self._refuse_queued is not None:
-            raise self._refuse_queued
+            raise self._refuse_queued.fresh()
         urgent_waiting = any(o.queued for o in self._order[: self._order.index(q) + 1])
         if not self._deadlines.paused and not urgent_waiting and self._free_for(q) > 0:
             return self._grant(q, self._clock())
@@ -348,7 +348,7 @@ class AdmissionGate:
         self._refuse_new = self._refuse_queued = error
         for q in self._order:
             for w in q.live():
-                self._drop(w, error)
+                self._drop(w, error.fresh())
 
     def reopen(self) -> None:
         """Admit again after ``refuse_all`` (the engine is back)."""

@@ -21,6 +21,12 @@ class GateRejected(Exception):
         self.retry_after_s = retry_after_s
         self.reason = reason
 
+    def fresh(self) -> GateRejected:
+        """A new refusal with the same answer. A stored refusal (the gate refusing everyone during
+        shutdown or while no engine can serve) is never raised itself: each raise would append its
+        frames to the one shared traceback, which then grows with every refused request."""
+        return GateRejected(self.message, self.status, self.retry_after_s, self.reason)
+
 
 def shutting_down() -> GateRejected:
     return GateRejected("the server is shutting down; retry on another instance", 503, 1, "shutting_down")
