@@ -23,6 +23,7 @@ from contextlib import asynccontextmanager
 from controller.admission.classes import DEFAULT_CLASSES, CompletionRate, GateEvents, NoEvents, PriorityClass
 from controller.admission.deadlines import Deadlines
 from controller.admission.queues import ClassQueue, GateRejected, GateStats, Slot, Waiter, shutting_down
+from controller.admission.shedding import shed_order
 from controller.clock import Clock, monotonic
 
 __all__ = ["AdmissionGate", "GateRejected", "GateStats", "Slot"]
@@ -130,8 +131,10 @@ class AdmissionGate:
             while q.pending and q.pending[0] < horizon:
                 q.pending.popleft()
 
-    def check_admission(self, priority: int = 0, n: int = 1) -> None:
-        """Refuse now (raise ``GateRejected``) or count the request as pending in its class."""
+    def check_admission(self, priority: int = 0, n: int = 1, calls: int = 1) -> None:
+        """Refuse now (raise ``GateRejected``) or count the request as pending in its class: ``n``
+        is what it will generate (prompts x sequences each), ``calls`` the ``acquire`` calls that
+        follow (one per prompt), each holding a pending place until it reaches the gate."""
         q = self._queue_of(priority)
         if self._refuse_new is not None:
             self._events.rejected(q.spec.name, self._refuse_new.reason)
@@ -140,7 +143,7 @@ class AdmissionGate:
         position, own = self._position(q, n)
         if position > 0:
             self._check_wait(q, position, own, n)
-        q.pending.append(self._clock())  # one generate() call follows, whatever n is
+        q.pending.extend([self._clock()] * calls)
 
     def _position(self, q: ClassQueue, n: int) -> tuple[int, int]:
         """(requests that would wait ahead of a slot for this one, itself included; how many of
@@ -170,9 +173,10 @@ class AdmissionGate:
             self._refuse(q, n, "expected_wait", position - rate * spec.queue_deadline_s, why)
         waiting = sum(o.queued + len(o.pending) for o in self._order)
         free_any = max(0, self._limit - self._in_flight_total)
-        if waiting + n - free_any > self.max_queue and not self._shed_below(q):
+        excess = waiting + n - free_any - self.max_queue
+        if excess > 0 and not self._shed_below(q, min(excess, n)):
             why = f"{waiting} requests already wait (gate queue limit {self.max_queue})"
-            self._refuse(q, n, "queue_full", waiting + n - free_any - self.max_queue, why)
+            self._refuse(q, n, "queue_full", excess, why)
 
     def _refuse(self, q: ClassQueue, n: int, reason: str, excess: float, why: str) -> None:
         self.rejected_total += n
@@ -195,26 +199,21 @@ class AdmissionGate:
         """Seconds until the whole queue has likely drained (for 503s and answers without a class)."""
         return self._retry_after(1 + sum(q.queued + len(q.pending) for q in self._order))
 
-    def _shed_below(self, q: ClassQueue) -> bool:
-        """Refuse the newest waiter of the least urgent class below ``q``; False when none waits."""
-        for lower in reversed(self._order[self._order.index(q) + 1 :]):
-            live = lower.live()
-            if live:
-                victim = max(live, key=lambda w: (w.priority, w.seq))
-                why = (
-                    f"shed: the gate is full and more urgent requests arrived ({lower.spec.name} sheds first)"
-                )
-                retry = self._retry_after(1 + lower.queued)
-                self._drop(victim, GateRejected(f"{why}; retry later", 429, retry, "shed"))
-                self._events.rejected(lower.spec.name, "shed")
-                self.rejected_total += 1
-                return True
-        return False
+    def _shed_below(self, q: ClassQueue, count: int) -> bool:
+        """Refuse the ``count`` newest waiters of the least urgent classes below ``q``
+        (``shedding.py``); False, and none refused, when fewer wait."""
+        victims = shed_order(self._order[self._order.index(q) + 1 :], count, self._retry_after)
+        for w, error in victims:
+            self._drop(w, error)
+            self._events.rejected(w.queue.spec.name, "shed")
+        self.rejected_total += len(victims)
+        return bool(victims)
 
-    def cancel_pending(self, priority: int) -> None:
-        """The request passed check_admission but ends without generating (a 4xx from vLLM)."""
+    def cancel_pending(self, priority: int, count: int = 1) -> None:
+        """The request passed check_admission but ends with ``count`` of its generate() calls never
+        made (a 4xx from vLLM)."""
         q = self._queue_of(priority)
-        if q.pending:
+        for _ in range(min(count, len(q.pending))):
             q.pending.pop()
 
     async def acquire(self, priority: int = 0, from_pending: bool = True) -> Slot:

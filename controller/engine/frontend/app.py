@@ -48,8 +48,8 @@ class AdmissionMiddleware:
             await self.app(scope, receive, send_with_retry_after)
         finally:
             tickets.current.reset(token)
-            if ticket.admitted and not ticket.claimed:  # vLLM answered without generating (4xx)
-                self.gate.cancel_pending(ticket.priority)
+            if ticket.pending:  # vLLM answered without generating them all (4xx)
+                self.gate.cancel_pending(ticket.priority, ticket.pending)
 
 
 async def build_data_plane(client: GovernedEngineClient, args: argparse.Namespace) -> FastAPI:

@@ -80,14 +80,17 @@ class GovernedEngineClient(EngineClient):
         """vLLM calls this without the priority: the request's ticket carries it (tickets.py)."""
         self._host.llm.check_admission(n, request_id)  # vLLM's own queue limits, if configured
         ticket = tickets.current.get()
+        calls = ticket.calls if ticket else 1
         try:
-            self._gate.check_admission(ticket.priority if ticket else 0, n)
+            # Each prompt is its own generate() call, each with n sequences: count them all now.
+            self._gate.check_admission(ticket.priority if ticket else 0, n * calls, calls=calls)
         except GateRejected as exc:
             if ticket is not None:
                 ticket.retry_after_s = exc.retry_after_s
             raise _http_error(exc) from None
         if ticket is not None:
             ticket.admitted = True
+            ticket.pending = calls
 
     def generate(  # type: ignore[override]
         self,
@@ -101,9 +104,10 @@ class GovernedEngineClient(EngineClient):
         """A plain function, so that it claims the request's ticket when vLLM calls it (in the
         handler's context), not when the stream is first iterated."""
         ticket = tickets.current.get()
-        from_pending = ticket is not None and ticket.admitted and not ticket.claimed
+        from_pending = ticket is not None and ticket.pending > 0
         if ticket is not None and from_pending:
             ticket.claimed = True
+            ticket.pending -= 1
         return self._generate(prompt, sampling_params, request_id, priority, from_pending, ticket, kwargs)
 
     async def _generate(

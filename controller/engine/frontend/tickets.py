@@ -18,6 +18,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
+from controller.engine.frontend.prompts import generate_calls
+
 ENTRY_POINTS = ("create_chat_completion", "create_completion", "create_responses")
 """Serving methods that take (request, raw_request) and call ``_preflight`` before generating."""
 PRIORITY_HEADER = "x-vllm-priority"
@@ -29,7 +31,11 @@ class Ticket:
     admitted: bool = False
     """Passed check_admission: counted as pending in its class."""
     claimed: bool = False
-    """generate() took the pending place."""
+    """generate() took a pending place."""
+    calls: int = 1
+    """generate() calls the request will make (a completion's prompts: ``prompts.generate_calls``)."""
+    pending: int = 0
+    """Pending places it holds in the gate that no generate() call has taken yet."""
     retry_after_s: int | None = None
     """Set when the gate refused the request: the Retry-After of its answer."""
 
@@ -54,6 +60,7 @@ def _wrap(serving: Any, method: Callable[..., Any]) -> Callable[..., Any]:
         ticket = current.get()
         if ticket is not None:
             ticket.priority = serving._get_priority(request, raw_request)
+            ticket.calls = generate_calls(request)
         return await method(request, raw_request, *args, **kwargs)
 
     entry.__autopilot_wrapped__ = True  # type: ignore[attr-defined]
