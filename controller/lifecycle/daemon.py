@@ -62,7 +62,10 @@ class Daemon:
         while True:
             await self._hup.wait()
             self._hup.clear()
-            await self.reloader.reload()
+            try:
+                await self.reloader.reload()
+            except Exception as exc:  # the reloader reports its own errors; this loop must outlive any
+                log.error("reload_failed", error=f"{type(exc).__name__}: {exc}")
 
     async def _force_on_second_signal(self) -> None:
         await self._signals.get()
@@ -129,14 +132,31 @@ class Daemon:
 
     # -- shutdown -----------------------------------------------------------------------------------
     async def shutdown(self) -> None:
-        """Drain with a deadline, then stop the engine and the control plane."""
+        """Drain with a deadline, then stop the engine and the control plane. Each step runs even
+        when one before it failed (logged), so nothing is left open."""
         p = self.parts
         p.draining = True
         p.notifier.stopping()
         p.gate.stop_admitting()
         if p.scheduler.running:
             p.scheduler.shutdown(wait=False)
-        await p.tasks.cancel_all()
+        steps = (
+            p.tasks.cancel_all,
+            self._drain_data_plane,
+            self._close_gate,
+            self._stop_engine,
+            self._stop_admin,
+        )
+        for step in steps:
+            try:
+                await step()
+            except Exception as exc:
+                log.error("shutdown_step_failed", step=step.__name__, error=f"{type(exc).__name__}: {exc}")
+        p.notifier.close()
+        log.info("stopped")
+
+    async def _drain_data_plane(self) -> None:
+        p = self.parts
         if p.server is not None and self._server_task is not None:
             p.server.should_exit = True  # stop listening; uvicorn waits for in-flight requests
             force = asyncio.create_task(self._force_on_second_signal())
@@ -144,12 +164,16 @@ class Daemon:
                 deadline = self.config.server.shutdown_timeout_s + 5
                 await asyncio.wait_for(asyncio.shield(self._server_task), deadline)
             force.cancel()
-        p.gate.close()
-        await asyncio.get_running_loop().run_in_executor(None, p.host.stop)
+
+    async def _close_gate(self) -> None:
+        self.parts.gate.close()
+
+    async def _stop_engine(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.parts.host.stop)
+
+    async def _stop_admin(self) -> None:
         if self._admin is not None:
             await self._admin.cleanup()
-        p.notifier.close()
-        log.info("stopped")
 
 
 async def serve(config: Config) -> int:

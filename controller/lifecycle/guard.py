@@ -8,12 +8,20 @@ engine, so it moves only on out-of-memory risk and only downward; an operator ra
   available memory below ``host_available_margin_bytes``. The new setting subtracts the measured
   deficit, at least ``memory_step_fraction``, never below the floor.
 * Crash recovery (``Guard.watch``): an engine that dies is rebuilt with exponential backoff, at most
-  ``max_restarts_per_hour`` times an hour. A death that the kernel's OOM killer caused (the cgroup's
-  ``oom_kill`` counter moved) also shrinks the memory setting. With the budget spent the daemon stays
-  up, /healthz says why, and requests get 503 with Retry-After.
+  ``max_restarts_per_hour`` times an hour. Only crashes spend that budget: an operator's reload or a
+  memory restart is chosen, not a failure, and must not bring the next crash nearer to a permanent 503.
+  A death that the kernel's OOM killer caused (the ``oom_kill`` counter of the service's own cgroup
+  moved) also shrinks the memory setting. With the budget spent the daemon stays up, /healthz says
+  why, and requests get 503 with Retry-After; an engine that serves again (a reload) reopens the gate.
 * Restart = drain + swap: the gate pauses (new requests wait, none refused), in-flight requests finish
   up to ``drain_timeout_s`` and the rest are aborted with a clear error, the engine is rebuilt, the gate
-  resumes. No vLLM import here: the engine is reached through ``EngineControl``.
+  resumes. A build that fails leaves an engine serving where it can (``EngineControl.restart``): the
+  gate then resumes on it; where no engine is left the gate stays paused and recovery starts, so no
+  request enters a dead engine. One restart or one recovery at a time: the lock is held through
+  recovery's back-off sleep too, and a restart asked for meanwhile waits its turn.
+* After a restart the new settings are reported (``on_engine_args``), so the config in force says
+  what the engine runs and a reload can move them back.
+  No vLLM import here: the engine is reached through ``EngineControl``.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -36,7 +44,11 @@ from policies.base import Observation
 
 log = structlog.get_logger(__name__)
 
-CGROUP_MEMORY_EVENTS = Path("/sys/fs/cgroup/memory.events")
+PROC_SELF_CGROUP = Path("/proc/self/cgroup")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+MEMORY_REASONS = frozenset({"gpu_memory_low", "host_memory_low", "oom_killed"})
+"""Restarts that free memory: the old engine must go before the new one is built (two may not fit)."""
 
 
 class EngineControl(Protocol):
@@ -50,8 +62,12 @@ class EngineControl(Protocol):
 
     def memory_settings(self) -> dict[str, Any]: ...
 
-    async def restart(self, overrides: dict[str, Any]) -> None:
-        """Stop the current engine and start a new one with ``overrides`` on top of its settings."""
+    async def restart(self, overrides: dict[str, Any], build_first: bool = False) -> None:
+        """Start an engine with ``overrides`` on top of the settings in force and swap it in.
+
+        ``build_first`` asks to build the new engine before the old one stops (where two fit). If the
+        new settings fail, an engine on the old settings serves again where it can and the error is
+        raised; the settings in force change only with a build that succeeded."""
 
     async def abort_in_flight(self, reason: str) -> int:
         """Abort every request still running in the engine; returns how many."""
@@ -119,10 +135,29 @@ def shrink(
     return {knob: new_kv} if new_kv < kv else None
 
 
-def read_oom_kills(path: Path = CGROUP_MEMORY_EVENTS) -> int | None:
-    """The cgroup's ``oom_kill`` counter (cgroup v2), or None where it cannot be read."""
+def own_memory_events(proc_cgroup: Path = PROC_SELF_CGROUP, root: Path = CGROUP_ROOT) -> Path | None:
+    """This process's cgroup v2 ``memory.events`` (the service's own: the root cgroup has none), from
+    the ``0::/path`` line of ``/proc/self/cgroup``; None on cgroup v1 or where it cannot be read."""
     try:
-        for line in path.read_text().splitlines():
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and controllers == "":
+            return root / path.lstrip("/") / "memory.events"
+    return None
+
+
+def read_oom_kills(proc_cgroup: Path = PROC_SELF_CGROUP, root: Path = CGROUP_ROOT) -> int | None:
+    """The ``oom_kill`` counter of this service's cgroup (cgroup v2; it counts the EngineCore child
+    too), or None where it cannot be read."""
+    events = own_memory_events(proc_cgroup, root)
+    if events is None:
+        return None
+    try:
+        for line in events.read_text().splitlines():
             key, _, value = line.partition(" ")
             if key == "oom_kill":
                 return int(value)
@@ -140,6 +175,7 @@ class Guard:
         on_restart: Callable[[str, float], None],
         clock: Clock = monotonic,
         oom_kills: Callable[[], int | None] = read_oom_kills,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.s = settings
         self.gate = gate
@@ -148,13 +184,17 @@ class Guard:
         self._on_restart = on_restart
         self._clock = clock
         self._oom_kills = oom_kills
+        self._sleep = sleep
         self._restarts: deque[float] = deque()
+        """When each crash restart was tried (the budget's window)."""
         self._last_restart_mono: float | None = None
         self._lock = asyncio.Lock()
         self._dead_noticed = asyncio.Event()
         self._oom_baseline = oom_kills()
         self.unavailable_reason: str | None = None
         self.last_restart: dict[str, Any] | None = None
+        self.on_engine_args: Callable[[dict[str, Any]], None] | None = None
+        """Told the overrides of each restart that succeeded (the daemon's config in force follows)."""
 
     def configure(self, settings: GuardSettings) -> None:
         """Apply a reloaded [guard] table (the risk streak so far is kept)."""
@@ -162,6 +202,7 @@ class Guard:
 
     @property
     def restarting(self) -> bool:
+        """A restart or a recovery (back-off sleep included) is running."""
         return self._lock.locked()
 
     # -- memory ---------------------------------------------------------------------------------
@@ -193,30 +234,52 @@ class Guard:
 
     # -- restart --------------------------------------------------------------------------------
     async def restart(self, reason: str, overrides: dict[str, Any], drain: bool) -> None:
-        """Drain (when the engine is alive), swap the engine, resume. Queued requests are kept."""
+        """Drain (when the engine is alive), swap the engine, resume. Queued requests are kept.
+        Waits for a restart or recovery in progress; raises when the new engine failed to build."""
         async with self._lock:
-            t0 = self._clock()
-            self.gate.pause()
-            try:
-                if drain and not await self.gate.wait_idle(self.s.drain_timeout_s):
-                    aborted = await self.engine.abort_in_flight(f"engine restart ({reason})")
-                    log.warning("drain_deadline_passed", aborted=aborted)
-                await self.engine.restart(overrides)
-            finally:
-                self.gate.resume()
-            duration = self._clock() - t0
-            self._last_restart_mono = self._clock()
-            self._restarts.append(self._last_restart_mono)
-            self._oom_baseline = self._oom_kills()
-            self.last_restart = {
-                "started_mono": t0,
-                "reason": reason,
-                "duration_s": duration,
-                "overrides": overrides,
-                "t_wall": time.time(),
-            }
-            self._on_restart(reason, duration)
-            log.info("engine_restarted", reason=reason, duration_s=round(duration, 3), **overrides)
+            await self._restart(reason, overrides, drain)
+
+    async def _restart(self, reason: str, overrides: dict[str, Any], drain: bool) -> None:
+        t0 = self._clock()
+        self.gate.pause()
+        try:
+            if drain and not self.engine.dead and not await self.gate.wait_idle(self.s.drain_timeout_s):
+                aborted = await self.engine.abort_in_flight(f"engine restart ({reason})")
+                log.warning("drain_deadline_passed", aborted=aborted)
+            await self.engine.restart(overrides, build_first=reason not in MEMORY_REASONS)
+        except BaseException as exc:
+            self._after_failed_build(reason, exc)
+            raise
+        self.gate.resume()
+        duration = self._clock() - t0
+        self._last_restart_mono = self._clock()
+        self._oom_baseline = self._oom_kills()
+        self.last_restart = {
+            "started_mono": t0,
+            "reason": reason,
+            "duration_s": duration,
+            "overrides": overrides,
+            "t_wall": time.time(),
+        }
+        if self.unavailable_reason is not None:  # an engine serves again: stop refusing
+            self.unavailable_reason = None
+            self.gate.reopen()
+        if self.on_engine_args is not None and overrides:
+            self.on_engine_args(overrides)
+        self._on_restart(reason, duration)
+        log.info("engine_restarted", reason=reason, duration_s=round(duration, 3), **overrides)
+
+    def _after_failed_build(self, reason: str, exc: BaseException) -> None:
+        """Resume on the engine that still serves; with none left, keep requests waiting and wake
+        the watcher to recover (with the last settings that built)."""
+        if isinstance(exc, asyncio.CancelledError):
+            log.warning("engine_restart_cancelled", reason=reason)  # shutdown
+        else:
+            log.error("engine_restart_failed", reason=reason, error=f"{type(exc).__name__}: {exc}")
+        if not self.engine.dead or self.unavailable_reason is not None:
+            self.gate.resume()
+        else:
+            self._dead_noticed.set()
 
     def _budget_left(self) -> int:
         horizon = self._clock() - 3600.0
@@ -229,7 +292,12 @@ class Guard:
         return float(min(self.s.backoff_max_s, self.s.backoff_initial_s * 2 ** len(self._restarts)))
 
     async def recover(self) -> None:
-        """Rebuild a dead engine with backoff, within the hourly budget. Queued requests wait."""
+        """Rebuild a dead engine with backoff, within the hourly crash budget. Queued requests wait;
+        no other restart runs meanwhile."""
+        async with self._lock:
+            await self._recover()
+
+    async def _recover(self) -> None:
         self.gate.pause()
         while self.engine.dead:
             if self._budget_left() <= 0:
@@ -242,12 +310,11 @@ class Guard:
             reason = "oom_killed" if oom else "engine_died"
             delay = self._backoff_s()
             log.error("engine_dead", reason=reason, restart_in_s=delay, budget_left=self._budget_left())
-            await asyncio.sleep(delay)
-            try:
-                await self.restart(reason, overrides, drain=False)
-            except Exception as exc:  # the build itself failed: count it, back off, try again
-                log.error("engine_restart_failed", error=f"{type(exc).__name__}: {exc}")
-                self._restarts.append(self._clock())
+            await self._sleep(delay)
+            self._restarts.append(self._clock())  # a crash restart tried: it spends the budget
+            with contextlib.suppress(Exception):  # the build failed (logged): back off, try again
+                await self._restart(reason, overrides, drain=False)
+            if self.engine.dead:
                 self.gate.pause()
 
     def _give_up(self) -> None:

@@ -11,6 +11,7 @@ swaps the live tables into them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +77,11 @@ class Parts:
     def diagnosis(self) -> Diagnosis | None:
         return self.diagnoser.last
 
+    def adopt_engine(self, overrides: dict[str, Any]) -> None:
+        """The guard's callback after a restart that built: the config in force says what the engine
+        now runs (a memory shrink included), so a reload back to the file's value is a change."""
+        self.config = dataclasses.replace(self.config, engine={**self.config.engine, **overrides})
+
 
 def watch_memory(guard: Guard, tasks: BackgroundTasks) -> Subscriber:
     """The guard as a loop subscriber: a confirmed memory risk starts a restart task that shutdown
@@ -110,7 +116,9 @@ def build_parts(
     policy, normalizer = policy_for(config), normalizer_for(config.control)
     loop = ControlLoop(policy, normalizer, observer.observe, actuator, subscribers, config.control.history)
     metrics.live.read_from(gate, host, loop)
-    return Parts(
+    parts = Parts(
         config, registry, metrics, window, gate, args, host, guard, gpu, hostsrc, observer, actuator,
         diagnoser, loop, AsyncIOScheduler(), Notifier(), tasks,
     )  # fmt: skip
+    guard.on_engine_args = parts.adopt_engine
+    return parts

@@ -1,11 +1,17 @@
 """Reload (SIGHUP or POST /reload): parse and validate the whole new file, then swap in at once
 what can change live (``controller/config/diff.py`` says which tables). On any error the old config
-stays, and the error is logged and counted. systemd hears RELOADING=1 / READY=1 around it."""
+stays, and the error is logged, counted (``result="error"``) and answered: a file that is not UTF-8
+or a plug-in that raises on import is an error of that reload, not of the daemon. systemd hears
+RELOADING=1 / READY=1 around it.
+
+An engine change (with ``restart_on_reload``) goes through the guard's drain-and-restart in the
+background. One that arrives while a restart or a recovery runs is answered ``deferred`` and applied
+after it (the guard runs one at a time). The config in force follows the engine only when the new
+engine built (the guard reports it, ``Parts.adopt_engine``): a bad value leaves both as they were."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from typing import Any
 
 import structlog
@@ -13,7 +19,9 @@ import structlog
 from controller.config.diff import ConfigDiff, diff_config, engine_overrides, merge_live
 from controller.config.load import Config, ConfigError, load_config
 from controller.control.build import normalizer_for, policy_for
+from controller.control.normalize import Normalizer
 from controller.lifecycle.parts import TICK_JOB, Parts
+from policies.base import Policy
 
 log = structlog.get_logger(__name__)
 
@@ -29,54 +37,83 @@ class Reloader:
             self.parts.notifier.reloading()
             try:
                 return await self._reload()
+            except Exception as exc:  # an error past validation: answered and counted, never raised
+                return self._rejected([f"reload failed: {type(exc).__name__}: {exc}"])
             finally:
                 self.parts.notifier.ready()
+
+    def _rejected(self, errors: list[str]) -> dict[str, Any]:
+        self.parts.metrics.config_reloads.labels("error").inc()
+        log.error("reload_rejected", path=str(self.parts.config.path), errors=errors)
+        return {"ok": False, "errors": errors}
 
     async def _reload(self) -> dict[str, Any]:
         p = self.parts
         try:
             new = load_config(p.config.path)
+            diff = diff_config(p.config, new)
+            control = self._control_for(new, diff)  # built before anything changes
         except ConfigError as exc:
-            p.metrics.config_reloads.labels("error").inc()
-            log.error("reload_rejected", path=str(p.config.path), errors=exc.errors)
-            return {"ok": False, "errors": exc.errors}
-        diff = diff_config(p.config, new)
-        self._apply_live(new, diff)
+            return self._rejected(exc.errors)
+        except Exception as exc:  # not UTF-8, a plug-in raising on import, ...: the old config stays
+            return self._rejected([f"{p.config.path}: {type(exc).__name__}: {exc}"])
+        self._apply_live(new, diff, control)
         p.pending_changes = diff.pending
-        restart = self._maybe_restart_for(new, diff)
+        restart, deferred = self._maybe_restart_for(new, diff)
         result = "pending_engine_restart" if diff.pending else "ok"
         p.metrics.config_reloads.labels(result).inc()
-        log.info("reloaded", live=diff.live, pending=diff.pending, engine_restart=restart)
-        await p.loop.tick()  # the new policy acts now, not at the next tick
-        return {"ok": True, "changed": diff.live, "pending": diff.pending, "engine_restart": restart}
+        log.info("reloaded", live=diff.live, pending=diff.pending, engine_restart=restart, deferred=deferred)
+        try:
+            await p.loop.tick()  # the new policy acts now, not at the next tick
+        except Exception as exc:  # the new config is in force; the scheduled ticks go on
+            log.error("reload_tick_failed", error=f"{type(exc).__name__}: {exc}")
+        return {
+            "ok": True,
+            "changed": diff.live,
+            "pending": diff.pending,
+            "engine_restart": restart,
+            "deferred": deferred,
+        }
 
-    def _maybe_restart_for(self, new: Config, diff: ConfigDiff) -> dict[str, Any] | None:
-        """With ``restart_on_reload``, [engine] changes go through the guard's drain-and-restart."""
+    def _control_for(self, new: Config, diff: ConfigDiff) -> tuple[Policy, Normalizer] | None:
+        """The new policy and normalize stage when [control] or the limit changed, else None."""
+        if "control" not in diff.live and new.admission.limit == self.parts.config.admission.limit:
+            return None
+        merged = merge_live(self.parts.config, new)
+        return policy_for(merged), normalizer_for(merged.control)
+
+    def _maybe_restart_for(self, new: Config, diff: ConfigDiff) -> tuple[dict[str, Any] | None, bool]:
+        """With ``restart_on_reload``, [engine] changes go through the guard's drain-and-restart;
+        ``deferred`` when a restart or recovery runs now (this one follows it)."""
         p = self.parts
         overrides = engine_overrides(p.config, new, diff) if new.restart_on_reload else None
-        if overrides is None or p.guard.restarting:
-            return None
+        if overrides is None:
+            return None, False
 
         async def restart() -> None:
-            await p.guard.restart("config_reload", overrides, drain=True)
-            p.config = dataclasses.replace(p.config, engine={**p.config.engine, **overrides})
+            try:
+                await p.guard.restart("config_reload", overrides, drain=True)
+            except Exception as exc:  # the engine and the config in force stay as they were
+                log.error("reload_restart_failed", error=f"{type(exc).__name__}: {exc}", **overrides)
+                return
             p.pending_changes = {t: k for t, k in p.pending_changes.items() if t != "engine"}
 
+        deferred = p.guard.restarting
+        if deferred:
+            log.info("reload_restart_deferred", **overrides)
         p.tasks.spawn(restart())
-        return overrides
+        return overrides, deferred
 
-    def _apply_live(self, new: Config, diff: ConfigDiff) -> None:
+    def _apply_live(self, new: Config, diff: ConfigDiff, control: tuple[Policy, Normalizer] | None) -> None:
         p, old = self.parts, self.parts.config
         p.config = merge_live(old, new)
         a = new.admission
         p.gate.configure(a.classes, a.aging_s, a.max_queue)
-        limit_moved = a.limit != old.admission.limit
-        if limit_moved:
+        if a.limit != old.admission.limit:
             p.actuator.set_admission_limit(a.limit)
         p.window.window_s = new.control.window_seconds
-        if "control" in diff.live or limit_moved:
-            p.loop.policy = policy_for(p.config)
-            p.loop.normalizer = normalizer_for(p.config.control)
+        if control is not None:
+            p.loop.policy, p.loop.normalizer = control
         p.loop.resize_history(new.control.history)
         p.guard.configure(new.guard)
         tick = new.control.tick_seconds

@@ -1,5 +1,13 @@
 """Owns the AsyncLLM: builds it from [engine], moves its batch cap, swaps it for a new one, and
-shuts it down. Implements the guard's ``EngineControl``."""
+shuts it down. Implements the guard's ``EngineControl``.
+
+A restart never trades a working engine for settings that have not built: the settings in force
+(``args``) change only when a build with the new ones succeeded. Where two engines fit at once (the
+CPU: the KV cache is a fixed size in host memory) a config restart builds the new engine first and
+swaps it in, so a bad value leaves the old engine serving untouched. Where they may not fit (a GPU:
+the new engine would measure the old one's memory as taken) and for every memory restart (its whole
+point is to free memory), the old engine goes first; a new build that fails is then followed by a
+build with the last settings that worked, so an engine serves again."""
 
 from __future__ import annotations
 
@@ -28,12 +36,25 @@ engine was swapped still finish their preprocessing (else they would get a 500).
 class EngineHost:
     """The current engine, its generation number, its batch cap and the requests inside it."""
 
-    def __init__(self, args: argparse.Namespace, window: TelemetryWindow, poll_sleep_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        window: TelemetryWindow,
+        poll_sleep_s: float = 0.0,
+        builder: Callable[[argparse.Namespace], AsyncLLM] | None = None,
+        two_engines_fit: bool | None = None,
+    ) -> None:
         self.args = args
+        """The settings of the engine in force (the last that built)."""
+        self._builder = builder or self._build
+        self._two_fit = two_engines_fit
+        """None: ask the platform (two fit on the CPU)."""
         self._window = window
         self.poll_sleep_s = poll_sleep_s
         """[server] engine_poll_sleep_s, handed to the engine's processes (engine/runtime/ipc.py)."""
         self._llm: AsyncLLM | None = None
+        self._llm_retired = False
+        """``_llm`` was retired and no new engine built yet (it stays readable, it serves nothing)."""
         self._restarting = False
         self._retired: list[AsyncLLM] = []
         self.generation = 0
@@ -59,11 +80,11 @@ class EngineHost:
 
     @property
     def dead(self) -> bool:
-        return self._llm is None or self._llm.errored
+        return self._llm is None or self._llm_retired or self._llm.errored
 
     # -- build / stop ---------------------------------------------------------------------------
-    def _build(self) -> AsyncLLM:
-        eargs = engine_args(self.args)
+    def _build(self, args: argparse.Namespace) -> AsyncLLM:
+        eargs = engine_args(args)
         vllm_config = eargs.create_engine_config()
         # Match vLLM's own choice (async scheduling or not) with our capped subclass of it.
         eargs.scheduler_cls = scheduler_path(bool(vllm_config.scheduler_config.async_scheduling))
@@ -74,30 +95,69 @@ class EngineHost:
 
     async def start(self) -> None:
         """Build the engine in a worker thread (~13 s on the CPU) so the event loop keeps serving."""
-        llm = await asyncio.get_running_loop().run_in_executor(None, self._build)
-        self._llm = llm
+        await self._adopt(await self._build_in_thread(self.args), self.args)
+
+    async def _build_in_thread(self, args: argparse.Namespace) -> AsyncLLM:
+        return await asyncio.get_running_loop().run_in_executor(None, self._builder, args)
+
+    async def _adopt(self, llm: AsyncLLM, args: argparse.Namespace) -> None:
+        """Make a freshly built engine the one in force, with the settings it was built with."""
+        self._llm, self._llm_retired, self.args = llm, False, args
+        self.max_num_seqs = int(args.max_num_seqs)
+        self.batch_cap = min(self.batch_cap, self.max_num_seqs)
         self.generation += 1
         self._window.reset()
         await self.set_batch_cap(self.batch_cap)
         log.info("engine_started", generation=self.generation, **self.memory_settings())
 
-    async def restart(self, overrides: dict[str, Any]) -> None:
-        """Retire the current engine and start a new one with ``overrides`` on top of its args."""
+    def _two_engines_fit(self) -> bool:
+        if self._two_fit is not None:
+            return self._two_fit
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_cpu())
+
+    async def restart(self, overrides: dict[str, Any], build_first: bool = False) -> None:
+        """A new engine with ``overrides`` on top of the settings in force; raises when it failed
+        to build, after an engine on the old settings serves again where one can (module docstring)."""
+        args = copy.copy(self.args)
+        for key, value in overrides.items():
+            setattr(args, key, value)
         self._restarting = True
         try:
-            if self._llm is not None:
-                await self._retire(self._llm)
-            args = copy.copy(self.args)
-            for key, value in overrides.items():
-                setattr(args, key, value)
-            self.args = args
-            self.max_num_seqs = int(args.max_num_seqs)
-            self.batch_cap = min(self.batch_cap, self.max_num_seqs)
-            await self.start()
+            if build_first and not self.dead and self._two_engines_fit():
+                await self._build_then_swap(args)
+            else:
+                await self._retire_then_build(args)
             if self.on_new_engine is not None:
                 await self.on_new_engine()
         finally:
             self._restarting = False
+
+    async def _build_then_swap(self, args: argparse.Namespace) -> None:
+        old = self.llm
+        new = await self._build_in_thread(args)  # a failure leaves the old engine as it was
+        await self._adopt(new, args)
+        try:
+            await self._retire(old)
+        except Exception as exc:  # the new engine serves: the old one's stop is not the restart's failure
+            log.error("engine_retire_failed", error=f"{type(exc).__name__}: {exc}")
+
+    async def _retire_then_build(self, args: argparse.Namespace) -> None:
+        if self._llm is not None and not self._llm_retired:
+            await self._retire(self._llm)
+            self._llm_retired = True
+        try:
+            llm = await self._build_in_thread(args)
+        except Exception as exc:
+            if args == self.args:
+                raise  # nothing older to fall back to: the guard's recovery takes over
+            log.error("engine_build_failed", error=f"{type(exc).__name__}: {exc}", fallback=True)
+            await self._adopt(await self._build_in_thread(self.args), self.args)
+            if self.on_new_engine is not None:
+                await self.on_new_engine()
+            raise
+        await self._adopt(llm, args)
 
     async def _retire(self, llm: AsyncLLM) -> None:
         """Stop an engine's core process now; keep its renderer for ``RENDERER_GRACE_S``."""
