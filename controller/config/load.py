@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from controller.admission.classes import DEFAULT_CLASSES, PriorityClass, parse_classes
+from controller.config.secrets import is_loopback, redact
 from policies.base import PolicyError, build_policy
 
 DEFAULT_CONFIG = Path("config.toml")
@@ -273,7 +274,8 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
     # Lazy: engine.runtime.args imports vLLM (seconds), which only loading a config file needs.
     from controller.engine.runtime.args import engine_table_errors
 
-    errors.extend(engine_table_errors(engine, {}))
+    # max_num_seqs is checked in _cross_check, with the batch cap's own message.
+    errors.extend(engine_table_errors({k: v for k, v in engine.items() if k != "max_num_seqs"}, {}))
     errors.extend(_server_option_errors(tables["server"].vllm))
     if not errors:
         errors.extend(_cross_check(engine, tables))
@@ -310,6 +312,12 @@ def _cross_check(engine: dict[str, Any], tables: dict[str, Any]) -> list[str]:
             f"[admin] port = {tables['admin'].port}: same as [server] port; "
             "give the control plane its own port"
         )
+    admin = tables["admin"]
+    if not admin.token and not is_loopback(admin.host):
+        errors.append(
+            f"[admin] host = {admin.host!r}: the control plane would answer /state and /reload beyond "
+            'this machine without a token; set [admin] token, or host = "127.0.0.1"'
+        )
     seqs = engine["max_num_seqs"]
     if not isinstance(seqs, int) or seqs < 1:
         errors.append(f"[engine] max_num_seqs = {seqs!r}: must be an integer >= 1 (it caps the batch)")
@@ -342,9 +350,10 @@ def load_config(path: Path = DEFAULT_CONFIG) -> Config:
     return parse_config(data, path)
 
 
-def describe(config: Config) -> dict[str, Any]:
-    """The effective config as plain data (check-config, /state)."""
+def describe(config: Config, *, secrets: bool = False) -> dict[str, Any]:
+    """The effective config as plain data (check-config, /state), secrets redacted; ``secrets=True``
+    keeps them, for comparing two configs (the reload diff), never for showing."""
     out: dict[str, Any] = {"engine": {**config.engine, "restart_on_reload": config.restart_on_reload}}
     for name in _TABLES:
         out[name] = dataclasses.asdict(getattr(config, name))
-    return out
+    return out if secrets else dict(redact(out))

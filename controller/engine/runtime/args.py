@@ -10,9 +10,11 @@ import argparse
 import dataclasses
 import difflib
 import functools
-from typing import Any
+import json
+from typing import Any, NoReturn
 
 from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 # Chosen by the daemon itself; a user setting them would break the batch cap or the serving model.
 _RESERVED = {
@@ -22,12 +24,23 @@ _RESERVED = {
 _SERVER_OWNED = {"host", "port", "model", "model_tag", "headless", "api_server_count", "config"}
 
 
+class _Parser(FlexibleArgumentParser):
+    """vLLM's parser, raising instead of exiting, so that a bad value becomes a config error."""
+
+    def error(self, message: str) -> NoReturn:
+        raise argparse.ArgumentError(None, message)
+
+
 @functools.cache
 def _parser() -> argparse.ArgumentParser:
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    return make_arg_parser(FlexibleArgumentParser(prog="vllm-autopilot"))
+    return make_arg_parser(_Parser(prog="vllm-autopilot"))
+
+
+@functools.cache
+def _actions() -> dict[str, argparse.Action]:
+    return {a.dest: a for a in _parser()._actions if a.option_strings and a.dest != "help"}
 
 
 @functools.cache
@@ -48,19 +61,108 @@ def _unknown(table: str, key: str, known: frozenset[str]) -> str:
     return f"[{table}] unknown key '{key}': not a vLLM {kind}; {hint}"
 
 
+# -- values through vLLM's own parser types ----------------------------------------------------------
+# A TOML value is turned into the strings `vllm serve` would get on its command line and handed to the
+# option's own argparse action, so it takes exactly the form vLLM's parser gives it: a string where the
+# parser makes a list (``api_key``) becomes a one-item list, never a string that vLLM iterates by
+# character. The action is called directly rather than through ``parse_args``: a value that starts
+# with a dash or holds a dot stays a value.
+
+_PLAIN_NAMES = {str: "a string", int: "an integer", float: "a number"}
+_SIZE_NAMES = {
+    "human_readable_int": 'an integer (or a size such as "64M")',
+    "human_readable_int_or_auto": 'an integer, a size such as "2K", or "auto"',
+}
+
+
+def _base_type(action: argparse.Action) -> Any:
+    """The type under vLLM's ``optional_type`` / ``parse_type`` wrappers (``str`` for api_key)."""
+    kind: Any = action.type
+    while getattr(kind, "__name__", "") in ("_optional_type", "_parse_type") and kind.__closure__:
+        kind = kind.__closure__[0].cell_contents
+    return str if kind is None else kind
+
+
+def _many(action: argparse.Action) -> bool:
+    return action.nargs in ("+", "*") or isinstance(action, argparse._AppendAction)
+
+
+def _expected(action: argparse.Action) -> str:
+    """What a key takes, in TOML words (the fix an error names)."""
+    if action.nargs == 0:
+        return "true or false"
+    kind = _base_type(action)
+    one = _PLAIN_NAMES.get(kind) or _SIZE_NAMES.get(getattr(kind, "__name__", ""), "")
+    one = one or "a table or a string as `vllm serve` takes it"
+    if action.choices:
+        one += f" (one of {', '.join(map(str, action.choices))})"
+    return f"{one}, or a list of them" if _many(action) else one
+
+
+def _token(action: argparse.Action, item: Any) -> str:
+    """One command-line string for ``item``; TOML types that vLLM's parser would misread are refused."""
+    kind = _base_type(action)
+    wrong = isinstance(item, bool) or (
+        kind in _PLAIN_NAMES
+        and not isinstance(item, str if kind is str else (int, float) if kind is float else kind)
+    )
+    if wrong:
+        raise argparse.ArgumentError(action, f"{item!r} is not {_PLAIN_NAMES.get(kind, 'a value')}")
+    return json.dumps(item) if isinstance(item, (dict, list)) else str(item)
+
+
+def _apply(ns: argparse.Namespace, key: str, value: Any) -> None:
+    """Set ``key`` on ``ns`` as ``vllm serve --key VALUE`` would; raises ``argparse.ArgumentError``."""
+    action = _actions().get(key)
+    if action is None:  # an engine argument vLLM's parser does not expose: passed as it is
+        setattr(ns, key, value)
+        return
+    parser = _parser()
+    option = next(o for o in action.option_strings if o.startswith("--"))
+    if action.nargs == 0:
+        if not isinstance(value, bool):
+            raise argparse.ArgumentError(action, f"{value!r} is not true or false")
+        if isinstance(action, argparse.BooleanOptionalAction):
+            action(parser, ns, None, option if value else "--no-" + option[2:])
+        else:  # store_true / store_false: the other value is the default's
+            setattr(ns, key, value)
+        return
+    items = value if isinstance(value, list) and _many(action) else [value]
+    tokens = [_token(action, item) for item in items]
+    if isinstance(action, argparse._AppendAction):
+        for token in tokens:
+            action(parser, ns, parser._get_values(action, [token]), option)
+    elif tokens or action.nargs not in ("+", "*"):
+        action(parser, ns, parser._get_values(action, tokens), option)
+
+
+def _value_error(table: str, key: str, value: Any) -> str | None:
+    try:
+        _apply(argparse.Namespace(), key, value)
+    except argparse.ArgumentError as exc:
+        action = _actions()[key]
+        option, takes = action.option_strings[0], _expected(action)
+        return f"[{table}] {key} = {value!r}: {exc.message}; vLLM's {option} takes {takes}"
+    return None
+
+
 def engine_table_errors(engine: dict[str, Any], server_extra: dict[str, Any]) -> list[str]:
-    """Names that vLLM would not accept, each with a fix."""
+    """Names that vLLM would not accept, and values its parser would not, each with a fix."""
     errors = []
     for key in engine:
         if key in _RESERVED:
             errors.append(f"[engine] {key} = {engine[key]!r}: reserved, {_RESERVED[key]}; remove it")
         elif key not in _engine_keys():
             errors.append(_unknown("engine", key, _engine_keys()))
+        elif problem := _value_error("engine", key, engine[key]):
+            errors.append(problem)
     for key in server_extra:
         if key in _engine_keys():
             errors.append(f"[server] {key}: an engine argument; move it to [engine]")
         elif key not in _frontend_keys():
             errors.append(_unknown("server", key, _frontend_keys()))
+        elif problem := _value_error("server", key, server_extra[key]):
+            errors.append(problem)
     return errors
 
 
@@ -68,7 +170,7 @@ def serve_namespace(engine: dict[str, Any], server: dict[str, Any]) -> argparse.
     """The namespace ``vllm serve`` would build for the same settings (read by vLLM's app)."""
     args = _parser().parse_args([])
     for key, value in {**engine, **server}.items():
-        setattr(args, key, value)
+        _apply(args, key, value)
     args.model_tag = engine["model"]  # the positional model argument is not copied by itself
     return args
 
