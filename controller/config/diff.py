@@ -31,7 +31,7 @@ class ConfigDiff:
 
 
 def diff_config(old: Config, new: Config) -> ConfigDiff:
-    a, b = describe(old), describe(new)
+    a, b = describe(old, secrets=True), describe(new, secrets=True)  # a changed key is a change
     changed: dict[str, list[str]] = {}
     for table in (*LIVE_TABLES, *RESTART_TABLES):
         keys = sorted(set(a[table]) | set(b[table]))
