@@ -9,11 +9,14 @@ would build from the same options on its command line.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from controller.config.load import ConfigError, load_config
 from controller.engine.runtime.args import _parser, engine_table_errors, serve_namespace
+from tests.helpers import write_config
 
 MODEL = {"model": "/models/tiny"}
 
@@ -122,3 +125,54 @@ def test_wrong_type_is_refused_naming_key_value_and_fix(table: str, key: str, va
 def test_right_types_pass_check() -> None:
     engine = {"max_num_seqs": 8, "enforce_eager": True, "max_model_len": 2048, "served_model_name": ["t"]}
     assert engine_table_errors(engine, {"api_key": "k", "allowed_origins": ["*"]}) == []
+
+
+# -- engine values within vLLM's own bounds (issue 16, item 1: refused before any restart) ----------
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "says"),
+    [
+        (
+            "gpu_memory_utilization",
+            1.5,
+            "CacheConfig.gpu_memory_utilization: Input should be less than or equal to 1",
+        ),
+        ("gpu_memory_utilization", 0, "CacheConfig.gpu_memory_utilization: Input should be greater than 0"),
+        (
+            "tensor_parallel_size",
+            0,
+            "ParallelConfig.tensor_parallel_size: Input should be greater than or equal to 1",
+        ),
+        ("max_num_batched_tokens", 0, "SchedulerConfig.max_num_batched_tokens"),
+    ],
+)
+def test_engine_value_out_of_vllms_bounds_is_refused(key: str, value: Any, says: str) -> None:
+    errors = engine_table_errors({key: value}, {})
+    assert len(errors) == 1, errors
+    assert errors[0].startswith(f"[engine] {key} = {value!r}: vLLM refuses it ({says}"), errors
+
+
+def test_engine_values_within_vllms_bounds_pass() -> None:
+    engine = {
+        "gpu_memory_utilization": 1.0,
+        "tensor_parallel_size": 1,
+        "max_num_batched_tokens": 2048,
+        "kv_cache_memory_bytes": "64M",
+        "block_size": 16,
+        "scheduling_policy": "priority",
+        "max_model_len": "2k",
+        "dtype": "bfloat16",
+    }
+    assert engine_table_errors(engine, {}) == []
+
+
+def test_check_config_refuses_gpu_memory_utilization_above_one(tmp_path: Path) -> None:
+    """check-config and reload both load through ``load_config``: a reload keeps the old config."""
+    path = write_config(tmp_path / "config.toml", engine={"gpu_memory_utilization": 1.5})
+    with pytest.raises(ConfigError) as exc:
+        load_config(path)
+    assert [e for e in exc.value.errors if "gpu_memory_utilization" in e] == [
+        "[engine] gpu_memory_utilization = 1.5: vLLM refuses it (CacheConfig.gpu_memory_utilization: "
+        "Input should be less than or equal to 1); use a value it accepts"
+    ]

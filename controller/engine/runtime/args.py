@@ -11,7 +11,7 @@ import dataclasses
 import difflib
 import functools
 import json
-from typing import Any, NoReturn
+from typing import Annotated, Any, NoReturn
 
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -136,13 +136,55 @@ def _apply(ns: argparse.Namespace, key: str, value: Any) -> None:
         action(parser, ns, parser._get_values(action, tokens), option)
 
 
-def _value_error(table: str, key: str, value: Any) -> str | None:
+# -- values through vLLM's own config classes ---------------------------------------------------------
+# The bounds of an engine value live on vLLM's config dataclasses (``CacheConfig.gpu_memory_utilization``
+# is ``Field(gt=0, le=1)``). Each field is checked alone against its type and bounds, with pydantic as
+# vLLM does, without building the classes: building them cross-checks fields this file may not set, and
+# building the whole engine config loads the model's own config from disk or the Hub.
+_CONFIG_CLASSES = ("CacheConfig", "SchedulerConfig", "ParallelConfig", "ModelConfig", "LoadConfig")
+
+
+@functools.cache
+def _field_check(key: str) -> tuple[str, Any] | None:
+    """(config class name, pydantic TypeAdapter) for the vLLM config field ``key``, if one checks it."""
+    import vllm.config
+    from pydantic import TypeAdapter
+
+    for name in _CONFIG_CLASSES:
+        info = getattr(getattr(vllm.config, name), "__pydantic_fields__", {}).get(key)
+        if info is None:
+            continue
+        try:
+            return name, TypeAdapter(Annotated[info.annotation, info])
+        except Exception:  # a type pydantic cannot check alone (torch.dtype, callables): vLLM will
+            return None
+    return None
+
+
+def _bounds_error(key: str, value: Any) -> str | None:
+    """vLLM's own refusal of an engine value that its parser accepted (``gpu_memory_utilization = 1.5``)."""
+    from pydantic import ValidationError
+
+    check = _field_check(key) if value is not None else None
+    if check is None:
+        return None
     try:
-        _apply(argparse.Namespace(), key, value)
+        check[1].validate_python(value)
+    except ValidationError as exc:
+        return f"{check[0]}.{key}: {exc.errors()[0]['msg']}"
+    return None
+
+
+def _value_error(table: str, key: str, value: Any) -> str | None:
+    ns = argparse.Namespace()
+    try:
+        _apply(ns, key, value)
     except argparse.ArgumentError as exc:
         action = _actions()[key]
         option, takes = action.option_strings[0], _expected(action)
         return f"[{table}] {key} = {value!r}: {exc.message}; vLLM's {option} takes {takes}"
+    if table == "engine" and (problem := _bounds_error(key, getattr(ns, key, value))):
+        return f"[{table}] {key} = {value!r}: vLLM refuses it ({problem}); use a value it accepts"
     return None
 
 
