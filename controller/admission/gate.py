@@ -126,10 +126,8 @@ class AdmissionGate:
 
     # -- admission --------------------------------------------------------------------------------
     def _expire_pending(self) -> None:
-        horizon = self._clock() - self.PENDING_TTL_S
         for q in self._order:
-            while q.pending and q.pending[0] < horizon:
-                q.pending.popleft()
+            q.expire_pending(self._clock() - self.PENDING_TTL_S)
 
     def check_admission(self, priority: int = 0, n: int = 1, calls: int = 1) -> None:
         """Refuse now (raise ``GateRejected``) or count the request as pending in its class: ``n``
@@ -216,11 +214,15 @@ class AdmissionGate:
         for _ in range(min(count, len(q.pending))):
             q.pending.pop()
 
-    async def acquire(self, priority: int = 0, from_pending: bool = True) -> Slot:
-        """Wait for a slot in strict class order; raise ``GateRejected`` past the class deadline."""
+    async def acquire(
+        self, priority: int = 0, from_pending: bool = True, admitted_as: int | None = None
+    ) -> Slot:
+        """Wait for a slot in strict class order; raise ``GateRejected`` past the class deadline.
+        ``admitted_as``: the priority its pending place was counted under, where that differs."""
         q = self._queue_of(priority)
-        if from_pending and q.pending:
-            q.pending.popleft()
+        pending = self._queue_of(priority if admitted_as is None else admitted_as).pending
+        if from_pending and pending:
+            pending.popleft()
         if self._refuse_queued is not None:
             raise self._refuse_queued.fresh()
         urgent_waiting = any(o.queued for o in self._order[: self._order.index(q) + 1])

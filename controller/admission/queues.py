@@ -89,6 +89,11 @@ class ClassQueue:
     def live(self) -> list[Waiter]:
         return [w for _, _, w in self.heap if not w.future.done()]
 
+    def expire_pending(self, horizon: float) -> None:
+        """Forget pending admissions older than ``horizon`` (their request never reached the gate)."""
+        while self.pending and self.pending[0] < horizon:
+            self.pending.popleft()
+
     def compact(self) -> None:
         """Drop finished entries once they outnumber the live ones (memory stays flat)."""
         if len(self.heap) > 2 * self.queued + 16:

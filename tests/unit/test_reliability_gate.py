@@ -3,6 +3,7 @@ retired engines and reused request ids (issue "Never less reliable"). Fakes only
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
@@ -13,14 +14,17 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
-from vllm.exceptions import GracefulHTTPError
+from vllm.exceptions import GracefulHTTPError, RetryableRequestError
+from vllm.v1.engine.exceptions import EngineDeadError
 
 from controller.admission.classes import PriorityClass
 from controller.admission.gate import AdmissionGate, GateRejected
 from controller.clock import FakeClock
+from controller.control.telemetry import TelemetryWindow
 from controller.engine.frontend import tickets
 from controller.engine.frontend.app import AdmissionMiddleware
 from controller.engine.frontend.client import GovernedEngineClient
+from controller.engine.runtime.host import EngineHost
 
 ONE_CLASS = (PriorityClass("all", max_queue=100_000, queue_deadline_s=1e6),)
 
@@ -79,8 +83,8 @@ class FakeLLM:
 class FakeHost:
     def __init__(self) -> None:
         self.llm = FakeLLM()
-        self.in_flight: set[str] = set()
-        self.aborted: dict[str, str] = {}
+        self.in_flight: dict[int, tuple[str, Any]] = {}
+        self.aborted: dict[int, str] = {}
 
 
 class FakeCompletions:
@@ -200,3 +204,168 @@ async def test_a_many_prompt_request_answered_without_generating_gives_every_pla
             r = await http.post("/v1/completions", json=body)
             assert r.status_code == 400
     assert gate.stats().pending == 0
+
+
+# -- retired engines, reused request ids, abort marks ---------------------------------------------
+
+
+class Stream:
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.outputs: asyncio.Queue[Any] = asyncio.Queue()
+
+
+class ControlledLLM:
+    """An engine whose outputs the test sends; ``abort`` ends every stream with that id, as vLLM
+    aborts every request of an external id; ``output_processor`` is what a retired engine keeps."""
+
+    errored = False
+
+    def __init__(self) -> None:
+        self.streams: list[Stream] = []
+        self.output_processor = SimpleNamespace(request_states={}, abort_requests=self._abort_internal)
+        self.engine_core = SimpleNamespace(shutdown=lambda timeout=None: None)
+        self.vllm_config = SimpleNamespace(shutdown_timeout=1.0)
+        self.renderer = SimpleNamespace(shutdown=lambda: None)
+
+    def check_admission(self, n: int = 1, request_id: str | None = None) -> None:
+        pass
+
+    async def generate(self, prompt: Any, params: Any, request_id: str, **kwargs: Any) -> AsyncIterator[Any]:
+        stream = Stream(request_id)
+        self.streams.append(stream)
+        internal = f"{request_id}#{len(self.streams)}"
+        self.output_processor.request_states[internal] = stream
+        try:
+            while True:
+                output = await stream.outputs.get()
+                if isinstance(output, BaseException):
+                    raise output
+                yield output
+                if output.finished:
+                    return
+        finally:
+            self.output_processor.request_states.pop(internal, None)
+
+    def _abort_internal(self, ids: list[str], internal: bool) -> list[str]:
+        for i in ids:
+            self.output_processor.request_states[i].outputs.put_nowait(SimpleNamespace(finished=True))
+        return ids
+
+    async def abort(self, request_ids: list[str]) -> None:
+        for stream in self.streams:
+            if stream.request_id in request_ids:
+                stream.outputs.put_nowait(SimpleNamespace(finished=True))
+
+
+def engine_host(llm: ControlledLLM) -> EngineHost:
+    host = EngineHost(argparse.Namespace(max_num_seqs=4), TelemetryWindow())
+    host._llm = llm  # type: ignore[assignment]
+    return host
+
+
+async def started(client: GovernedEngineClient, llm: ControlledLLM, request_id: str) -> asyncio.Task[int]:
+    """A request that has produced its first output and is still running in ``llm``."""
+
+    async def run() -> int:
+        return len([o async for o in client.generate("p", None, request_id)])
+
+    task = asyncio.create_task(run())
+    await asyncio.sleep(0)
+    llm.streams[-1].outputs.put_nowait(SimpleNamespace(finished=False))
+    await asyncio.sleep(0)
+    return task
+
+
+async def test_two_streams_with_the_same_request_id_are_both_aborted_by_a_restart() -> None:
+    llm, gate = ControlledLLM(), small_gate(limit=4)
+    host = engine_host(llm)
+    client = GovernedEngineClient(host, gate, lambda: None)
+    first, second = await started(client, llm, "dup"), await started(client, llm, "dup")
+    llm.streams[0].outputs.put_nowait(SimpleNamespace(finished=True))
+    assert await first == 2
+    assert await host.abort_in_flight("engine restart (test)") == 1
+    with pytest.raises(RetryableRequestError):
+        await asyncio.wait_for(second, 1.0)
+    assert (gate.stats().in_flight, host.in_flight, host.aborted) == (0, {}, {})
+
+
+async def test_a_retired_engine_ends_every_request_it_still_holds() -> None:
+    """No drain, no abort (drain_timeout_s = 0, or a request that entered after the abort): the
+    retired engine's requests end with a retryable error instead of waiting forever on its slot."""
+    llm, gate = ControlledLLM(), small_gate(limit=4)
+    host = engine_host(llm)
+    client = GovernedEngineClient(host, gate, lambda: None)
+    tasks = [await started(client, llm, "same"), await started(client, llm, "other")]
+    await host._retire(llm)  # type: ignore[arg-type]
+    for task in tasks:
+        with pytest.raises(RetryableRequestError):
+            await asyncio.wait_for(task, 1.0)
+    assert (gate.stats().in_flight, host.in_flight, host.aborted) == (0, {}, {})
+
+
+async def test_a_request_reusing_the_id_of_a_cancelled_aborted_one_completes() -> None:
+    llm, gate = ControlledLLM(), small_gate(limit=4)
+    host = engine_host(llm)
+    client = GovernedEngineClient(host, gate, lambda: None)
+    stream = client.generate("p", None, "r")
+    await asyncio.sleep(0)
+    pending = asyncio.ensure_future(anext(stream))
+    await asyncio.sleep(0)
+    llm.streams[-1].outputs.put_nowait(SimpleNamespace(finished=False))
+    await pending
+    await host.abort_in_flight("engine restart (test)")
+    await stream.aclose()  # the client went away before reading the abort
+    assert host.aborted == {}
+    again = await started(client, llm, "r")
+    llm.streams[-1].outputs.put_nowait(SimpleNamespace(finished=True))
+    assert await again == 2  # completed: no stale abort mark turns it into a 503
+
+
+async def test_an_attempt_the_engine_died_under_leaves_no_abort_mark_for_its_retry() -> None:
+    llm, gate = ControlledLLM(), small_gate(limit=4)
+    host = engine_host(llm)
+    client = GovernedEngineClient(host, gate, lambda: None)
+
+    async def run() -> list[Any]:
+        return [o async for o in client.generate("p", None, "r")]
+
+    task = asyncio.create_task(run())
+    await asyncio.sleep(0)
+    llm.errored = True  # a restart marks it; the engine is already dead, so nothing is aborted
+    await host.abort_in_flight("engine restart (test)")
+    llm.errored = False
+    llm.streams[-1].outputs.put_nowait(EngineDeadError())  # died before its first output: retried
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert len(llm.streams) == 2
+    llm.streams[-1].outputs.put_nowait(SimpleNamespace(finished=True))
+    assert [o.finished for o in await asyncio.wait_for(task, 1.0)] == [True]
+    assert (gate.stats().in_flight, host.in_flight, host.aborted) == (0, {}, {})
+
+
+async def test_pending_places_return_on_a_route_whose_entry_point_is_not_wrapped() -> None:
+    """Scoring and /inference/v1/generate call check_admission without the ticket's priority being
+    filled in, then generate with the body's: the pending place must leave the class it was
+    counted in."""
+    classes = (
+        PriorityClass("interactive", max_priority=0, max_queue=100, queue_deadline_s=1e6),
+        PriorityClass("batch", min_priority=1, max_queue=100, queue_deadline_s=1e6),
+    )
+    gate = AdmissionGate(4, 100, classes, clock=FakeClock())
+    client = GovernedEngineClient(FakeHost(), gate, lambda: None)  # type: ignore[arg-type]
+    app = FastAPI()
+
+    @app.post("/inference/v1/generate")
+    async def generate(raw_request: Request) -> Any:
+        body = await raw_request.json()
+        client.check_admission()
+        return {"n": len([o async for o in client.generate("p", None, "g", priority=body["priority"])])}
+
+    transport = httpx.ASGITransport(app=AdmissionMiddleware(app, gate))
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+        for _ in range(5):
+            r = await http.post("/inference/v1/generate", json={"priority": 5})
+            assert r.status_code == 200
+    stats = gate.stats()
+    assert (stats.pending, stats.queued, stats.in_flight) == (0, 0, 0)

@@ -36,8 +36,8 @@ class FakeLLM:
 class FakeHost:
     def __init__(self) -> None:
         self.llm = FakeLLM()
-        self.in_flight: set[str] = set()
-        self.aborted: dict[str, str] = {}
+        self.in_flight: dict[int, tuple[str, Any]] = {}
+        self.aborted: dict[int, str] = {}
 
 
 class FakeServing:
@@ -174,9 +174,10 @@ async def test_the_slot_returns_when_the_engine_finishes_not_when_the_client_has
     client = GovernedEngineClient(host, gate, lambda: None)  # type: ignore[arg-type]
     stream = client.generate("p", None, "r1", priority=0)
     first = await anext(stream)
-    assert not first.finished and gate.stats().in_flight == 1 and host.in_flight == {"r1"}
+    assert not first.finished and gate.stats().in_flight == 1
+    assert [request_id for request_id, _ in host.in_flight.values()] == ["r1"]
     last = await anext(stream)  # the client has not read it yet: the engine is done with it
-    assert last.finished and gate.stats().in_flight == 0 and host.in_flight == set()
+    assert last.finished and gate.stats().in_flight == 0 and host.in_flight == {}
     with pytest.raises(StopAsyncIteration):
         await anext(stream)
     assert gate.stats().completed_total == 1  # released once

@@ -9,6 +9,7 @@ app uses is delegated explicitly.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import AsyncGenerator, Callable, Iterable
 from http import HTTPStatus
 from typing import Any
@@ -38,6 +39,7 @@ class GovernedEngineClient(EngineClient):
         self._host = host
         self._gate = gate
         self._on_engine_dead = on_engine_dead
+        self._keys = itertools.count()
 
     # -- attributes the OpenAI app reads (always the current engine's) ------------------------------
     @property  # type: ignore[override,misc]
@@ -126,7 +128,10 @@ class GovernedEngineClient(EngineClient):
         deadline passes gets 429 (or, streamed, an error event: its 200 went out already)."""
         while True:
             try:
-                slot = await self._gate.acquire(priority, from_pending)
+                # The pending place is in the class admission counted it in (the ticket's): on a
+                # route whose entry point is not wrapped that may not be ``priority``'s.
+                admitted_as = ticket.priority if ticket is not None else None
+                slot = await self._gate.acquire(priority, from_pending, admitted_as)
             except GateRejected as exc:
                 if ticket is not None:
                     ticket.retry_after_s = exc.retry_after_s
@@ -134,9 +139,10 @@ class GovernedEngineClient(EngineClient):
             from_pending = False
             produced = False
             held = True
-            self._host.in_flight.add(request_id)
+            key = next(self._keys)  # ours alone: two requests may carry the same X-Request-Id
             try:
                 llm = self._host.llm
+                self._host.in_flight[key] = (request_id, llm)
                 stream = llm.generate(prompt, sampling_params, request_id, priority=priority, **kwargs)
                 # aclosing: a disconnect closes us, and must close vLLM's generator now so it aborts
                 # the request in the engine, not whenever the garbage collector gets to it.
@@ -147,7 +153,7 @@ class GovernedEngineClient(EngineClient):
                             # Done in the engine: the slot goes back now, not once a slow client
                             # has read the last chunk (the limit is about engine concurrency).
                             held = False
-                            self._host.in_flight.discard(request_id)
+                            self._host.in_flight.pop(key, None)
                             self._gate.release(slot)
                         yield output
             except EngineDeadError:
@@ -156,10 +162,12 @@ class GovernedEngineClient(EngineClient):
                     raise RetryableRequestError("the engine failed during this request; retry it") from None
                 continue  # nothing sent yet: wait for the next engine
             finally:
+                # Every way out (done, engine dead, client gone) forgets this attempt: a stale
+                # abort mark would fail a later attempt or request.
+                self._host.in_flight.pop(key, None)
+                reason = self._host.aborted.pop(key, None)
                 if held:
-                    self._host.in_flight.discard(request_id)
                     self._gate.release(slot)
-            reason = self._host.aborted.pop(request_id, None)
             if reason is not None:
                 raise RetryableRequestError(f"request aborted: {reason}; retry it")
             return

@@ -60,10 +60,11 @@ class EngineHost:
         self.generation = 0
         self.max_num_seqs = int(args.max_num_seqs)
         self.batch_cap = self.max_num_seqs
-        self.in_flight: set[str] = set()
-        """Request ids inside the engine (the governed client keeps it)."""
-        self.aborted: dict[str, str] = {}
-        """Request ids aborted by a restart, with the reason their client is told."""
+        self.in_flight: dict[int, tuple[str, AsyncLLM]] = {}
+        """Requests inside an engine, by the governed client's own key (one per attempt: clients may
+        reuse a request id), with the engine's request id and the engine they run on."""
+        self.aborted: dict[int, str] = {}
+        """Keys of requests aborted by a restart, with the reason their client is told."""
         self.on_new_engine: Callable[[], Awaitable[None]] | None = None
         """Called after a swap, before requests resume (the app rebuilds its serving state)."""
 
@@ -167,6 +168,7 @@ class EngineHost:
         loop = asyncio.get_running_loop()
         timeout = llm.vllm_config.shutdown_timeout or 5.0
         await loop.run_in_executor(None, lambda: llm.engine_core.shutdown(timeout=timeout))
+        self._end_held(llm, "engine restart")
         self._retired.append(llm)  # a reference: AsyncLLM.__del__ would shut the renderer down now
         loop.call_later(RENDERER_GRACE_S, self._release_retired, llm)
 
@@ -193,12 +195,23 @@ class EngineHost:
         return self.batch_cap
 
     async def abort_in_flight(self, reason: str) -> int:
-        ids = list(self.in_flight)
-        for request_id in ids:
-            self.aborted[request_id] = reason
-        if ids and not self.dead:
-            await self.llm.abort(ids)
-        return len(ids)
+        keys = list(self.in_flight)
+        for key in keys:
+            self.aborted[key] = reason
+        if keys and not self.dead:
+            await self.llm.abort(sorted({request_id for request_id, _ in self.in_flight.values()}))
+        return len(keys)
+
+    def _end_held(self, llm: AsyncLLM, reason: str) -> None:
+        """End every request a retired engine still holds (its core is gone: their outputs would
+        never come and their slots never return): each gets vLLM's own abort output, and its client
+        a retryable 503."""
+        for key, (_, engine) in list(self.in_flight.items()):
+            if engine is llm:
+                self.aborted.setdefault(key, reason)
+        held = list(llm.output_processor.request_states)
+        if held:
+            llm.output_processor.abort_requests(held, internal=True)
 
     # -- settings -------------------------------------------------------------------------------
     @property
