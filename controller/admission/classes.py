@@ -42,6 +42,39 @@ class PriorityClass:
         return int(self.reserved_share * limit)
 
 
+PRIORITY_MIN, PRIORITY_MAX = -(2**63), 2**63 - 1
+"""vLLM's ``priority`` is an int64 inside the engine: a value beyond it fails there, after the gate."""
+
+
+class PriorityRefused(ValueError):
+    """A request's priority is not one this server accepts (answered 400, before the gate)."""
+
+
+@dataclass(frozen=True)
+class PriorityBounds:
+    """What a client may ask for: ``[admission] min_priority`` and ``default_priority``."""
+
+    most_urgent: int = PRIORITY_MIN
+    """The lowest (most urgent) priority a request may name; lower is refused."""
+    default: int = 0
+    """The priority of a request that names none."""
+
+    def resolve(self, asked: int | str | None) -> int:
+        """The request's priority: ``asked`` (the header's text or the body's value), else the default."""
+        if asked is None:
+            return self.default
+        try:
+            value = int(asked)  # the header's text as vLLM reads it; the body's value is an int already
+        except ValueError:
+            raise PriorityRefused(f"priority {asked!r} is not an integer") from None
+        if not self.most_urgent <= value <= PRIORITY_MAX:
+            raise PriorityRefused(
+                f"priority {value} is out of range: this server accepts {self.most_urgent} (most urgent) "
+                f"to {PRIORITY_MAX}"
+            )
+        return value
+
+
 DEFAULT_CLASSES: tuple[PriorityClass, ...] = (
     PriorityClass("interactive", max_priority=0, max_queue=256, queue_deadline_s=5.0),
     PriorityClass("batch", min_priority=1, max_queue=1024, queue_deadline_s=60.0),

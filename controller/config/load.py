@@ -15,7 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from controller.admission.classes import DEFAULT_CLASSES, PriorityClass, parse_classes
+from controller.admission.classes import (
+    DEFAULT_CLASSES,
+    PRIORITY_MAX,
+    PRIORITY_MIN,
+    PriorityBounds,
+    PriorityClass,
+    parse_classes,
+)
 from controller.config.secrets import is_loopback, redact
 from policies.base import PolicyError, build_policy
 
@@ -98,10 +105,24 @@ class AdmissionConfig:
         0,
         3600,
     )
+    min_priority: int = _f(
+        PRIORITY_MIN,
+        "The most urgent priority a client may ask for (lower is more urgent); a request asking for "
+        "more is refused with 400. Default: any int64 (clients pick their class).",
+        PRIORITY_MIN,
+        PRIORITY_MAX,
+    )
+    default_priority: int = _f(
+        0, "The priority of a request that names none (header and body).", PRIORITY_MIN, PRIORITY_MAX
+    )
     classes: tuple[PriorityClass, ...] = field(
         default=DEFAULT_CLASSES,
         metadata={"doc": "[admission.classes.NAME]: priority classes (see controller/admission/classes.py)."},
     )
+
+    @property
+    def priority_bounds(self) -> PriorityBounds:
+        return PriorityBounds(self.min_priority, self.default_priority)
 
 
 @dataclass(frozen=True)
@@ -317,6 +338,12 @@ def _cross_check(engine: dict[str, Any], tables: dict[str, Any]) -> list[str]:
         errors.append(
             f"[admin] host = {admin.host!r}: the control plane would answer /state and /reload beyond "
             'this machine without a token; set [admin] token, or host = "127.0.0.1"'
+        )
+    adm = tables["admission"]
+    if adm.default_priority < adm.min_priority:
+        errors.append(
+            f"[admission] default_priority = {adm.default_priority}: below min_priority = "
+            f"{adm.min_priority}, so a request naming none would be refused; raise it"
         )
     seqs = engine["max_num_seqs"]
     if not isinstance(seqs, int) or seqs < 1:

@@ -86,7 +86,8 @@ class Daemon:
         client = GovernedEngineClient(p.host, p.gate, p.guard.notice_dead)
         app = await build_data_plane(client, p.args)
         p.host.on_new_engine = lambda: refresh_app_state(app, client, p.host.args)
-        p.server = make_server(app, p.args, self.config.server.shutdown_timeout_s, p.gate)
+        timeout, bounds = self.config.server.shutdown_timeout_s, lambda: p.config.admission.priority_bounds
+        p.server = make_server(app, p.args, timeout, p.gate, bounds)  # bounds read per request (reload)
         self._server_task = asyncio.create_task(p.server.serve())
         while not p.server.started and not self._server_task.done():
             await asyncio.sleep(0.05)

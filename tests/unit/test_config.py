@@ -29,7 +29,9 @@ from controller.config.load import (
 from policies.base import REGISTRY
 
 ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_ADMISSION = {"limit": 64, "max_queue": 1024, "aging_s": 10.0}
+DEFAULT_ADMISSION = {
+    "limit": 64, "max_queue": 1024, "aging_s": 10.0, "min_priority": -(2**63), "default_priority": 0
+}  # fmt: skip
 DEFAULT = ROOT / "config.toml"
 BASE: dict[str, Any] = tomllib.loads(DEFAULT.read_text())
 
@@ -70,7 +72,8 @@ def test_default_config_loads() -> None:
     [
         ("admission", "limt", "[admission] unknown key 'limt': did you mean 'limit'?"),
         ("admission", "max_queu", "[admission] unknown key 'max_queu': did you mean 'max_queue'?"),
-        ("admission", "xyzzy", "[admission] unknown key 'xyzzy': known keys: aging_s, limit, max_queue"),
+        ("admission", "xyzzy", "[admission] unknown key 'xyzzy': known keys: "
+            "aging_s, default_priority, limit, max_queue, min_priority"),
         ("admin", "prot", "[admin] unknown key 'prot': did you mean 'port'?"),
         ("control", "polcy", "[control] unknown key 'polcy': did you mean 'policy'?"),
         ("control", "tick_second", "[control] unknown key 'tick_second': did you mean 'tick_seconds'?"),

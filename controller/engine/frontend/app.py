@@ -14,6 +14,7 @@ from vllm import envs
 from vllm.entrypoints.launchers.api_server.app_state import init_app_state
 from vllm.entrypoints.launchers.app import build_app
 
+from controller.admission.classes import PriorityBounds
 from controller.admission.gate import AdmissionGate
 from controller.engine.frontend import tickets
 from controller.engine.frontend.client import GateRefusal, GovernedEngineClient
@@ -26,15 +27,21 @@ class AdmissionMiddleware:
     answers (vLLM's error responses carry none): the gate's own figure for the request's class when
     the gate refused it, else the gate's estimate for the whole queue."""
 
-    def __init__(self, app: ASGIApp, gate: AdmissionGate) -> None:
+    def __init__(
+        self, app: ASGIApp, gate: AdmissionGate, bounds: Callable[[], PriorityBounds] = PriorityBounds
+    ) -> None:
         self.app = app
         self.gate = gate
+        self.bounds = bounds
+        """The [admission] priority bounds in force (read per request: a reload changes them)."""
 
     async def __call__(self, scope: dict[str, Any], receive: ASGIApp, send: ASGIApp) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        ticket = tickets.Ticket(priority=tickets.header_priority(scope.get("headers", [])))
+        ticket = tickets.Ticket(
+            priority=tickets.header_priority(scope.get("headers", [])), bounds=self.bounds()
+        )
 
         async def send_with_retry_after(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start" and message["status"] in (429, 503):
@@ -79,11 +86,15 @@ class DataPlaneServer(uvicorn.Server):
 
 
 def make_server(
-    app: FastAPI, args: argparse.Namespace, shutdown_timeout_s: float, gate: AdmissionGate
+    app: FastAPI,
+    args: argparse.Namespace,
+    shutdown_timeout_s: float,
+    gate: AdmissionGate,
+    bounds: Callable[[], PriorityBounds] = PriorityBounds,
 ) -> DataPlaneServer:
     # Wrapped outside the app: vLLM's app has built its middleware stack by now.
     config = uvicorn.Config(
-        AdmissionMiddleware(app, gate),
+        AdmissionMiddleware(app, gate, bounds),
         host=args.host,
         port=args.port,
         log_level=args.uvicorn_log_level,

@@ -4,9 +4,10 @@
 The data-plane middleware gives every HTTP request a ``Ticket`` in a context variable (vLLM's
 handler tasks inherit it). The serving objects' entry points are wrapped to fill in the priority with
 vLLM's own resolution (the ``X-Vllm-Priority`` header, else the body's ``priority``) before their
-``_preflight`` runs. ``generate()`` claims the ticket; a ticket admitted but never claimed (vLLM
-answered 4xx after admission: bad input, prompt too long) gives its pending place back when the
-request ends.
+``_preflight`` runs; a request that names none gets ``[admission] default_priority``, and one that
+asks for more urgent than ``min_priority``, past int64 or not an integer is answered 400 there.
+``generate()`` claims the ticket; a ticket admitted but never claimed (vLLM answered 4xx after
+admission: bad input, prompt too long) gives its pending place back when the request ends.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import functools
 import logging
 from collections.abc import Callable
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from controller.admission.classes import PriorityBounds, PriorityRefused
 from controller.engine.frontend.prompts import generate_calls
 
 ENTRY_POINTS = ("create_chat_completion", "create_completion", "create_responses")
@@ -38,6 +40,8 @@ class Ticket:
     """Pending places it holds in the gate that no generate() call has taken yet."""
     retry_after_s: int | None = None
     """Set when the gate refused the request: the Retry-After of its answer."""
+    bounds: PriorityBounds = field(default_factory=PriorityBounds)
+    """[admission] min_priority and default_priority in force when the request arrived."""
 
 
 current: ContextVar[Ticket | None] = ContextVar("autopilot_ticket", default=None)
@@ -54,12 +58,28 @@ def header_priority(headers: list[tuple[bytes, bytes]]) -> int:
     return 0
 
 
+def asked_priority(serving: Any, request: Any, raw_request: Any) -> int | str | None:
+    """The priority the client named, as vLLM resolves it (the header, else the body), or None."""
+    header = raw_request.headers.get(PRIORITY_HEADER) if raw_request is not None else None
+    if header is not None:
+        return str(header)
+    if not hasattr(request, "model_fields_set"):  # not one of vLLM's request models: its own reading
+        return int(serving._get_priority(request, raw_request))
+    return int(request.priority) if "priority" in request.model_fields_set else None
+
+
 def _wrap(serving: Any, method: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(method)
     async def entry(request: Any, raw_request: Any = None, *args: Any, **kwargs: Any) -> Any:
         ticket = current.get()
         if ticket is not None:
-            ticket.priority = serving._get_priority(request, raw_request)
+            try:
+                priority = ticket.bounds.resolve(asked_priority(serving, request, raw_request))
+            except PriorityRefused as exc:  # before the gate: it never counts, queues or sheds
+                return serving.create_error_response(str(exc), param="priority")
+            ticket.priority = priority
+            if hasattr(request, "priority"):
+                request.priority = priority  # what vLLM reads when no header names it
             ticket.calls = generate_calls(request)
         return await method(request, raw_request, *args, **kwargs)
 
