@@ -123,6 +123,16 @@ def daemon_process(config: Path, admin_url: str) -> Iterator[subprocess.Popen[by
                 popen.wait()
 
 
+def url(d: Daemon, path: str) -> str:
+    """A data-plane URL of an in-process daemon."""
+    return f"http://{d.config.server.host}:{d.config.server.port}{path}"
+
+
+def admin_url(d: Daemon, path: str) -> str:
+    """A control-plane URL of an in-process daemon."""
+    return f"http://{d.config.admin.host}:{d.config.admin.port}{path}"
+
+
 # -- the streaming client -----------------------------------------------------------------------
 
 
@@ -212,6 +222,16 @@ class Recorder:
 
     def timed_out(self, cls: str, wait_s: float) -> None:
         self.events.timed_out.append((cls, wait_s))
+
+
+class FakeHost:
+    """The engine host as the governed client sees it: an engine (``llm``, a fake with the tests' own
+    ``generate``) and the in-flight and abort bookkeeping, keyed per attempt."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+        self.in_flight: dict[int, tuple[str, Any]] = {}
+        self.aborted: dict[int, str] = {}
 
 
 # -- observations -------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import pytest_asyncio
 
 from controller.lifecycle.daemon import Daemon
 from tests.assets import vllm_metric_names
-from tests.helpers import http_session, running_daemon, stream_completion, write_config
+from tests.helpers import admin_url, http_session, running_daemon, stream_completion, url, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -32,14 +32,6 @@ async def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> 
     )
     async with running_daemon(path) as d:
         yield d
-
-
-def url(d: Daemon, path: str) -> str:
-    return f"http://{d.config.server.host}:{d.config.server.port}{path}"
-
-
-def admin_url(d: Daemon, path: str) -> str:
-    return f"http://{d.config.admin.host}:{d.config.admin.port}{path}"
 
 
 async def test_api_and_control_plane_answer(daemon: Daemon) -> None:

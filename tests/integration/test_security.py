@@ -13,7 +13,7 @@ import pytest
 import pytest_asyncio
 
 from controller.lifecycle.daemon import Daemon
-from tests.helpers import http_session, running_daemon, write_config
+from tests.helpers import admin_url, http_session, running_daemon, url, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -31,14 +31,6 @@ async def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> 
     )
     async with running_daemon(path) as d:
         yield d
-
-
-def url(d: Daemon, path: str) -> str:
-    return f"http://{d.config.server.host}:{d.config.server.port}{path}"
-
-
-def admin_url(d: Daemon, path: str) -> str:
-    return f"http://{d.config.admin.host}:{d.config.admin.port}{path}"
 
 
 @pytest.mark.parametrize(("key", "status"), [(API_KEY, 200), ("s", 401), ("4", 401), (None, 401)])

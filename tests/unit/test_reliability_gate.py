@@ -25,6 +25,7 @@ from controller.engine.frontend import tickets
 from controller.engine.frontend.app import AdmissionMiddleware
 from controller.engine.frontend.client import GovernedEngineClient
 from controller.engine.runtime.host import EngineHost
+from tests.helpers import FakeHost
 
 ONE_CLASS = (PriorityClass("all", max_queue=100_000, queue_deadline_s=1e6),)
 
@@ -80,13 +81,6 @@ class FakeLLM:
         yield SimpleNamespace(finished=True, request_id=request_id)
 
 
-class FakeHost:
-    def __init__(self) -> None:
-        self.llm = FakeLLM()
-        self.in_flight: dict[int, tuple[str, Any]] = {}
-        self.aborted: dict[int, str] = {}
-
-
 class FakeCompletions:
     """vLLM's completion serving in the shape that matters here: ``_preflight(request.n)`` once,
     then one ``generate()`` per prompt, iterated together."""
@@ -122,7 +116,7 @@ class FakeCompletions:
 
 def completions_app(gate: AdmissionGate) -> tuple[httpx.AsyncClient, FakeCompletions]:
     app = FastAPI()
-    serving = FakeCompletions(GovernedEngineClient(FakeHost(), gate, lambda: None))  # type: ignore[arg-type]
+    serving = FakeCompletions(GovernedEngineClient(FakeHost(FakeLLM()), gate, lambda: None))  # type: ignore[arg-type]
     app.state.serving = serving
     tickets.capture_priorities(app.state)
 
@@ -353,7 +347,7 @@ async def test_pending_places_return_on_a_route_whose_entry_point_is_not_wrapped
         PriorityClass("batch", min_priority=1, max_queue=100, queue_deadline_s=1e6),
     )
     gate = AdmissionGate(4, 100, classes, clock=FakeClock())
-    client = GovernedEngineClient(FakeHost(), gate, lambda: None)  # type: ignore[arg-type]
+    client = GovernedEngineClient(FakeHost(FakeLLM()), gate, lambda: None)  # type: ignore[arg-type]
     app = FastAPI()
 
     @app.post("/inference/v1/generate")

@@ -24,7 +24,7 @@ from controller.config.load import ConfigError, parse_config
 from controller.engine.frontend import tickets
 from controller.engine.frontend.app import AdmissionMiddleware
 from controller.engine.frontend.client import GovernedEngineClient
-from tests.helpers import Events, Recorder
+from tests.helpers import Events, FakeHost, Recorder
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE: dict[str, Any] = tomllib.loads((ROOT / "config.toml").read_text())
@@ -40,13 +40,6 @@ class FakeLLM:
 
     async def generate(self, prompt: Any, params: Any, request_id: str, **kwargs: Any) -> AsyncIterator[int]:
         yield kwargs["priority"]
-
-
-class FakeHost:
-    def __init__(self) -> None:
-        self.llm = FakeLLM()
-        self.in_flight: dict[int, tuple[str, Any]] = {}
-        self.aborted: dict[int, str] = {}
 
 
 class FakeServing:
@@ -85,7 +78,7 @@ def make_app(bounds: PriorityBounds) -> tuple[httpx.AsyncClient, AdmissionGate, 
     events = Events()
     gate = AdmissionGate(4, 100, classes, events=Recorder([], events))
     app = FastAPI()
-    app.state.serving = FakeServing(GovernedEngineClient(FakeHost(), gate, lambda: None))  # type: ignore[arg-type]
+    app.state.serving = FakeServing(GovernedEngineClient(FakeHost(FakeLLM()), gate, lambda: None))  # type: ignore[arg-type]
     assert tickets.capture_priorities(app.state) == 1
 
     @app.post("/v1/completions")

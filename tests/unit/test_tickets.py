@@ -21,7 +21,7 @@ from controller.admission.gate import AdmissionGate
 from controller.engine.frontend import tickets
 from controller.engine.frontend.app import AdmissionMiddleware
 from controller.engine.frontend.client import GateRefusal, GovernedEngineClient
-from tests.helpers import Events, Recorder
+from tests.helpers import Events, FakeHost, Recorder
 
 
 class FakeLLM:
@@ -31,13 +31,6 @@ class FakeLLM:
     async def generate(self, prompt: Any, params: Any, request_id: str, **kwargs: Any) -> AsyncIterator[int]:
         for i in range(3):
             yield i
-
-
-class FakeHost:
-    def __init__(self) -> None:
-        self.llm = FakeLLM()
-        self.in_flight: dict[int, tuple[str, Any]] = {}
-        self.aborted: dict[int, str] = {}
 
 
 class FakeServing:
@@ -65,7 +58,7 @@ class FakeServing:
 
 def make_app(gate: AdmissionGate) -> httpx.AsyncClient:
     app = FastAPI()
-    client = GovernedEngineClient(FakeHost(), gate, lambda: None)  # type: ignore[arg-type]
+    client = GovernedEngineClient(FakeHost(FakeLLM()), gate, lambda: None)  # type: ignore[arg-type]
     app.state.serving = FakeServing(client)
     assert tickets.capture_priorities(app.state) == 1
     assert tickets.capture_priorities(app.state) == 0  # idempotent (refresh after an engine swap)
@@ -146,7 +139,7 @@ def test_gate_refusal_tracebacks_are_dropped_from_the_serving_loggers(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     app = FastAPI()
-    app.state.serving = FakeServing(GovernedEngineClient(FakeHost(), make_gate()[0], lambda: None))  # type: ignore[arg-type]
+    app.state.serving = FakeServing(GovernedEngineClient(FakeHost(FakeLLM()), make_gate()[0], lambda: None))  # type: ignore[arg-type]
     tickets.capture_priorities(app.state, GateRefusal)
     logger = logging.getLogger(FakeServing.__module__)
     with caplog.at_level(logging.INFO, logger=FakeServing.__module__):
@@ -168,7 +161,7 @@ async def test_the_slot_returns_when_the_engine_finishes_not_when_the_client_has
             yield SimpleNamespace(finished=False)
             yield SimpleNamespace(finished=True)
 
-    host = FakeHost()
+    host = FakeHost(FakeLLM())
     host.llm = FinishingLLM()
     gate, _ = make_gate()
     client = GovernedEngineClient(host, gate, lambda: None)  # type: ignore[arg-type]
