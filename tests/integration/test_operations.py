@@ -146,6 +146,39 @@ def await_restarts(state: dict[str, Any]) -> bool:
     )
 
 
+async def test_a_bad_engine_value_by_reload_keeps_the_working_engine_serving(daemon_proc: Proc) -> None:
+    """A KV cache too small for one max_model_len sequence passes the file's checks but fails the
+    engine build: the engine in force (48 MiB, generation 2, from the test before) keeps serving, and
+    the file put back shows no change."""
+    proc = daemon_proc
+    ports = (int(proc.base.rsplit(":", 1)[1]), int(proc.admin.rsplit(":", 1)[1]))
+    async with http_session() as s:
+        _config(proc.path, ports, limit=6, kv_cache_memory_bytes=1 << 18, restart_on_reload=True)
+        async with s.post(proc.admin + "/reload") as r:
+            body = await r.json()
+        assert body["ok"] and body["engine_restart"] == {"kv_cache_memory_bytes": 1 << 18}, body
+        t0 = time.monotonic()
+        await asyncio.sleep(0.5)
+        while True:
+            async with s.get(proc.admin + "/state") as r:
+                state = await r.json()
+            if not state["guard"]["restarting"]:
+                break
+            assert time.monotonic() - t0 < 240, "the failed restart did not end"
+            await asyncio.sleep(0.2)
+        assert state["engine"]["generation"] == 2 and state["engine"]["kv_cache_memory_bytes"] == 48 << 20
+        assert state["guard"]["unavailable_reason"] is None
+        served = await stream_completion(s, proc.base, 16)
+        async with s.get(proc.admin + "/healthz") as h:
+            health_status = h.status
+        _config(proc.path, ports, limit=6, kv_cache_memory_bytes=48 << 20, restart_on_reload=True)
+        async with s.post(proc.admin + "/reload") as r:
+            back = await r.json()
+    assert served["status"] == 200 and served["tokens"] == 16, served
+    assert health_status == 200
+    assert back["ok"] and back["pending"] == {} and back["engine_restart"] is None, back
+
+
 async def test_sigterm_under_load_drains_and_exits_zero(daemon_proc: Proc) -> None:
     proc = daemon_proc
     async with http_session() as s:
