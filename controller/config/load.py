@@ -183,7 +183,11 @@ class GuardConfig:
         3600,
     )
     max_restarts_per_hour: int = _f(
-        5, "Restart budget; once spent the daemon stays up and answers 503 until restarted.", 0, 1000
+        5,
+        "Crash-recovery budget per hour (reload and memory restarts do not spend it); once spent the "
+        "daemon stays up and answers 503 until an engine builds again.",
+        0,
+        1000,
     )
     backoff_initial_s: float = _f(
         1.0, "Delay before the first restart after a crash; doubles each time.", 0, 600
