@@ -72,8 +72,12 @@ def test_default_config_loads() -> None:
     [
         ("admission", "limt", "[admission] unknown key 'limt': did you mean 'limit'?"),
         ("admission", "max_queu", "[admission] unknown key 'max_queu': did you mean 'max_queue'?"),
-        ("admission", "xyzzy", "[admission] unknown key 'xyzzy': known keys: "
-            "aging_s, default_priority, limit, max_queue, min_priority"),
+        (
+            "admission",
+            "xyzzy",
+            "[admission] unknown key 'xyzzy': known keys: "
+            "aging_s, default_priority, limit, max_queue, min_priority",
+        ),
         ("admin", "prot", "[admin] unknown key 'prot': did you mean 'port'?"),
         ("control", "polcy", "[control] unknown key 'polcy': did you mean 'policy'?"),
         ("control", "tick_second", "[control] unknown key 'tick_second': did you mean 'tick_seconds'?"),
