@@ -27,7 +27,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 async def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> AsyncIterator[Daemon]:
     path = write_config(
         tmp_path_factory.mktemp("cfg") / "config.toml",
-        admission={"limit": 4, "max_queue": 256},
+        # every request must be served: the test is about the limit, not the deadline (the last of 40
+        # streams through 4 slots can wait past the default 5 s on a slow or cold engine)
+        admission={
+            "limit": 4,
+            "max_queue": 256,
+            "classes": {
+                "interactive": {"max_priority": 0, "queue_deadline_s": 120.0},
+                "batch": {"min_priority": 1, "queue_deadline_s": 120.0},
+            },
+        },
         control={"tick_seconds": 3600.0, "policy": "static"},
     )
     async with running_daemon(path) as d:
