@@ -40,6 +40,10 @@ SHAPES: dict[str, Any] = {"interactive_tokens": 16, "batch_tokens": 512}
 """Short interactive streams, long batch jobs: 30% of the requests are interactive, a small share of
 the engine's work (offered 3x the sustained request rate, interactive alone ~0.9x in requests)."""
 OVERLOAD = 3.0
+MIN_RATE_PER_S = 5.0
+"""Offer at least this many requests per second: on a slow machine three times the sustained rate is
+too few arrivals in DURATION_S for the per-class shares to mean anything (a CI run measured 1.24 req/s
+sustained, so 3.7 req/s offered and 41 interactive arrivals)."""
 DURATION_S = 40.0
 POLL_SLEEP_S = 0.0002
 """[server] engine_poll_sleep_s: with vLLM's own spin the EngineCore and its worker hold both cores
@@ -118,7 +122,8 @@ async def test_overload_serves_interactive_and_refuses_the_excess(daemon_proc: P
     slo = max(SLO_FACTOR * base_ttft, 0.4)
     shape = Mix(rate_per_s=1.0, duration_s=DURATION_S, **SHAPES)
     sustained = await capacity(proc.base, "tiny", shape, concurrency=LIMIT, duration_s=12.0)
-    mix = Mix(rate_per_s=OVERLOAD * sustained, duration_s=DURATION_S, timeout_s=60.0, **SHAPES)
+    rate = max(OVERLOAD * sustained, MIN_RATE_PER_S)
+    mix = Mix(rate_per_s=rate, duration_s=DURATION_S, timeout_s=60.0, **SHAPES)
 
     stop = asyncio.Event()
     rss_task = asyncio.create_task(_sample_rss(proc.popen.pid, stop))
@@ -136,7 +141,8 @@ async def test_overload_serves_interactive_and_refuses_the_excess(daemon_proc: P
         f"daemon RSS MiB: 2nd quarter {early:.0f}, last quarter {late:.0f} (samples {len(rss)})"
     )
     inter, batch = summary[INTERACTIVE], summary[BATCH]
-    assert inter["sent"] > 50 and batch["sent"] > 100
+    # Poisson arrivals: at least 60 interactive and 140 batch expected; these bounds are 4 sigma below
+    assert inter["sent"] > 30 and batch["sent"] > 90, (inter["sent"], batch["sent"])
     # The issue's target is >= 99% of interactive requests within the SLO: printed above, not asserted
     # (a latency on a shared machine). Measured 100% in every run with a poll sleep, 18-96% with vLLM's
     # spin (docs/benchmarks.md, section 7). What the gate decides is asserted: the least urgent class
