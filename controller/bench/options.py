@@ -23,14 +23,16 @@ from controller.bench.workload import (
     read_azure_trace,
     sharegpt_lengths,
     sharegpt_pairs,
+    stall,
     trace_window,
     with_lengths,
 )
 
-WORKLOADS = ("phases", "closed")
+WORKLOADS = ("phases", "closed", "stall")
 WORKLOAD_HELP = (
     "a named workload: phases (the phase-changing load of controller/bench/phases.py); closed (--requests N "
-    "at once, lengths --prompt-tokens/--output-tokens; with --concurrency: a closed loop)"
+    "at once, lengths --prompt-tokens/--output-tokens; with --concurrency: a closed loop); stall (--requests "
+    "N decoding streams, then one --long-prompt-tokens prompt: the longest decode gap its prefill causes)"
 )
 
 
@@ -49,6 +51,10 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     g.add_argument("--prompt-tokens", type=int, default=128, help="prompt length with --rate (default 128)")
     g.add_argument("--output-tokens", type=int, default=128, help="output length with --rate (default 128)")
+    g.add_argument(
+        "--long-prompt-tokens", type=int, default=1000,
+        help="the long prompt of --workload stall (default 1000)",
+    )  # fmt: skip
     g.add_argument(
         "--trace", type=Path, help="Azure-format trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens)"
     )
@@ -101,6 +107,8 @@ def build_specs(args: argparse.Namespace, tokenizer: Tokenizer, max_model_len: i
         specs = phases.schedule(args.seed)
     elif args.workload == "closed":
         specs = [RequestSpec(i, 0.0, args.prompt_tokens, args.output_tokens) for i in range(args.requests)]
+    elif args.workload == "stall":
+        specs = stall(args.requests, args.prompt_tokens, args.output_tokens, args.long_prompt_tokens)
     elif args.trace is not None:
         rows = read_azure_trace(args.trace)
         specs = trace_window(rows, start_s=args.start, duration_s=args.duration,

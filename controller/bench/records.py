@@ -206,11 +206,13 @@ def _latency_stats(records: Sequence[RequestRecord]) -> dict[str, float | None]:
         "ttft_p90": percentile(ttft, 90),
         "ttft_p99": percentile(ttft, 99),
         "ttft_mean": _mean(ttft),
+        "ttft_max": max(ttft, default=None),
         "tpot_p50": percentile(tpots, 50),
         "tpot_p90": percentile(tpots, 90),
         "tpot_p99": percentile(tpots, 99),
         "itl_p50": percentile(itl, 50),
         "itl_p99": percentile(itl, 99),
+        "itl_max": max(itl, default=None),
         "e2e_p50": percentile(e2e, 50),
         "e2e_p99": percentile(e2e, 99),
     }

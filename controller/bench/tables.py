@@ -21,6 +21,7 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("TTFT p99 s", "ttft_p99", ".3f"),
     ("TPOT p50 ms", "tpot_p50", "ms"),
     ("TPOT p99 ms", "tpot_p99", "ms"),
+    ("ITL max ms", "itl_max", "ms"),
     ("preempt", "preemptions", "d"),
     ("KV mean", "kv_usage_mean", ".2f"),
     ("refused", "refused", "d"),

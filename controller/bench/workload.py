@@ -154,6 +154,27 @@ def poisson(
     return [RequestSpec(i, t, prompt_tokens, output_tokens) for i, t in enumerate(arrivals)]
 
 
+STALL_AT_S = 3.0
+"""When the long prompt of :func:`stall` arrives: by then every stream has its first token and decodes."""
+
+
+def stall(streams: int, prompt_tokens: int, output_tokens: int, long_prompt_tokens: int) -> list[RequestSpec]:
+    """``streams`` decoding requests at once, then, at ``STALL_AT_S``, one ``long_prompt_tokens`` prompt
+    that generates a single token.
+
+    The token budget decides how that prefill is chunked: the streams' longest inter-token gap
+    (``itl_max`` in the summary) is the decode stall one chunk causes, and the long prompt's TTFT (the
+    run's ``ttft_max``, the streams' short prompts start at once) is what a small budget costs it.
+    """
+    if streams < 1 or min(prompt_tokens, output_tokens, long_prompt_tokens) < 1:
+        raise WorkloadError(
+            f"--workload stall: --requests {streams}, --prompt-tokens {prompt_tokens}, --output-tokens "
+            f"{output_tokens} and --long-prompt-tokens {long_prompt_tokens} must all be >= 1"
+        )
+    specs = [RequestSpec(i, 0.0, prompt_tokens, output_tokens) for i in range(streams)]
+    return [*specs, RequestSpec(streams, STALL_AT_S, long_prompt_tokens, 1)]
+
+
 def with_lengths(
     arrivals: Sequence[float], lengths: Sequence[tuple[int, int]], seed: int = 0
 ) -> list[RequestSpec]:

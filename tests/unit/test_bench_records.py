@@ -116,6 +116,8 @@ def test_summary_keys_and_values() -> None:
     assert s["ttft_p99"] == pytest.approx(0.1 + 0.99 * 0.2)
     assert s["tpot_p50"] == pytest.approx(0.015)
     assert s["tpot_p99"] == pytest.approx(0.01 + 0.99 * 0.01)
+    assert s["ttft_max"] == pytest.approx(0.3)  # the refused request has no TTFT
+    assert s["itl_max"] is None  # these records carry no inter-token gaps
     assert s["kv_usage_mean"] == pytest.approx(0.4)
     assert s["kv_usage_max"] == pytest.approx(0.6)
     assert s["preemptions"] == 3
@@ -133,10 +135,19 @@ def test_summary_keys_and_values() -> None:
     json.dumps(s, allow_nan=False)  # valid JSON: no NaN anywhere
 
 
+def test_itl_max_is_the_longest_gap_of_any_served_stream() -> None:
+    records = [rec(0), rec(1), rec(2, status="failed", e2e=1.0)]
+    records[0] = RequestRecord(**{**records[0].__dict__, "itl_s": (0.01, 0.25, 0.02)})
+    records[1] = RequestRecord(**{**records[1].__dict__, "itl_s": (0.03,)})
+    records[2] = RequestRecord(**{**records[2].__dict__, "itl_s": (9.0,)})  # a failed stream is not served
+    assert summarize(records, 1.0, None, None)["itl_max"] == pytest.approx(0.25)
+
+
 def test_empty_run_summarizes_to_nulls() -> None:
     s = summarize([], 10.0, 1.0, 0.1)
     assert s["requests"] == 0 and s["goodput_rps"] == 0.0
-    assert s["ttft_p99"] is None and s["kv_usage_mean"] is None and s["preemptions"] is None
+    assert s["ttft_p99"] is None and s["ttft_max"] is None and s["itl_max"] is None
+    assert s["kv_usage_mean"] is None and s["preemptions"] is None
     json.dumps(s, allow_nan=False)
 
 

@@ -19,6 +19,7 @@ from controller.bench.workload import (
     read_azure_trace,
     sharegpt_lengths,
     sharegpt_pairs,
+    stall,
     trace_window,
 )
 
@@ -136,3 +137,11 @@ def test_json_list_prefix_drops_a_truncated_tail() -> None:
     assert parse_json_list_prefix("[]") == []
     with pytest.raises(WorkloadError, match="not a JSON list"):
         parse_json_list_prefix('{"a": 1}')
+
+
+def test_stall_is_streams_then_one_long_prompt_that_generates_one_token() -> None:
+    specs = stall(3, prompt_tokens=32, output_tokens=400, long_prompt_tokens=1000)
+    assert specs[:3] == [RequestSpec(i, 0.0, 32, 400) for i in range(3)]
+    assert specs[3] == RequestSpec(3, 3.0, 1000, 1)
+    with pytest.raises(WorkloadError, match="--long-prompt-tokens 0 must all be >= 1"):
+        stall(3, 32, 400, 0)
