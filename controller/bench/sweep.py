@@ -30,9 +30,13 @@ def add_parser(cmds: Any) -> None:
         "sweep", help="one server per value of one or two engine settings; recommend the best"
     )
     add_server_args(p)
+    set_help = (
+        f"an [engine] setting and its values (once or twice), e.g. max_num_seqs=8,16,32; usually one of "
+        f"{', '.join(KNOWN)}; a TABLE.KEY sets the daemon's own, e.g. control.params.batch_cap=1,4,16 "
+        "(one engine build: the compile cache serves the rest)"
+    )
     p.add_argument("--set", action="append", required=True, metavar="KEY=V1,V2,...", dest="sweep_set",
-                   help=f"an [engine] setting and its values (once or twice), e.g. max_num_seqs=8,16,32; "
-                   f"usually one of {', '.join(KNOWN)}")  # fmt: skip
+                   help=set_help)  # fmt: skip
     p.add_argument("--server", choices=("daemon", "vllm-serve"), default="daemon",
                    help="our daemon with the static policy (default) or plain vllm serve")  # fmt: skip
     add_workload_args(p)
@@ -65,18 +69,46 @@ def label(setting: dict[str, Any]) -> str:
     return ",".join(f"{k}={v}" for k, v in setting.items())
 
 
+def _daemon_tables(setting: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The dotted keys of ``setting`` (``control.params.batch_cap``, ``admission.limit``) as nested tables."""
+    tables: dict[str, dict[str, Any]] = {}
+    for key, value in setting.items():
+        table, _, rest = key.partition(".")
+        *parents, name = rest.split(".")
+        node = tables.setdefault(table, {})
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[name] = value
+    return tables
+
+
 def server_specs(bench: Bench, combos: Sequence[dict[str, Any]], kind: str) -> list[ServerSpec]:
+    """One server per combination. A key with a dot is a daemon setting (``control.params.batch_cap``):
+    the engine's arguments stay the same across such a sweep, so vLLM's compile cache serves every start."""
     admission = dict(bench.base.get("admission") or {})
     specs: list[ServerSpec] = []
     for setting in combos:
-        engine = {**bench.engine, **setting}
+        daemon = {k: v for k, v in setting.items() if "." in k}
+        engine = {**bench.engine, **{k: v for k, v in setting.items() if "." not in k}}
         if kind == "vllm-serve":
+            if daemon:
+                raise ValueError(
+                    f"--set {next(iter(daemon))}: a daemon setting; sweep it with --server daemon"
+                )
             specs.append(ServerSpec(label(setting), "vllm-serve", engine, tags={"sweep": setting}))
             continue
+        tables = _daemon_tables(daemon)
+        if not set(tables) <= {"control", "admission", "server"}:
+            raise ValueError(f"--set {label(daemon)}: sweep keys of [control], [admission] or [server]")
         # The static policy holds max_num_seqs as the batch cap; the gate admits as many (no extra queueing).
         limit = {"limit": int(engine["max_num_seqs"])} if "max_num_seqs" in setting else {}
-        specs.append(ServerSpec(label(setting), "daemon", engine, {"policy": "static", "params": {}},
-                                {**admission, **limit}, tags={"sweep": setting}))  # fmt: skip
+        control = tables.get("control", {})
+        specs.append(ServerSpec(
+            label(setting), "daemon", engine,
+            {"policy": "static", **control, "params": control.get("params", {})},
+            {**admission, **limit, **tables.get("admission", {})}, tables.get("server", {}),
+            tags={"sweep": setting},
+        ))  # fmt: skip
     return specs
 
 
