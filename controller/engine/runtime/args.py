@@ -16,6 +16,8 @@ from typing import Annotated, Any, NoReturn
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+from controller.engine.runtime.parallel import parallel_errors
+
 # Chosen by the daemon itself; a user setting them would break the batch cap or the serving model.
 _RESERVED = {
     "scheduler_cls": "the daemon installs its own scheduler subclass for the runtime batch cap",
@@ -198,6 +200,9 @@ def engine_table_errors(engine: dict[str, Any], server_extra: dict[str, Any]) ->
             errors.append(_unknown("engine", key, _engine_keys()))
         elif problem := _value_error("engine", key, engine[key]):
             errors.append(problem)
+    if not errors:  # each value passed alone: now the parallel settings together, as vLLM parsed them
+        parsed = vars(serve_namespace({"model": "", **engine}, {}))
+        errors.extend(parallel_errors({key: parsed[key] for key in engine}))
     for key in server_extra:
         if key in _engine_keys():
             errors.append(f"[server] {key}: an engine argument; move it to [engine]")

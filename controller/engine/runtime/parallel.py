@@ -1,0 +1,90 @@
+"""[engine] parallelism (tensor, pipeline, data parallel; the executor backend) checked with vLLM's own
+``ParallelConfig`` at config load.
+
+``args.py`` checks each engine value alone against its field's type and bounds
+(``tensor_parallel_size = 0``). The parallel settings also constrain one another
+(``data_parallel_size_local`` <= ``data_parallel_size``, a world size the node's GPUs hold) and name an
+executor that must be importable (Ray). vLLM only finds those at the engine build, after the old engine
+has drained; building ``ParallelConfig`` alone finds them at ``check-config`` and reload, with vLLM's own
+words. It loads no model: the checks that need the model's shape (attention heads divisible by the
+tensor parallel size) stay with vLLM's engine build, which the guard's build-before-swap survives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+from typing import Any, get_args
+
+_SPMD_ONLY = (
+    "'external_launcher' runs one engine per torchrun process for offline SPMD inference, not a server; "
+    "use 'mp' (one node) or 'ray' (one or more nodes)"
+)
+
+
+@functools.cache
+def parallel_keys() -> frozenset[str]:
+    """Engine arguments that are ``ParallelConfig`` fields (the same names in both)."""
+    from vllm.config import ParallelConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    ours = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    return frozenset(f.name for f in dataclasses.fields(ParallelConfig) if f.name in ours)
+
+
+def _message(exc: Exception) -> str:
+    """vLLM's words: pydantic wraps a validator's ValueError as 'Value error, <vLLM's message>'."""
+    from pydantic import ValidationError
+
+    if isinstance(exc, ValidationError):
+        first = exc.errors()[0]
+        where = ".".join(map(str, first.get("loc", ())))
+        msg = str(first["msg"]).removeprefix("Value error, ")
+        return f"{where}: {msg}" if where else msg
+    return str(exc).strip()
+
+
+def _backend_error(name: str) -> str | None:
+    """A backend vLLM's executor lookup (``Executor.get_class``) would refuse, or Ray when it is not
+    installed (vLLM's own ``assert_ray_available``)."""
+    from vllm.config.parallel import DistributedExecutorBackend
+    from vllm.v1.executor import ray_utils
+    from vllm.v1.executor.abstract import Executor
+
+    known = get_args(DistributedExecutorBackend)
+    try:
+        if name == "ray":
+            ray_utils.assert_ray_available()
+        elif name not in known and "." not in name:
+            return f"'{name}' is not one of {', '.join(known[:3])} nor a 'module.Class' Executor"
+        elif name not in known:  # a plug-in executor, named as vLLM resolves it
+            config = types.SimpleNamespace(
+                parallel_config=types.SimpleNamespace(distributed_executor_backend=name)
+            )
+            Executor.get_class(config)
+    except (ImportError, ValueError, TypeError, AttributeError) as exc:
+        return f"{_message(exc).rstrip('.')}; install what it names or use 'mp'"
+    return None
+
+
+def parallel_errors(engine: dict[str, Any]) -> list[str]:
+    """vLLM's refusal of the [engine] parallel settings taken together, as config errors with a fix.
+
+    ``engine`` holds values as vLLM's parser made them; call it only when each value passed alone.
+    """
+    from vllm.config import ParallelConfig
+
+    given = {k: v for k, v in engine.items() if k in parallel_keys() and v is not None}
+    shown = ", ".join(f"{k} = {v!r}" for k, v in sorted(given.items()))
+    if given.get("distributed_executor_backend") == "external_launcher":
+        return [f"[engine] {shown}: {_SPMD_ONLY}"]
+    backends = {given.get("distributed_executor_backend"), given.get("data_parallel_backend")}
+    problems = [p for b in sorted(b for b in backends if isinstance(b, str)) if (p := _backend_error(b))]
+    if problems or not given:
+        return [f"[engine] {shown}: {p}" for p in problems]
+    try:
+        ParallelConfig(**given)
+    except (ValueError, TypeError) as exc:
+        return [f"[engine] {shown}: vLLM's ParallelConfig refuses them ({_message(exc)}); change them"]
+    return []
