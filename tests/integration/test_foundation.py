@@ -57,6 +57,7 @@ async def test_api_and_control_plane_answer(daemon: Daemon) -> None:
             text = await r.text()
         for name in ("autopilot_admission_limit 4.0", "autopilot_batch_cap 16.0", "vllm:kv_cache_usage_perc"):
             assert name in text
+        assert "vllm:num_requests_waiting" in text  # routers read it with the KV gauge (deploy/k8s)
         exported = {
             line.split("{")[0].split(" ")[0] for line in text.splitlines() if not line.startswith("#")
         }
