@@ -1,0 +1,275 @@
+"""The online step-cost model: ``step_s = a + b*prefill + c*decode_seqs + d*kv_tokens`` (the twin's
+form, ``controller/sim/profile.py``) fitted to the engine's steps as they come, by recursive least
+squares with exponential forgetting, so the fit follows the hardware as it is now (a neighbour on the
+CPU, a warmer GPU) and not as it was an hour ago.
+
+The numerics, and why:
+
+* **Scaled features.** Tokens run in the thousands and decode sequences in tens; each feature is
+  divided by a typical step's value (``SCALES``) so the covariance stays well conditioned.
+* **Relative error.** Each step is weighted by 1 / its time, as the profile fit does
+  (``controller/sim/fit.py``): a 2 ms decode and a 200 ms prefill weigh the same, and the fit
+  minimises the relative error it reports.
+* **A seed is a prior.** A profile's coefficients start the fit with the weight of
+  ``prior_samples`` steps, each measuring one term alone; data overrides it at that rate. A term the
+  load never excites (prefill, on a decode-only load) keeps the seed's value instead of drifting.
+* **Covariance cap.** Forgetting divides the covariance by ``forgetting`` every step, so a direction
+  that the load does not excite grows without bound (wind-up) until one step of it moves the fit
+  wildly. Its eigenvalues are clipped to the uncertainty of ``cap_samples`` typical steps (and floored,
+  so it stays positive definite, never singular).
+* **Outliers.** Once warmed up, a step whose time is off the prediction by more than
+  ``max(outlier_ratio, exp(outlier_sigmas * recent log spread))`` (a GC pause, a step that waited) is
+  counted and skipped. After ``max_rejects`` in a row the engine has changed, not the step: the fit
+  takes it and reopens its covariance to learn again.
+* **Non-negative coefficients.** A negative cost is meaningless (and it extrapolates badly); a fit
+  that goes negative is projected onto the non-negative coefficients nearest in the covariance's
+  metric (fixing a term at 0 and conditioning the others on it).
+
+``ready`` needs ``min_samples`` steps taken in and the last within ``max_age_s``: a policy holds its
+knobs otherwise, and says the estimate's ``reason``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from controller.control.steps import EngineStep
+from policies.cost import TERMS, CostEstimate
+
+SCALES = np.array([1.0, 1024.0, 64.0, 65536.0])
+"""A typical step's features (1, prefill tokens, decode sequences, KV tokens): the fit works in
+coefficients times these, seconds each term adds to such a step."""
+NO_PRIOR_VAR = 1.0
+"""Covariance without a seed: a term may add up to about a second to a typical step (knows nothing)."""
+
+
+@dataclass(frozen=True)
+class CostPrior:
+    """A seed: a profile's ``[cost]`` coefficients and the weight they start with."""
+
+    coefficients: tuple[float, float, float, float]
+    """a_s, b_s_per_prefill_token, c_s_per_decode_seq, d_s_per_kv_token."""
+    name: str = ""
+    """The profile's name, shown in /state."""
+    prior_samples: float = 20.0
+    """The seed weighs as much as this many steps, each measuring one term alone."""
+
+
+@dataclass(frozen=True)
+class FitSettings:
+    """How the fit learns and when it is trusted (the defaults suit an engine stepping 10-1000 times a
+    second)."""
+
+    forgetting: float = 0.999
+    """Weight of the past per step: the fit's memory is about 1 / (1 - forgetting) steps."""
+    min_samples: int = 50
+    """Steps taken in before the estimate is ready."""
+    max_age_s: float = 60.0
+    """The estimate is stale (not ready) when its last step is older than this."""
+    window: int = 256
+    """Steps the fit quality (relative RMS error, R^2) is measured over."""
+    warmup: int = 20
+    """No step is rejected as an outlier before this many were taken in."""
+    outlier_ratio: float = 3.0
+    """A step this many times slower (or faster) than predicted is an outlier, at least."""
+    outlier_sigmas: float = 5.0
+    """... or this many times the recent RMS of log(measured / predicted), if that is wider."""
+    max_rejects: int = 20
+    """Outliers in a row after which the engine is taken to have changed: the next one is taken in."""
+    cap_samples: float = 2.0
+    """The covariance never grows past the uncertainty of this many typical steps."""
+    min_step_s: float = 1e-5
+    """Floor of a step's time in its weight (a step reported as 0 s would weigh infinitely)."""
+
+
+def prior_from(cost: Mapping[str, float], name: str, prior_samples: float = 20.0) -> CostPrior:
+    """A seed from a profile's ``[cost]`` table (``controller/sim/profile.py``, ``CostModel.as_dict``);
+    its ``frontend_s`` is not a step cost and stays out."""
+    a, b, c, d = (float(cost[term]) for term in TERMS)
+    return CostPrior((a, b, c, d), name=name, prior_samples=prior_samples)
+
+
+class StepCostModel:
+    """Recursive least squares over ``EngineStep`` records (a ``StepConsumer``: ``update``)."""
+
+    def __init__(self, settings: FitSettings | None = None, prior: CostPrior | None = None) -> None:
+        self.settings = settings or FitSettings()
+        self.reset(prior)
+
+    def reset(self, prior: CostPrior | None) -> None:
+        """Start over from ``prior`` (a reload that names another cost profile): nothing learnt stays."""
+        self.prior = prior
+        if prior is None:
+            self._theta = np.zeros(4)
+            self._p = np.eye(4) * NO_PRIOR_VAR
+        else:
+            theta = np.array(prior.coefficients, dtype=float) * SCALES
+            spread = np.maximum(theta, 0.1 * float(theta.sum()) or 1e-3)  # a 0 term is not certain
+            self._theta, self._p = theta, np.diag(spread**2 / prior.prior_samples)
+        self.samples = self.rejected = self._rejects_in_row = 0
+        self._last_t: float | None = None
+        self._y_ref: float | None = None
+        """Typical step time (moving mean): sets the covariance cap."""
+        self._log_var, self._spread_n = 0.0, 0
+        """Moving mean of log(measured / predicted)^2, and how many steps it has seen."""
+        self._recent: deque[tuple[float, float]] = deque(maxlen=self.settings.window)
+
+    # -- learning ---------------------------------------------------------------------------------
+    def update(self, steps: Sequence[EngineStep]) -> None:
+        """Take in a tick's steps, oldest first (the ``StepFeed`` consumer). Each is predicted by the
+        fit as it was before the batch; the kept ones update it at once, in information form (the same
+        result as one recursive update per step, with one small inverse per batch)."""
+        kept = [
+            s
+            for s in steps
+            if math.isfinite(s.step_s) and s.step_s > 0 and s.prefill_tokens + s.decode_seqs > 0
+        ]
+        if not kept:
+            return
+        x = np.array([[1.0, s.prefill_tokens, s.decode_seqs, s.kv_tokens] for s in kept]) / SCALES
+        y = np.array([s.step_s for s in kept])
+        pred = x @ self._theta
+        keep = []
+        for yi, pi in zip(y, pred, strict=True):
+            relearn = self._rejects_in_row > self.settings.max_rejects  # this batch's predictions are stale
+            keep.append(relearn or not self._is_outlier(float(yi), float(pi)))
+        if self._rejects_in_row > self.settings.max_rejects:
+            self._rejects_in_row = 0
+        if not any(keep):
+            return
+        self._learn(x[keep], y[keep])
+        for step, yi, pi in itertools.compress(zip(kept, y, pred, strict=True), keep):
+            self._track(float(yi), float(pi), step.t_mono)
+
+    def _is_outlier(self, y: float, pred: float) -> bool:
+        s = self.settings
+        if self.samples < s.warmup or pred <= 0:
+            return False
+        log_ratio = abs(math.log(y / pred))
+        limit = max(math.log(s.outlier_ratio), s.outlier_sigmas * math.sqrt(self._log_var))
+        if log_ratio <= limit:
+            self._rejects_in_row = 0
+            return False
+        self._rejects_in_row += 1
+        if self._rejects_in_row <= s.max_rejects:
+            self.rejected += 1
+            return True
+        # Not an outlier: the engine changed. What the fit knew is no evidence now: learn it anew.
+        self._p, self._y_ref, self._log_var, self._spread_n = np.eye(4) * NO_PRIOR_VAR, None, 0.0, 0
+        return False
+
+    def _learn(self, x: np.ndarray, y: np.ndarray) -> None:
+        """``info = forgetting^m * P^-1 + sum_i forgetting^(m-i) * r_i r_i^T`` over the rows ``r = x / y``
+        (relative error), the coefficients solved from it, then kept non-negative and bounded."""
+        lam, m = self.settings.forgetting, len(y)
+        w = 1.0 / np.maximum(y, self.settings.min_step_s)
+        r, target = x * w[:, None], y * w
+        decay = lam ** np.arange(m - 1, -1, -1, dtype=float)
+        vals, vecs = np.linalg.eigh(self._p)
+        prior = (vecs / vals) @ vecs.T * lam**m  # P is kept positive definite (_bound_covariance)
+        info = prior + (r * decay[:, None]).T @ r
+        rhs = prior @ self._theta + (r * decay[:, None]).T @ target
+        vals, vecs = np.linalg.eigh((info + info.T) / 2)
+        vals = np.maximum(vals, float(vals.max()) * 1e-14)
+        self._theta = (vecs / vals) @ (vecs.T @ rhs)
+        self._p = (vecs / vals) @ vecs.T
+        if (self._theta < 0).any():
+            self._theta = _nonnegative(self._theta, self._p)
+        self._bound_covariance()
+
+    def _cap(self) -> float:
+        """The most uncertain a direction may be: ``cap_samples`` typical steps' worth (before the
+        warm-up, the no-seed covariance: a first few steps must be free to move the fit)."""
+        if self._y_ref is None or self.samples < self.settings.warmup:
+            return NO_PRIOR_VAR
+        return max(self._y_ref, self.settings.min_step_s) ** 2 / self.settings.cap_samples
+
+    def _bound_covariance(self) -> None:
+        """Eigenvalues of the covariance within [cap * 1e-12, cap]: no wind-up, never singular."""
+        cap = self._cap()
+        vals, vecs = np.linalg.eigh((self._p + self._p.T) / 2)
+        if float(vals.max()) > cap or float(vals.min()) < cap * 1e-12:
+            self._p = (vecs * np.clip(vals, cap * 1e-12, cap)) @ vecs.T
+
+    def _track(self, y: float, pred: float, t_mono: float) -> None:
+        self.samples += 1
+        self._last_t = t_mono if self._last_t is None else max(self._last_t, t_mono)
+        alpha = 1.0 - self.settings.forgetting
+        self._y_ref = y if self._y_ref is None else self._y_ref + alpha * (y - self._y_ref)
+        if pred > 0 and self.samples > self.settings.warmup:  # the spread of a fit past its first steps
+            self._spread_n += 1
+            self._log_var += max(alpha, 1.0 / self._spread_n) * (math.log(y / pred) ** 2 - self._log_var)
+        self._recent.append((y, pred))
+
+    # -- reading ----------------------------------------------------------------------------------
+    @property
+    def coefficients(self) -> tuple[float, float, float, float]:
+        a, b, c, d = (float(v) for v in self._theta / SCALES)
+        return a, b, c, d
+
+    def predict_step(self, prefill_tokens: int, decode_seqs: int, kv_tokens: int) -> float:
+        x = np.array([1.0, prefill_tokens, decode_seqs, kv_tokens]) / SCALES
+        return float(x @ self._theta)
+
+    def estimate(self, now_mono: float) -> CostEstimate:
+        """The fit as a policy reads it, ``ready`` and its reason at ``now_mono``."""
+        age = None if self._last_t is None else max(0.0, now_mono - self._last_t)
+        rel, r2 = self._quality()
+        s = self.settings
+        if self.samples < s.min_samples:
+            reason = f"cost model: {self.samples} samples < {s.min_samples}"
+        elif age is not None and age > s.max_age_s:
+            reason = f"cost model: last sample {age:.0f} s ago > {s.max_age_s:g} s"
+        else:
+            reason = "ready"
+        coef = dict(zip(TERMS, self.coefficients, strict=True))
+        return CostEstimate(
+            **coef, samples=self.samples, rejected=self.rejected, rel_error=rel, r2=r2, age_s=age,
+            ready=reason == "ready", reason=reason, seed=self.prior.name if self.prior else "",
+        )  # fmt: skip
+
+    def _quality(self) -> tuple[float | None, float | None]:
+        if not self._recent:
+            return None, None
+        y, pred = (np.array(v) for v in zip(*self._recent, strict=True))
+        rel = float(np.sqrt(np.mean(((y - pred) / y) ** 2)))
+        ss_tot = float(((y - y.mean()) ** 2).sum())
+        r2 = None if ss_tot <= 0 else 1.0 - float(((y - pred) ** 2).sum()) / ss_tot
+        return rel, r2
+
+
+def _nonnegative(theta: np.ndarray, p: np.ndarray) -> np.ndarray:
+    """The non-negative coefficients nearest ``theta`` in the metric of covariance ``p``: over every
+    set of terms held at 0, the others conditioned on it (the Gaussian conditional mean), the feasible
+    one with the smallest Mahalanobis distance. Four terms: fifteen small solves at most."""
+    best, best_dist = np.maximum(theta, 0.0), math.inf
+    n = len(theta)
+    for k in range(1, n + 1):
+        for zero in itertools.combinations(range(n), k):
+            z, f = list(zero), [i for i in range(n) if i not in zero]
+            try:
+                shift = np.linalg.solve(p[np.ix_(z, z)], theta[z])
+            except np.linalg.LinAlgError:
+                continue
+            cand = np.zeros(n)
+            cand[f] = theta[f] - p[np.ix_(f, z)] @ shift
+            dist = float(theta[z] @ shift)
+            if (cand >= -1e-15).all() and dist < best_dist:
+                best, best_dist = np.maximum(cand, 0.0), dist
+    return np.asarray(best, dtype=float)
+
+
+class CostReader:
+    """The model as the observer and the admin views read it: its estimate at the clock's now."""
+
+    def __init__(self, model: StepCostModel, clock: Callable[[], float]) -> None:
+        self.model, self._clock = model, clock
+
+    def current(self) -> CostEstimate:
+        return self.model.estimate(self._clock())

@@ -1,0 +1,213 @@
+"""controller/control/stepcost.py: the online step-cost fit, with exact numbers.
+
+Steps are synthetic: features drawn like a serving engine's (decode batches with some prefill chunks),
+times from known coefficients, fed in ticks of 100 steps as the control loop's ``StepFeed`` does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+from controller.control.stepcost import (
+    SCALES,
+    CostPrior,
+    CostReader,
+    FitSettings,
+    StepCostModel,
+    prior_from,
+)
+from controller.control.steps import EngineStep
+
+TRUE = (0.003, 8e-6, 5e-5, 1e-7)
+"""a_s, b per prefill token, c per decode sequence, d per KV token (cpu-tiny's order of magnitude)."""
+TICK = 100
+
+
+def make_steps(
+    n: int,
+    coef: Sequence[float] = TRUE,
+    *,
+    seed: int = 1,
+    t0: float = 0.0,
+    noise: float = 0.0,
+    prefill: bool = True,
+) -> list[EngineStep]:
+    """``n`` steps 10 ms apart; one in four carries a prefill chunk unless ``prefill`` is False;
+    ``noise``: the sd of a log-normal multiplier."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        p = int(rng.integers(16, 2048)) if prefill and rng.random() < 0.25 else 0
+        d = int(rng.integers(0 if p else 1, 64))
+        k = p + d * int(rng.integers(50, 1500))
+        y = coef[0] + coef[1] * p + coef[2] * d + coef[3] * k
+        if noise:
+            y *= math.exp(float(rng.normal(0.0, noise)))
+        out.append(EngineStep(t0 + 0.01 * i, p, d, k, y))
+    return out
+
+
+def feed(model: StepCostModel, steps: Sequence[EngineStep]) -> None:
+    for i in range(0, len(steps), TICK):
+        model.update(steps[i : i + TICK])
+
+
+def rel_errors(model: StepCostModel, coef: Sequence[float] = TRUE) -> list[float]:
+    return [abs(got / want - 1) for got, want in zip(model.coefficients, coef, strict=True)]
+
+
+def test_noiseless_steps_recover_the_coefficients() -> None:
+    model = StepCostModel()
+    feed(model, make_steps(3000))
+    assert max(rel_errors(model)) < 1e-7
+    est = model.estimate(now_mono=30.0)
+    assert est.samples == 3000 and est.rejected == 0
+    assert est.ready and est.reason == "ready"
+    assert est.rel_error is not None and est.rel_error < 1e-6
+    assert est.r2 is not None and est.r2 > 1 - 1e-9
+    assert est.predict_step(512, 32, 20_000) == pytest.approx(0.003 + 8e-6 * 512 + 5e-5 * 32 + 1e-7 * 20_000)
+    assert model.predict_step(512, 32, 20_000) == pytest.approx(est.predict_step(512, 32, 20_000))
+
+
+def test_noisy_steps_recover_the_coefficients_within_their_spread() -> None:
+    model = StepCostModel()
+    feed(model, make_steps(20_000, noise=0.1))
+    assert max(rel_errors(model)) < 0.05
+    est = model.estimate(now_mono=200.0)
+    assert est.rel_error == pytest.approx(0.1, rel=0.15)  # the spread itself: the fit explains the rest
+
+
+def test_forgetting_tracks_a_change_of_coefficients() -> None:
+    model = StepCostModel()
+    feed(model, make_steps(3000))
+    doubled = tuple(2 * c for c in TRUE)  # a neighbour took half the machine
+    feed(model, make_steps(3000, doubled, seed=2, t0=30.0))
+    assert 1e-3 < max(rel_errors(model, doubled)) < 0.1  # the old steps weigh forgetting^3000 = 5 %
+    feed(model, make_steps(7000, doubled, seed=3, t0=60.0))
+    assert max(rel_errors(model, doubled)) < 1e-3
+    assert model.rejected == 0  # twice as slow is not an outlier
+
+
+def test_too_few_samples_is_not_ready_and_says_why() -> None:
+    model = StepCostModel()
+    est = model.estimate(now_mono=0.0)
+    assert (est.ready, est.reason, est.samples, est.age_s, est.rel_error) == (
+        False, "cost model: 0 samples < 50", 0, None, None
+    )  # fmt: skip
+    model.update(make_steps(12))
+    est = model.estimate(now_mono=0.2)
+    assert (est.ready, est.reason) == (False, "cost model: 12 samples < 50")
+
+
+def test_stale_samples_are_not_ready_and_say_how_old() -> None:
+    model = StepCostModel(FitSettings(max_age_s=60.0))
+    feed(model, make_steps(100))  # last step at t = 0.99
+    assert model.estimate(now_mono=60.0).ready
+    est = model.estimate(now_mono=75.99)
+    assert est.age_s == pytest.approx(75.0)
+    assert (est.ready, est.reason) == (False, "cost model: last sample 75 s ago > 60 s")
+
+
+def test_steps_that_did_nothing_or_have_no_time_are_skipped() -> None:
+    model = StepCostModel()
+    model.update([
+        EngineStep(0.0, 0, 0, 0, 0.003),  # nothing scheduled
+        EngineStep(0.1, 0, 4, 400, 0.0),
+        EngineStep(0.2, 0, 4, 400, float("nan")),
+    ])  # fmt: skip
+    assert model.samples == 0
+
+
+def test_a_seed_is_a_prior_that_data_overrides() -> None:
+    wrong = tuple(1.5 * c for c in TRUE)
+    model = StepCostModel(prior=CostPrior(wrong, name="cpu-tiny"))
+    est = model.estimate(now_mono=0.0)
+    assert est.seed == "cpu-tiny" and est.samples == 0 and not est.ready
+    assert est.coefficients() == pytest.approx(dict(zip(est.coefficients(), wrong, strict=True)))
+    model.update(make_steps(1))
+    assert 0 < max(rel_errors(model)) < 0.5  # one step moves the seed, does not replace it
+    feed(model, make_steps(3000, seed=3))
+    assert max(rel_errors(model)) < 0.01  # the seed weighs forgetting^3000 of its 20 steps now
+    feed(model, make_steps(7000, seed=4, t0=30.0))
+    assert max(rel_errors(model)) < 1e-4
+
+
+def test_a_seed_holds_a_term_the_load_does_not_excite() -> None:
+    """Decode-only load: nothing measures the prefill cost, so the seed's stays, exactly."""
+    seeded = StepCostModel(prior=CostPrior(TRUE))
+    feed(seeded, make_steps(5000, prefill=False))
+    assert seeded.coefficients[1] == pytest.approx(TRUE[1], rel=1e-9)
+    assert max(rel_errors(seeded)) < 1e-6
+
+
+def test_prior_from_a_profile_cost_table() -> None:
+    cost = {"a_s": 0.003, "b_s_per_prefill_token": 8e-6, "c_s_per_decode_seq": 5e-5,
+            "d_s_per_kv_token": 1e-7, "frontend_s": 0.004}  # fmt: skip
+    assert prior_from(cost, "cpu-tiny") == CostPrior(TRUE, name="cpu-tiny")
+
+
+def test_outliers_are_rejected_and_counted() -> None:
+    steps = make_steps(3000)
+    paused = [
+        EngineStep(s.t_mono, s.prefill_tokens, s.decode_seqs, s.kv_tokens, s.step_s * 10)
+        if i % 50 == 49
+        else s
+        for i, s in enumerate(steps)
+    ]  # a GC pause every 50 steps
+    model = StepCostModel()
+    feed(model, paused)
+    # All but the first tick's two: the fit predicts nothing before it has taken in a tick.
+    assert model.rejected == 60 - 2
+    assert max(rel_errors(model)) < 1e-4  # those two weigh forgetting^2900 now
+
+
+def test_a_lasting_change_is_learnt_after_max_rejects() -> None:
+    model = StepCostModel(FitSettings(max_rejects=20))
+    feed(model, make_steps(2000))
+    slower = tuple(5 * c for c in TRUE)  # five times slower is an outlier, for a while
+    feed(model, make_steps(3000, slower, seed=4, t0=20.0))
+    assert model.rejected == 20
+    assert max(rel_errors(model, slower)) < 1e-4
+
+
+def test_coefficients_never_go_negative() -> None:
+    no_kv = (0.003, 8e-6, 5e-5, 0.0)  # the KV term is 0: noise alone would fit it below 0
+    model = StepCostModel()
+    steps = make_steps(5000, no_kv, noise=0.3, seed=5)
+    for i in range(0, len(steps), TICK):
+        model.update(steps[i : i + TICK])
+        assert min(model.coefficients) >= 0.0
+    assert model.coefficients[3] < 1e-8
+
+
+def test_stable_over_100k_updates_with_a_long_stretch_without_prefill() -> None:
+    """Forgetting over poor excitation winds the covariance up; the cap keeps it bounded, so the
+    first prefill steps after 50k decode-only steps move the prefill cost a little, not wildly."""
+    model = StepCostModel()
+    feed(model, make_steps(30_000, noise=0.2, seed=6))
+    feed(model, make_steps(50_000, noise=0.2, seed=7, t0=300.0, prefill=False))
+    vals = np.linalg.eigvalsh(model._p)
+    cap = model._cap()
+    assert np.isfinite(vals).all() and vals.min() > 0 and vals.max() <= cap * (1 + 1e-9)
+    b_before = model.coefficients[1]
+    model.update(make_steps(20, noise=0.2, seed=8, t0=800.0))
+    assert model.coefficients[1] == pytest.approx(b_before, rel=0.5)
+    feed(model, make_steps(20_000, noise=0.2, seed=9, t0=801.0))
+    assert max(rel_errors(model)) < 0.25  # the noise's own spread (c and d are correlated)
+    assert all(math.isfinite(c) and c >= 0 for c in model.coefficients)
+    assert model.samples + model.rejected == 100_020
+
+
+def test_features_are_scaled_so_every_term_is_near_one() -> None:
+    assert (SCALES == [1.0, 1024.0, 64.0, 65536.0]).all()
+
+
+def test_reader_reads_at_its_clock() -> None:
+    model = StepCostModel()
+    model.update(make_steps(10))
+    now = [5.09]
+    assert CostReader(model, lambda: now[0]).current().age_s == pytest.approx(5.0)
