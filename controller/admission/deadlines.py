@@ -1,14 +1,17 @@
 """Queue deadlines that stand still while the gate is paused.
 
 A waiter's deadline is its enqueue time plus its class's ``queue_deadline_s``, plus the time the
-gate has been paused since it arrived (engine restarts): requests queued through a restart are
-kept, as the guard promises. Each waiter has one timer on the event loop; a fake clock in tests
-moves deadlines without waiting (the gate's ``expire_overdue`` then refuses the overdue ones).
+gate has been paused since it arrived (engine restarts), up to ``max_pause_s`` (``[guard]
+max_restart_wait_s``): a request queued through a short restart is kept, as the guard promises, but
+one never waits without bound through failed rebuilds. Its total wait is at most
+``queue_deadline_s + max_pause_s``. Each waiter has one timer on the event loop; a fake clock in
+tests moves deadlines without waiting (the gate's ``expire_overdue`` then refuses the overdue ones).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable
 
 from controller.admission.queues import Waiter
@@ -19,9 +22,13 @@ class Deadlines:
     """The pause bookkeeping and the per-waiter timers; ``on_expire`` refuses a waiter past its
     deadline."""
 
-    def __init__(self, clock: Clock, on_expire: Callable[[Waiter], None]) -> None:
+    def __init__(
+        self, clock: Clock, on_expire: Callable[[Waiter], None], max_pause_s: float = math.inf
+    ) -> None:
         self._clock = clock
         self._on_expire = on_expire
+        self.max_pause_s = max_pause_s
+        """Paused seconds that stop a waiter's clock at most (the rest of a pause counts)."""
         self.paused = False
         self._paused_total_s = 0.0
         self._paused_since: float | None = None
@@ -43,7 +50,8 @@ class Deadlines:
         return self._paused_total_s + current
 
     def deadline(self, w: Waiter) -> float:
-        return w.enqueued_mono + w.queue.spec.queue_deadline_s + self.paused_s() - w.paused_at_enqueue_s
+        paused = min(self.paused_s() - w.paused_at_enqueue_s, self.max_pause_s)
+        return w.enqueued_mono + w.queue.spec.queue_deadline_s + paused
 
     def arm(self, w: Waiter) -> None:
         delay = max(0.0, self.deadline(w) - self._clock())

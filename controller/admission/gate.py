@@ -22,14 +22,15 @@ from contextlib import asynccontextmanager
 
 from controller.admission.classes import DEFAULT_CLASSES, CompletionRate, GateEvents, NoEvents, PriorityClass
 from controller.admission.deadlines import Deadlines
-from controller.admission.queues import ClassQueue, GateRejected, GateStats, Slot, Waiter, shutting_down
+from controller.admission.queues import ClassQueue, GateRejected, GateStats, Slot, Waiter
+from controller.admission.refusals import Refusals
 from controller.admission.shedding import shed_order
 from controller.clock import Clock, monotonic
 
 __all__ = ["AdmissionGate", "GateRejected", "GateStats", "Slot"]
 
 
-class AdmissionGate:
+class AdmissionGate(Refusals):
     """A runtime-adjustable concurrency limit with per-class strict-priority queues.
 
     ``check_admission`` runs before a response starts (vLLM calls it from its handlers); it counts
@@ -49,9 +50,11 @@ class AdmissionGate:
         aging_s: float = 0.0,
         clock: Clock = monotonic,
         events: GateEvents | None = None,
+        max_restart_wait_s: float = math.inf,
     ) -> None:
         if limit < 1:
             raise ValueError(f"admission limit must be >= 1, got {limit}")
+        super().__init__()
         self._limit = limit
         self.max_queue = max_queue
         self.aging_s = aging_s
@@ -62,9 +65,7 @@ class AdmissionGate:
         self._in_flight_total = 0
         self._seq = itertools.count()
         self._rate = CompletionRate(clock)
-        self._deadlines = Deadlines(clock, self._expire)
-        self._refuse_new: GateRejected | None = None
-        self._refuse_queued: GateRejected | None = None
+        self._deadlines = Deadlines(clock, self._expire, max_restart_wait_s)
         self.admitted_total = self.rejected_total = self.completed_total = self.timed_out_total = 0
 
     # -- limit and classes ------------------------------------------------------------------------
@@ -331,30 +332,21 @@ class AdmissionGate:
         spec, wait = w.queue.spec, self._clock() - w.enqueued_mono
         ahead = sum(o.queued for o in self._order[: self._order.index(w.queue) + 1])
         why = f"waited {wait:.1f}s for a slot: past the {spec.name} deadline of {spec.queue_deadline_s:g}s"
-        self._drop(w, GateRejected(f"{why}; retry later", 429, self._retry_after(ahead), "deadline"))
+        if self._deadlines.paused:  # no engine served meanwhile: not an overload, a 503
+            why += f" and max_restart_wait_s = {self._deadlines.max_pause_s:g}s of engine restart"
+            self._drop(w, GateRejected(f"{why}; retry later", 503, self.retry_after_s(), "restart_wait"))
+        else:
+            self._drop(w, GateRejected(f"{why}; retry later", 429, self._retry_after(ahead), "deadline"))
         self.timed_out_total += 1
         self._events.timed_out(spec.name, wait)
 
-    # -- drain, pause, refuse ---------------------------------------------------------------------
-    def stop_admitting(self) -> None:
-        """Refuse new requests (503); queued and in-flight ones go on (graceful drain)."""
-        self._refuse_new = shutting_down()
+    # -- pause (refusals: refusals.py) --------------------------------------------------------------
+    def _live_waiters(self) -> list[Waiter]:
+        return [w for q in self._order for w in q.live()]
 
-    def close(self) -> None:
-        """Refuse new requests; those already queued are refused too (503), in-flight ones finish."""
-        self.refuse_all(shutting_down())
-
-    def refuse_all(self, error: GateRejected) -> None:
-        """Refuse every request that has no slot yet with ``error``, until ``reopen``."""
-        self._refuse_new = self._refuse_queued = error
-        for q in self._order:
-            for w in q.live():
-                self._drop(w, error.fresh())
-
-    def reopen(self) -> None:
-        """Admit again after ``refuse_all`` (the engine is back)."""
-        self._refuse_new = None
-        self._refuse_queued = None
+    def set_restart_wait(self, seconds: float) -> None:
+        """[guard] max_restart_wait_s (deadlines.py)."""
+        self._deadlines.max_pause_s = seconds
 
     def pause(self) -> None:
         """Hold every new slot: requests wait in the queue (not refused, their deadlines stopped)

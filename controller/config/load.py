@@ -195,6 +195,12 @@ class GuardConfig:
     backoff_max_s: float = _f(60.0, "Longest delay between crash restarts.", 0, 3600)
     check_interval_s: float = _f(0.5, "How often the guard checks that the engine is alive.", 0.05, 60)
     cooldown_s: float = _f(30.0, "After a restart, memory readings are ignored this long.", 0, 3600)
+    stall_timeout_s: float = _f(
+        60.0, "An engine with requests inside that reports no step this long is restarted (0: never).", 0, 3600
+    )
+    max_restart_wait_s: float = _f(
+        120.0, "Restart time a queued request may wait beyond its queue deadline; then 503.", 0, 86400
+    )
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,11 @@ class TelemetryWindow:
         self.total_preemptions += sample.preempted
         self.total_generated_tokens += sample.generated_tokens
 
+    def last_step_age_s(self) -> float | None:
+        """Seconds since the engine last reported a step (None before the first): the guard's
+        liveness signal, read without building a snapshot."""
+        return None if self._last_t_mono is None else self._clock() - self._last_t_mono
+
     def reset(self) -> None:
         """Forget the window (a new engine starts from nothing)."""
         self._steps.clear()

@@ -13,6 +13,9 @@ engine, so it moves only on out-of-memory risk and only downward; an operator ra
   A death that the kernel's OOM killer caused (the ``oom_kill`` counter of the service's own cgroup
   moved) also shrinks the memory setting. With the budget spent the daemon stays up, /healthz says
   why, and requests get 503 with Retry-After; an engine that serves again (a reload) reopens the gate.
+* Liveness (``liveness.py``): an engine with requests inside and no step for ``stall_timeout_s`` is
+  recovered like a crash. While no engine can serve, new requests get 503 with Retry-After (queued
+  ones keep their place, for at most ``max_restart_wait_s`` beyond their queue deadline).
 * Restart = drain + swap: the gate pauses (new requests wait, none refused), in-flight requests finish
   up to ``drain_timeout_s`` and the rest are aborted with a clear error, the engine is rebuilt, the gate
   resumes. A build that fails leaves an engine serving where it can (``EngineControl.restart``): the
@@ -40,6 +43,7 @@ import structlog
 from controller.admission.gate import AdmissionGate, GateRejected
 from controller.clock import Clock, monotonic
 from controller.config.load import GuardConfig
+from controller.lifecycle.liveness import StallWatch, no_engine
 from policies.base import Observation
 
 log = structlog.get_logger(__name__)
@@ -71,6 +75,9 @@ class EngineControl(Protocol):
 
     async def abort_in_flight(self, reason: str) -> int:
         """Abort every request still running in the engine; returns how many."""
+
+    def mark_failed(self, reason: str) -> None:
+        """Count the engine as dead (it hangs): recovery retires it, then builds a new one."""
 
 
 GuardSettings = GuardConfig
@@ -176,11 +183,18 @@ class Guard:
         clock: Clock = monotonic,
         oom_kills: Callable[[], int | None] = read_oom_kills,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        last_step_age: Callable[[], float | None] = lambda: None,
     ) -> None:
         self.s = settings
         self.gate = gate
         self.engine = engine
         self.memory = MemoryWatch(settings)
+        self.stall = StallWatch(settings.stall_timeout_s)
+        self._last_step_age = last_step_age
+        """Seconds since the engine's last step (the stat logger's): the liveness signal."""
+        self._failure_reason: str | None = None
+        """Why a live engine was counted as failed (a stall), for recovery's reason label."""
+        gate.set_restart_wait(settings.max_restart_wait_s)
         self._on_restart = on_restart
         self._clock = clock
         self._oom_kills = oom_kills
@@ -199,6 +213,8 @@ class Guard:
     def configure(self, settings: GuardSettings) -> None:
         """Apply a reloaded [guard] table (the risk streak so far is kept)."""
         self.s = self.memory.s = settings
+        self.stall.timeout_s = settings.stall_timeout_s
+        self.gate.set_restart_wait(settings.max_restart_wait_s)
 
     @property
     def restarting(self) -> bool:
@@ -307,8 +323,10 @@ class Guard:
             oom = self._oom_baseline is not None and oom_now is not None and oom_now > self._oom_baseline
             knob = self.engine.memory_knob
             overrides = (shrink(self.engine.memory_settings(), knob, 0, self.s) or {}) if oom else {}
-            reason = "oom_killed" if oom else "engine_died"
+            reason = "oom_killed" if oom else (self._failure_reason or "engine_died")
             delay = self._backoff_s()
+            build_s = self.last_restart["duration_s"] if self.last_restart else 0.0
+            self.gate.refuse_new(no_engine(delay + build_s, reason))  # queued requests keep waiting
             log.error("engine_dead", reason=reason, restart_in_s=delay, budget_left=self._budget_left())
             await self._sleep(delay)
             self._restarts.append(self._clock())  # a crash restart tried: it spends the budget
@@ -316,6 +334,9 @@ class Guard:
                 await self._restart(reason, overrides, drain=False)
             if self.engine.dead:
                 self.gate.pause()
+        self._failure_reason = None
+        self.stall.reset()
+        self.gate.refuse_new(None)
 
     def _give_up(self) -> None:
         n = self.s.max_restarts_per_hour
@@ -335,10 +356,24 @@ class Guard:
         self._dead_noticed.set()
 
     async def watch(self) -> None:
-        """Background task: notice a dead engine and recover it."""
+        """Background task: notice a dead or stalled engine and recover it."""
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._dead_noticed.wait(), self.s.check_interval_s)
             self._dead_noticed.clear()
-            if self.engine.dead and not self.restarting and self.unavailable_reason is None:
+            if self.restarting or self.unavailable_reason is not None:
+                self.stall.reset()  # a restart's own quiet time is not a stall
+                continue
+            if self.engine.dead or self._stalled():
                 await self.recover()
+
+    def _stalled(self) -> bool:
+        """Work inside a live engine and no step for ``stall_timeout_s`` (liveness.py): the engine
+        is counted as failed, so recovery restarts it (within the crash budget: a hang is a fault)."""
+        why = self.stall.check(self._clock(), self.gate.stats().in_flight, self._last_step_age())
+        if why is None:
+            return False
+        log.error("engine_stalled", reason="engine_stalled", detail=why)
+        self._failure_reason = "engine_stalled"
+        self.engine.mark_failed(why)
+        return True

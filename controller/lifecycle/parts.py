@@ -107,7 +107,7 @@ def build_parts(
     server = config.server
     args = serve_namespace(config.engine, {"host": server.host, "port": server.port, **server.vllm})
     host = EngineHost(args, window, server.engine_poll_sleep_s)
-    guard = Guard(config.guard, gate, host, metrics.count_restart)
+    guard = Guard(config.guard, gate, host, metrics.count_restart, last_step_age=window.last_step_age_s)
     gpu, hostsrc = gpu_source or NvmlSource(), host_source or HostSource()
     observer = Observer(window, gate, host, gpu, hostsrc)
     actuator = Actuator(gate, host)

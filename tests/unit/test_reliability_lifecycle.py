@@ -57,6 +57,9 @@ class FakeEngine:
     async def abort_in_flight(self, reason: str) -> int:
         return 0
 
+    def mark_failed(self, reason: str) -> None:
+        self.dead = True
+
 
 def fake_gate() -> AdmissionGate:
     return AdmissionGate(4, 16, [PriorityClass("default", 0)], aging_s=0.0)

@@ -56,6 +56,8 @@ class EngineHost:
         self._llm_retired = False
         """``_llm`` was retired and no new engine built yet (it stays readable, it serves nothing)."""
         self._restarting = False
+        self._failed: str | None = None
+        """Why the guard counts the live engine as failed (it stalled); cleared by a new engine."""
         self._retired: list[AsyncLLM] = []
         self.generation = 0
         self.max_num_seqs = int(args.max_num_seqs)
@@ -77,11 +79,16 @@ class EngineHost:
 
     @property
     def ready(self) -> bool:
-        return self._llm is not None and not self._restarting and not self._llm.errored
+        return not self.dead and not self._restarting
 
     @property
     def dead(self) -> bool:
-        return self._llm is None or self._llm_retired or self._llm.errored
+        return self._llm is None or self._llm_retired or self._failed is not None or self._llm.errored
+
+    def mark_failed(self, reason: str) -> None:
+        """The guard saw the engine stall: count it dead, so recovery retires it and builds anew."""
+        self._failed = reason
+        log.error("engine_marked_failed", reason=reason, generation=self.generation)
 
     # -- build / stop ---------------------------------------------------------------------------
     def _build(self, args: argparse.Namespace) -> AsyncLLM:
@@ -103,7 +110,7 @@ class EngineHost:
 
     async def _adopt(self, llm: AsyncLLM, args: argparse.Namespace) -> None:
         """Make a freshly built engine the one in force, with the settings it was built with."""
-        self._llm, self._llm_retired, self.args = llm, False, args
+        self._llm, self._llm_retired, self.args, self._failed = llm, False, args, None
         self.max_num_seqs = int(args.max_num_seqs)
         self.batch_cap = min(self.batch_cap, self.max_num_seqs)
         self.generation += 1
