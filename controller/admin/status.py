@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from controller.admission.gate import AdmissionGate
 from controller.config.load import Config, describe
+from controller.config.slo import describe_slo
 from controller.control.diagnosis import Diagnosis
 from controller.control.loop import ControlLoop
 from controller.control.telemetry import TelemetryWindow
@@ -96,6 +97,7 @@ def state(d: StatusParts) -> dict[str, Any]:
         "engine_stats": dataclasses.asdict(d.window.snapshot()),
         "decisions": d.loop.recent(),
         "diagnosis": dataclasses.asdict(d.diagnosis) if d.diagnosis else None,
+        "slo": describe_slo(d.config.slo, d.config.admission.classes),
         "config": describe(d.config),
         "pending_config_changes": d.pending_changes,
     }

@@ -33,6 +33,10 @@ class PriorityClass:
     """Longest wait for a slot. Refused at once when the expected wait is longer; 429 when it expires."""
     reserved_share: float = 0.0
     """Fraction of the admission limit only this class may use (the rest is shared)."""
+    slo_ttft_s: float | None = None
+    """This class's TTFT bound; None: ``[slo] ttft_s`` (``controller/config/slo.py`` resolves it)."""
+    slo_tpot_s: float | None = None
+    """This class's TPOT bound; None: ``[slo] tpot_s``."""
 
     def contains(self, priority: int) -> bool:
         lo_ok = self.min_priority is None or priority >= self.min_priority
@@ -86,6 +90,8 @@ _KEYS: dict[str, tuple[type, float, float, str]] = {
     "max_queue": (int, 0, 1_000_000, "requests of the class that may wait for a slot"),
     "queue_deadline_s": (float, 0.001, 86_400, "longest wait for a slot, in seconds"),
     "reserved_share": (float, 0.0, 1.0, "fraction of the admission limit only this class may use"),
+    "slo_ttft_s": (float, 0.001, 86_400, "this class's time-to-first-token bound, overriding [slo] ttft_s"),
+    "slo_tpot_s": (float, 0.0001, 60, "this class's time-per-output-token bound, overriding [slo] tpot_s"),
 }
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 

@@ -1,9 +1,10 @@
 """What a reload changes, and which of it can apply live.
 
 Reload parses and validates the whole new file first (``load_config``); only then is it compared with
-the config in force. ``[admission]``, ``[control]`` and ``[guard]`` apply at once, without failing
-any request in flight. ``[engine]``, ``[server]`` and ``[admin]`` need a new engine or new
-listeners: they are reported as pending and keep their old values until the daemon restarts.
+the config in force. ``[admission]``, ``[control]``, ``[guard]`` and ``[slo]`` apply at once, without
+failing any request in flight (the SLO never needs an engine restart). ``[engine]``, ``[server]`` and
+``[admin]`` need a new engine or new listeners: they are reported as pending and keep their old values
+until the daemon restarts.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 from controller.config.load import Config, describe
 
-LIVE_TABLES = ("admission", "control", "guard")
+LIVE_TABLES = ("admission", "control", "guard", "slo")
 RESTART_TABLES = ("engine", "server", "admin")
 
 
@@ -34,8 +35,9 @@ def diff_config(old: Config, new: Config) -> ConfigDiff:
     a, b = describe(old, secrets=True), describe(new, secrets=True)  # a changed key is a change
     changed: dict[str, list[str]] = {}
     for table in (*LIVE_TABLES, *RESTART_TABLES):
-        keys = sorted(set(a[table]) | set(b[table]))
-        moved = [k for k in keys if a[table].get(k) != b[table].get(k)]
+        was, now = a[table] or {}, b[table] or {}  # [slo] is None when the file has none
+        keys = sorted(set(was) | set(now))
+        moved = [k for k in keys if was.get(k) != now.get(k)]
         if moved:
             changed[table] = moved
     return ConfigDiff(
@@ -51,6 +53,7 @@ def merge_live(current: Config, new: Config) -> Config:
         admission=new.admission,
         control=new.control,
         guard=new.guard,
+        slo=new.slo,
         restart_on_reload=new.restart_on_reload,
     )
 

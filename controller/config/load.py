@@ -23,7 +23,11 @@ from controller.admission.classes import (
     PriorityClass,
     parse_classes,
 )
+from controller.config.fields import check_value as _check_value
+from controller.config.fields import doc_field as _f
+from controller.config.fields import suggest as _suggest
 from controller.config.secrets import is_loopback, redact
+from controller.config.slo import SloTargets, cost_profile_errors, describe_slo, parse_slo
 from policies.base import PolicyError, build_policy
 
 DEFAULT_CONFIG = Path("config.toml")
@@ -45,10 +49,6 @@ def default_engine_poll_sleep() -> float:
     """[server] engine_poll_sleep_s when the file does not set it (controller/engine/runtime/ipc.py): on a
     small host vLLM's two spinning processes take the cores the API server needs."""
     return 0.0002 if len(os.sched_getaffinity(0)) < SMALL_HOST_CPUS else 0.0
-
-
-def _f(default: Any, doc: str, lo: float | None = None, hi: float | None = None) -> Any:
-    return field(default=default, metadata={"doc": doc, "lo": lo, "hi": hi})
 
 
 @dataclass(frozen=True)
@@ -149,6 +149,7 @@ class ControlConfig:
     stabilization_s: float = _f(
         0.0, "Normalize: a decrease goes only down to the highest recommendation of this window.", 0, 3600
     )
+    cost_profile: str = _f("", "Seed of the step-cost model: a profile name or .toml path; '' = none.")
     params: dict[str, Any] = field(
         default_factory=dict, metadata={"doc": "[control.params]: the policy's own parameters."}
     )
@@ -217,6 +218,8 @@ class Config:
     restart_on_reload: bool = False
     """[engine] restart_on_reload: apply [engine] changes on reload through the guard's
     drain-and-restart (queued requests kept). False: they stay pending until the service restarts."""
+    slo: SloTargets | None = None
+    """[slo] resolved per class (controller/config/slo.py); None: the file has no [slo]."""
 
     @property
     def max_num_seqs(self) -> int:
@@ -232,26 +235,6 @@ _TABLES: dict[str, type[Any]] = {
 }
 _DICT_FIELDS = {"vllm", "params", "classes"}
 """Fields that hold a table of free-form keys rather than one typed value."""
-
-
-def _suggest(key: str, known: list[str]) -> str:
-    close = difflib.get_close_matches(key, known, n=1)
-    return f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(sorted(known))}"
-
-
-_TYPES: dict[str, type] = {"int": int, "float": float, "str": str}
-
-
-def _check_value(table: str, f: dataclasses.Field[Any], value: Any) -> list[str]:
-    want = _TYPES[str(f.type)]
-    where = f"[{table}] {f.name} = {value!r}"
-    ok = isinstance(value, want) or (want is float and isinstance(value, int))
-    if not ok or isinstance(value, bool):
-        return [f"{where}: must be {want.__name__}. {f.metadata['doc']}"]
-    lo, hi = f.metadata["lo"], f.metadata["hi"]
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        return [f"{where}: out of range; use a value in [{lo}, {hi}]. {f.metadata['doc']}"]
-    return []
 
 
 def _build_table(name: str, raw: dict[str, Any], errors: list[str]) -> Any:
@@ -284,7 +267,7 @@ def _build_table(name: str, raw: dict[str, Any], errors: list[str]) -> Any:
 def parse_config(data: dict[str, Any], path: Path) -> Config:
     """Validate a parsed TOML document; raise ``ConfigError`` with every problem found."""
     errors: list[str] = []
-    known = ["engine", *_TABLES]
+    known = ["engine", "slo", *_TABLES]
     for key in data:
         if key not in known:
             errors.append(f"unknown table [{key}]: {_suggest(key, known)}")
@@ -302,6 +285,8 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
     if not isinstance(restart_on_reload, bool):
         errors.append(f"[engine] restart_on_reload = {restart_on_reload!r}: must be true or false")
     tables = {name: _build_table(name, _table(data, name), errors) for name in _TABLES}
+    slo = parse_slo(data.get("slo"), tables["admission"].classes, errors)
+    errors.extend(cost_profile_errors(tables["control"].cost_profile))
     # Lazy: engine.runtime.args imports vLLM (seconds), which only loading a config file needs.
     from controller.engine.runtime.args import engine_table_errors
 
@@ -314,7 +299,7 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
         errors.extend(_policy_errors(engine, tables))
     if errors:
         raise ConfigError(errors)
-    return Config(engine=engine, path=path, restart_on_reload=restart_on_reload is True, **tables)
+    return Config(engine=engine, path=path, restart_on_reload=restart_on_reload is True, slo=slo, **tables)
 
 
 def _table(data: dict[str, Any], name: str) -> dict[str, Any]:
@@ -393,4 +378,5 @@ def describe(config: Config, *, secrets: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {"engine": {**config.engine, "restart_on_reload": config.restart_on_reload}}
     for name in _TABLES:
         out[name] = dataclasses.asdict(getattr(config, name))
+    out["slo"] = describe_slo(config.slo, config.admission.classes)
     return out if secrets else dict(redact(out))

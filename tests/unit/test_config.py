@@ -194,7 +194,7 @@ def test_engine_that_is_not_a_table() -> None:
     ("table", "expected"),
     [
         ("contrl", "unknown table [contrl]: did you mean 'control'?"),
-        ("xyzzy", "unknown table [xyzzy]: known keys: admin, admission, control, engine, guard, server"),
+        ("xyzzy", "unknown table [xyzzy]: known keys: admin, admission, control, engine, guard, server, slo"),
     ],
 )
 def test_unknown_table(table: str, expected: str) -> None:

@@ -1,0 +1,37 @@
+"""How a table's typed field documents and checks itself: every field carries its doc and bounds
+(``_f`` in ``load.py``), and a value is checked against them with an error that names the key, the
+value and the fix (STYLE.md practice 7)."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import field
+from typing import Any
+
+
+def doc_field(default: Any, doc: str, lo: float | None = None, hi: float | None = None) -> Any:
+    """A dataclass field with its doc and its inclusive bounds (None: unbounded)."""
+    return field(default=default, metadata={"doc": doc, "lo": lo, "hi": hi})
+
+
+def suggest(key: str, known: list[str]) -> str:
+    """The fix for an unknown key: the nearest known one, else the list."""
+    close = difflib.get_close_matches(key, known, n=1)
+    return f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(sorted(known))}"
+
+
+_TYPES: dict[str, type] = {"int": int, "float": float, "str": str}
+
+
+def check_value(table: str, f: dataclasses.Field[Any], value: Any) -> list[str]:
+    """``value`` for field ``f`` of ``[table]``: its type and bounds."""
+    want = _TYPES[str(f.type)]
+    where = f"[{table}] {f.name} = {value!r}"
+    ok = isinstance(value, want) or (want is float and isinstance(value, int))
+    if not ok or isinstance(value, bool):
+        return [f"{where}: must be {want.__name__}. {f.metadata['doc']}"]
+    lo, hi = f.metadata["lo"], f.metadata["hi"]
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        return [f"{where}: out of range; use a value in [{lo}, {hi}]. {f.metadata['doc']}"]
+    return []
