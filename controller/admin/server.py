@@ -1,8 +1,9 @@
-"""The control plane (aiohttp): /metrics, /state, /healthz, /reload.
+"""The control plane (aiohttp): /metrics, /state, /healthz, /reload, and the status page at /.
 
 The gauges need no refresh here: the registry holds a Collector that reads the live values at
 each scrape (``controller.admin.metrics.LiveGauges``). An optional bearer token (``[admin] token``)
-guards /state and /reload; /metrics and /healthz stay open for scrapers and probes.
+guards /state and /reload; /metrics and /healthz stay open for scrapers and probes, and so does the
+status page (``controller.admin.page``: a static file, its data fetched from /state with the token).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Any
 
 from aiohttp import web
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
+
+from controller.admin.page import status_page
 
 StateFn = Callable[[], dict[str, Any]]
 HealthFn = Callable[[], tuple[bool, str]]
@@ -77,6 +80,7 @@ def make_admin_app(
     app[HEALTH] = health_fn
     app[RELOAD] = reload_fn
     app[TOKEN] = token
+    app.router.add_get("/", status_page)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/state", state)
     app.router.add_get("/healthz", healthz)
