@@ -68,6 +68,9 @@ class ServerConfig:
         0,
         0.01,
     )
+    send_timeout_s: float = _f(30.0, "A response write a client does not read for this long ends it.", 1, 3600)
+    max_connections: int = _f(4096, "Open connections the API accepts; beyond, 503.", 1, 1_000_000)
+    max_body_bytes: int = _f(64 << 20, "Largest request body; a larger one gets 413.", 1024, 1 << 34)
     vllm: dict[str, Any] = field(
         default_factory=dict,
         metadata={

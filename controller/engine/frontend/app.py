@@ -18,6 +18,7 @@ from controller.admission.classes import PriorityBounds
 from controller.admission.gate import AdmissionGate
 from controller.engine.frontend import tickets
 from controller.engine.frontend.client import GateRefusal, GovernedEngineClient
+from controller.engine.frontend.limits import DEFAULT_LIMITS, ClientLimits, Limits
 
 ASGIApp = Callable[..., Any]
 
@@ -91,10 +92,11 @@ def make_server(
     shutdown_timeout_s: float,
     gate: AdmissionGate,
     bounds: Callable[[], PriorityBounds] = PriorityBounds,
+    limits: Limits = DEFAULT_LIMITS,
 ) -> DataPlaneServer:
     # Wrapped outside the app: vLLM's app has built its middleware stack by now.
     config = uvicorn.Config(
-        AdmissionMiddleware(app, gate, bounds),
+        ClientLimits(AdmissionMiddleware(app, gate, bounds), limits),
         host=args.host,
         port=args.port,
         log_level=args.uvicorn_log_level,
@@ -102,6 +104,7 @@ def make_server(
         timeout_keep_alive=envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE,  # as `vllm serve` (default 5 s)
         timeout_graceful_shutdown=int(max(1, shutdown_timeout_s)),
         log_config=None,
+        limit_concurrency=limits.max_connections,
     )
     server = DataPlaneServer(config)
     app.state.server = server  # vLLM's error handler reads it

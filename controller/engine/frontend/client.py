@@ -20,6 +20,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 
 from controller.admission.gate import AdmissionGate, GateRejected
 from controller.engine.frontend import tickets
+from controller.engine.frontend.pump import EngineStream
 from controller.engine.runtime.host import EngineHost
 
 
@@ -140,21 +141,27 @@ class GovernedEngineClient(EngineClient):
             produced = False
             held = True
             key = next(self._keys)  # ours alone: two requests may carry the same X-Request-Id
+
+            def engine_done(key: int = key, slot: Any = slot) -> None:
+                # Done in the engine: the slot goes back now, not once a slow client has read the
+                # last chunk (the limit is about engine concurrency; pump.py).
+                nonlocal held
+                if held:
+                    held = False
+                    self._host.in_flight.pop(key, None)
+                    self._gate.release(slot)
+
             try:
                 llm = self._host.llm
                 self._host.in_flight[key] = (request_id, llm)
                 stream = llm.generate(prompt, sampling_params, request_id, priority=priority, **kwargs)
                 # aclosing: a disconnect closes us, and must close vLLM's generator now so it aborts
                 # the request in the engine, not whenever the garbage collector gets to it.
-                async with contextlib.aclosing(stream):
-                    async for output in stream:
+                async with contextlib.aclosing(EngineStream(stream, engine_done).outputs()) as outputs:
+                    async for output in outputs:
                         produced = True
-                        if getattr(output, "finished", False) and held:
-                            # Done in the engine: the slot goes back now, not once a slow client
-                            # has read the last chunk (the limit is about engine concurrency).
-                            held = False
-                            self._host.in_flight.pop(key, None)
-                            self._gate.release(slot)
+                        if getattr(output, "finished", False):
+                            engine_done()
                         yield output
             except EngineDeadError:
                 self._on_engine_dead()
