@@ -132,3 +132,10 @@ def test_verify_catches_a_broken_unit(tmp_path: Path) -> None:
         [analyze, "verify", "--man=no", str(unit)], capture_output=True, text=True, timeout=60, check=False
     )
     assert "notfy" in result.stdout + result.stderr
+
+
+def test_an_oom_killed_engine_core_does_not_stop_the_service() -> None:
+    """systemd's default OOMPolicy=stop ends the service when the kernel kills any of its processes;
+    the daemon recovers its EngineCore itself, so the service must carry on."""
+    s = directives(UNIT.read_text())
+    assert one(s, "OOMPolicy") == "continue"
