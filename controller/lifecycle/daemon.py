@@ -30,6 +30,10 @@ from controller.lifecycle.reload import Reloader
 
 log = structlog.get_logger(__name__)
 
+END_GRACE_S = 5.0
+"""After the drain deadline, how long the answers to the requests ended then have to go out (uvicorn
+cuts what is left ``END_GRACE_S`` after ``shutdown_timeout_s``)."""
+
 
 class Daemon:
     def __init__(
@@ -160,13 +164,26 @@ class Daemon:
         log.info("stopped")
 
     async def _drain_data_plane(self) -> None:
+        """Stop listening; in-flight and queued requests finish up to ``shutdown_timeout_s``. Those
+        left then end with an answer, never a dropped connection: queued ones get 503, running
+        ones a retryable 503 (an error event in a stream), before uvicorn's own deadline
+        (``END_GRACE_S`` later) would cut their connections."""
         p = self.parts
-        if p.server is not None and self._server_task is not None:
-            p.server.should_exit = True  # stop listening; uvicorn waits for in-flight requests
-            force = asyncio.create_task(self._force_on_second_signal())
+        if p.server is None or self._server_task is None:
+            return
+        p.server.should_exit = True  # uvicorn stops listening and waits for in-flight requests
+        force = asyncio.create_task(self._force_on_second_signal())
+        try:
+            server_done = asyncio.shield(self._server_task)
             with contextlib.suppress(Exception):
-                deadline = self.config.server.shutdown_timeout_s + 5
-                await asyncio.wait_for(asyncio.shield(self._server_task), deadline)
+                await asyncio.wait_for(server_done, self.config.server.shutdown_timeout_s)
+            if not self._server_task.done():
+                p.gate.close()  # queued: 503 now
+                aborted = await p.host.abort_in_flight("the server is shutting down")
+                log.warning("shutdown_deadline_passed", aborted=aborted, queued_refused=True)
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(asyncio.shield(self._server_task), END_GRACE_S)
+        finally:
             force.cancel()
 
     async def _close_gate(self) -> None:

@@ -22,6 +22,10 @@ from controller.engine.frontend.limits import DEFAULT_LIMITS, ClientLimits, Limi
 
 ASGIApp = Callable[..., Any]
 
+GRACEFUL_MARGIN_S = 10.0
+"""uvicorn cuts connections this long after ``shutdown_timeout_s``: the daemon's drain answers the
+requests left at its deadline first (lifecycle/daemon.py ``END_GRACE_S`` is shorter)."""
+
 
 class AdmissionMiddleware:
     """Gives each request an admission ticket (tickets.py) and adds ``Retry-After`` to 429/503
@@ -102,7 +106,8 @@ def make_server(
         log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
         timeout_keep_alive=envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE,  # as `vllm serve` (default 5 s)
-        timeout_graceful_shutdown=int(max(1, shutdown_timeout_s)),
+        # Past the daemon's own drain deadline, which ends what is left with an answer (daemon.py).
+        timeout_graceful_shutdown=int(max(1, shutdown_timeout_s)) + int(GRACEFUL_MARGIN_S),
         log_config=None,
         limit_concurrency=limits.max_connections,
     )

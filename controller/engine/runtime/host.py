@@ -22,6 +22,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from controller.control.telemetry import TelemetryWindow
 from controller.engine.runtime.args import engine_args
+from controller.engine.runtime.builds import build_in_thread
 from controller.engine.runtime.ipc import plugin_problem, set_poll_sleep
 from controller.engine.runtime.scheduler import UTILITY_SET, scheduler_path
 from controller.engine.runtime.stats import stat_logger_factory
@@ -58,6 +59,8 @@ class EngineHost:
         self._restarting = False
         self._failed: str | None = None
         """Why the guard counts the live engine as failed (it stalled); cleared by a new engine."""
+        self._stopped = False
+        """``stop`` ran: a build that ends now shuts its engine down (builds.py)."""
         self._retired: list[AsyncLLM] = []
         self.generation = 0
         self.max_num_seqs = int(args.max_num_seqs)
@@ -106,7 +109,9 @@ class EngineHost:
         await self._adopt(await self._build_in_thread(self.args), self.args)
 
     async def _build_in_thread(self, args: argparse.Namespace) -> AsyncLLM:
-        return await asyncio.get_running_loop().run_in_executor(None, self._builder, args)
+        """Never in the default executor: shutdown must not wait for a build (builds.py)."""
+        llm: AsyncLLM = await build_in_thread(self._builder, args, lambda: self._stopped)
+        return llm
 
     async def _adopt(self, llm: AsyncLLM, args: argparse.Namespace) -> None:
         """Make a freshly built engine the one in force, with the settings it was built with."""
@@ -184,7 +189,9 @@ class EngineHost:
         self._retired.remove(llm)
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Shut the engine down and reap its EngineCore process."""
+        """Shut the engine down and reap its EngineCore process (a build still running shuts its
+        engine down itself when it ends)."""
+        self._stopped = True
         for llm in [*self._retired, *([self._llm] if self._llm else [])]:
             llm.shutdown(timeout=timeout_s)
         self._retired.clear()
