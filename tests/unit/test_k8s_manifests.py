@@ -176,6 +176,7 @@ def test_the_config_in_the_configmap_loads(tmp_path: Path) -> None:
     path.write_text(_config_text().replace("@ADMIN_TOKEN@", "t" * 32))
     config = load_config(path)
     assert config.admin.token == "t" * 32 and config.server.port == _ports()["http"]
+    assert config.slo is not None  # autopilot_saturation is measured against the [slo] bounds
 
 
 def _queries() -> list[str]:
