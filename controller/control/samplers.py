@@ -6,6 +6,7 @@ NVML sits behind ``GpuSource`` with a fake for tests. On a machine without a GPU
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -17,8 +18,25 @@ log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
+class DeviceMemory:
+    """One of the engine's GPUs (or MIG slices)."""
+
+    name: str
+    """Its CUDA_VISIBLE_DEVICES entry (an index, a GPU-/MIG- UUID)."""
+    used_bytes: int
+    total_bytes: int
+    free_bytes: int
+
+    @property
+    def free_fraction(self) -> float:
+        return self.free_bytes / self.total_bytes if self.total_bytes else 1.0
+
+
+@dataclass(frozen=True)
 class GpuReading:
-    """Summed over the engine's GPUs."""
+    """The memory of the engine's most loaded GPU (the least free memory for its size): with tensor
+    parallelism one GPU near OOM fails the engine however much the others have free, so a sum would
+    hide it. Every device is in ``per_device``."""
 
     used_bytes: int
     total_bytes: int
@@ -26,6 +44,7 @@ class GpuReading:
     utilization: float
     """Mean GPU utilisation over the devices, 0..1."""
     devices: int
+    per_device: tuple[DeviceMemory, ...] = ()
 
 
 class GpuSource(Protocol):
@@ -33,24 +52,70 @@ class GpuSource(Protocol):
         """The current reading, or None where no GPU is present."""
 
 
-def _visible_indices(count: int) -> list[int]:
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if not visible:
-        return list(range(count))
+def visible_devices(visible: str | None) -> list[str] | None:
+    """CUDA_VISIBLE_DEVICES as CUDA reads it: comma-separated indices, ``GPU-<uuid>`` or ``MIG-<uuid>``
+    (also the older ``MIG-GPU-<uuid>/<gi>/<ci>``) entries, unique UUID prefixes allowed; CUDA stops at
+    the first entry it cannot use. None: unset (every device)."""
+    if visible is None:
+        return None
+    return [item.strip() for item in visible.split(",") if item.strip()]
+
+
+def _mig_handles(nv: Any, parent: Any) -> list[Any]:
+    try:
+        count = int(nv.nvmlDeviceGetMaxMigDeviceCount(parent))
+    except Exception:  # not a MIG-capable GPU
+        return []
     out = []
-    for item in visible.split(","):
-        item = item.strip()
-        if item.isdigit() and int(item) < count:
-            out.append(int(item))
-    return out or list(range(count))
+    for i in range(count):
+        try:
+            out.append(nv.nvmlDeviceGetMigDeviceHandleByIndex(parent, i))
+        except Exception:  # an empty slot
+            continue
+    return out
+
+
+def _uuid(nv: Any, handle: Any) -> str:
+    uuid = nv.nvmlDeviceGetUUID(handle)
+    return uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+
+
+def resolve_devices(nv: Any, visible: str | None) -> list[tuple[str, Any]]:
+    """NVML handles of the devices CUDA_VISIBLE_DEVICES names, in its order, with their entries."""
+    gpus = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(int(nv.nvmlDeviceGetCount()))]
+    entries = visible_devices(visible)
+    if entries is None:
+        return [(str(i), h) for i, h in enumerate(gpus)]
+    by_uuid = {_uuid(nv, h): h for h in gpus}
+    if any(e.startswith("MIG-") for e in entries):
+        by_uuid.update({_uuid(nv, m): m for g in gpus for m in _mig_handles(nv, g)})
+    out: list[tuple[str, Any]] = []
+    for entry in entries:
+        handle = _lookup(entry, gpus, by_uuid)
+        if handle is None:
+            log.warning("cuda_visible_device_unknown", entry=entry, visible=visible)
+            break  # as CUDA: the entries after an invalid one are ignored
+        out.append((entry, handle))
+    return out
+
+
+def _lookup(entry: str, gpus: list[Any], by_uuid: dict[str, Any]) -> Any:
+    if entry.isdigit():
+        return gpus[int(entry)] if int(entry) < len(gpus) else None
+    if entry.startswith("MIG-GPU-"):  # MIG-GPU-<uuid>/<gi>/<ci>: no MIG UUID to match; its GPU
+        entry = entry[len("MIG-") :].split("/", 1)[0]
+    matches = [h for uuid, h in by_uuid.items() if uuid.startswith(entry)]
+    return matches[0] if len(matches) == 1 else None
 
 
 class NvmlSource:
-    """nvidia-ml-py (module ``pynvml``). Initialised on first read; None for good once absent."""
+    """nvidia-ml-py (module ``pynvml``, or a fake with the same functions). Initialised on first
+    read; None for good once absent. The devices are those of CUDA_VISIBLE_DEVICES (the engine's)."""
 
-    def __init__(self) -> None:
-        self._nvml: Any = None
-        self._handles: list[Any] | None = None
+    def __init__(self, nvml: Any = None, visible: str | None = None, use_env: bool = True) -> None:
+        self._nvml: Any = nvml
+        self._visible = os.environ.get("CUDA_VISIBLE_DEVICES") if use_env and visible is None else visible
+        self._handles: list[tuple[str, Any]] | None = None
         self.unavailable_reason: str | None = None
 
     def _init(self) -> bool:
@@ -59,12 +124,12 @@ class NvmlSource:
         if self.unavailable_reason is not None:
             return False
         try:
-            import pynvml
+            if self._nvml is None:
+                import pynvml
 
-            pynvml.nvmlInit()
-            count = pynvml.nvmlDeviceGetCount()
-            self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in _visible_indices(count)]
-            self._nvml = pynvml
+                self._nvml = pynvml
+            self._nvml.nvmlInit()
+            self._handles = resolve_devices(self._nvml, self._visible)
         except Exception as exc:  # NVMLError_LibraryNotFound on CPU hosts, ImportError without the package
             self.unavailable_reason = f"{type(exc).__name__}: {exc}"
             log.info("nvml_unavailable", reason=self.unavailable_reason)
@@ -75,14 +140,17 @@ class NvmlSource:
         if not self._init() or not self._handles:
             return None
         nv = self._nvml
-        used = total = free = 0
-        util = 0.0
-        for h in self._handles:
+        devices, util = [], 0.0
+        for name, h in self._handles:
             mem = nv.nvmlDeviceGetMemoryInfo(h)
-            used, total, free = used + int(mem.used), total + int(mem.total), free + int(mem.free)
-            util += nv.nvmlDeviceGetUtilizationRates(h).gpu / 100.0
-        n = len(self._handles)
-        return GpuReading(used, total, free, util / n, n)
+            devices.append(DeviceMemory(name, int(mem.used), int(mem.total), int(mem.free)))
+            with contextlib.suppress(Exception):  # MIG slices report no utilisation
+                util += nv.nvmlDeviceGetUtilizationRates(h).gpu / 100.0
+        tightest = min(devices, key=lambda d: (d.free_fraction, d.free_bytes))
+        n = len(devices)
+        return GpuReading(
+            tightest.used_bytes, tightest.total_bytes, tightest.free_bytes, util / n, n, tuple(devices)
+        )
 
 
 @dataclass(frozen=True)
