@@ -30,8 +30,9 @@ from controller.engine.runtime.stats import stat_logger_factory
 log = structlog.get_logger(__name__)
 
 RENDERER_GRACE_S = 30.0
-"""A retired engine's renderer stays up this long: requests that were tokenizing with it when the
-engine was swapped still finish their preprocessing (else they would get a 500)."""
+"""A retired engine's renderer stays up this long after the swap finished (the app's serving objects
+rebuilt over the new engine): requests that were tokenizing with it still finish their preprocessing
+(else they would get a 500)."""
 
 
 class EngineHost:
@@ -62,6 +63,8 @@ class EngineHost:
         self._stopped = False
         """``stop`` ran: a build that ends now shuts its engine down (builds.py)."""
         self._retired: list[AsyncLLM] = []
+        self._grace_pending: list[AsyncLLM] = []
+        """Retired engines whose renderer grace starts when the swap finishes (``_start_grace``)."""
         self.generation = 0
         self.max_num_seqs = int(args.max_num_seqs)
         self.batch_cap = self.max_num_seqs
@@ -144,6 +147,7 @@ class EngineHost:
                 await self._retire_then_build(args)
             if self.on_new_engine is not None:
                 await self.on_new_engine()
+            self._start_grace()
         finally:
             self._restarting = False
 
@@ -169,11 +173,13 @@ class EngineHost:
             await self._adopt(await self._build_in_thread(self.args), self.args)
             if self.on_new_engine is not None:
                 await self.on_new_engine()
+            self._start_grace()
             raise
         await self._adopt(llm, args)
 
     async def _retire(self, llm: AsyncLLM) -> None:
-        """Stop an engine's core process now; keep its renderer for ``RENDERER_GRACE_S``."""
+        """Stop an engine's core process now; keep its renderer until ``RENDERER_GRACE_S`` after
+        the swap has finished (``_start_grace``)."""
         handler = getattr(llm, "output_handler", None)
         if handler is not None:
             handler.cancel()  # first, so it does not report the shutdown as an engine failure
@@ -182,11 +188,21 @@ class EngineHost:
         await loop.run_in_executor(None, lambda: llm.engine_core.shutdown(timeout=timeout))
         self._end_held(llm, "engine restart")
         self._retired.append(llm)  # a reference: AsyncLLM.__del__ would shut the renderer down now
-        loop.call_later(RENDERER_GRACE_S, self._release_retired, llm)
+        self._grace_pending.append(llm)
+
+    def _start_grace(self) -> None:
+        """The app's serving objects were rebuilt over the new engine: from now, nothing new reaches
+        a retired renderer, so the grace starts. Until then (a build of minutes on a GPU, or no
+        engine at all) every request still preprocesses with the retired engine's renderer."""
+        loop = asyncio.get_running_loop()
+        for llm in self._grace_pending:
+            loop.call_later(RENDERER_GRACE_S, self._release_retired, llm)
+        self._grace_pending.clear()
 
     def _release_retired(self, llm: AsyncLLM) -> None:
-        llm.renderer.shutdown()
-        self._retired.remove(llm)
+        if llm in self._retired:  # stop() may have shut it down already
+            llm.renderer.shutdown()
+            self._retired.remove(llm)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Shut the engine down and reap its EngineCore process (a build still running shuts its
@@ -195,6 +211,7 @@ class EngineHost:
         for llm in [*self._retired, *([self._llm] if self._llm else [])]:
             llm.shutdown(timeout=timeout_s)
         self._retired.clear()
+        self._grace_pending.clear()
         self._llm = None
         log.info("engine_stopped", generation=self.generation)
 

@@ -1,0 +1,72 @@
+"""The renderer grace of a swap (issue 16, item 2): a retired engine's renderer stays up until
+``RENDERER_GRACE_S`` after the swap has finished, not after the old engine was retired. A GPU build
+takes minutes; requests arriving meanwhile still preprocess with the retired renderer (the app's
+serving objects are rebuilt only when the new engine is in), so a grace that ran out during the build
+shut a renderer that was still in use ("cannot schedule new futures after shutdown"). The engine
+builder is a fake that takes as long as the test says; the host is real."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from controller.control.telemetry import TelemetryWindow
+from controller.engine.runtime import host as host_module
+from controller.engine.runtime.host import EngineHost
+
+
+class FakeLLM:
+    errored = False
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.renderer_shut = False
+        self.renderer = SimpleNamespace(shutdown=self._shut_renderer)
+        self.output_processor = SimpleNamespace(request_states={}, abort_requests=lambda ids, internal: ids)
+        self.vllm_config = SimpleNamespace(shutdown_timeout=1.0, cache_config=None)
+
+        async def call_utility_async(_name: str, value: int) -> int:
+            return value
+
+        self.engine_core = SimpleNamespace(
+            shutdown=lambda timeout=None: None, call_utility_async=call_utility_async
+        )
+
+    def _shut_renderer(self) -> None:
+        self.renderer_shut = True
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        pass
+
+
+async def test_the_renderer_grace_starts_when_the_swap_finishes_not_when_the_old_engine_retires(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(host_module, "RENDERER_GRACE_S", 0.1)
+    old, new, build_may_end = FakeLLM("old"), FakeLLM("new"), threading.Event()
+
+    def slow_build(_args: argparse.Namespace) -> Any:
+        build_may_end.wait(10.0)  # a GPU build: many times the grace
+        return new
+
+    host = EngineHost(argparse.Namespace(max_num_seqs=4), TelemetryWindow(), builder=slow_build)
+    host._llm = old  # type: ignore[assignment]
+    swapped: list[bool] = []
+
+    async def rebuild_serving_state() -> None:
+        swapped.append(old.renderer_shut)
+
+    host.on_new_engine = rebuild_serving_state
+    restart = asyncio.create_task(host.restart({"kv_cache_memory_bytes": 1 << 20}))  # old engine first
+    await asyncio.sleep(0.5)  # five graces into the build: requests still tokenize with ``old``
+    assert not old.renderer_shut
+    build_may_end.set()
+    await asyncio.wait_for(restart, 5.0)
+    assert swapped == [False] and host.llm is new  # the serving objects moved with the renderer up
+    await asyncio.sleep(0.3)
+    assert old.renderer_shut  # released a grace after the swap
