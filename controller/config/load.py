@@ -68,7 +68,7 @@ class ServerConfig:
         0,
         0.01,
     )
-    send_timeout_s: float = _f(30.0, "A response write a client does not read for this long ends it.", 1, 3600)
+    send_timeout_s: float = _f(30.0, "A response write a client does not take this long ends it.", 1, 3600)
     max_connections: int = _f(4096, "Open connections the API accepts; beyond, 503.", 1, 1_000_000)
     max_body_bytes: int = _f(64 << 20, "Largest request body; a larger one gets 413.", 1024, 1 << 34)
     vllm: dict[str, Any] = field(
@@ -200,7 +200,7 @@ class GuardConfig:
     check_interval_s: float = _f(0.5, "How often the guard checks that the engine is alive.", 0.05, 60)
     cooldown_s: float = _f(30.0, "After a restart, memory readings are ignored this long.", 0, 3600)
     stall_timeout_s: float = _f(
-        60.0, "An engine with requests inside that reports no step this long is restarted (0: never).", 0, 3600
+        60.0, "An engine with requests inside and no step for this long is restarted (0: never).", 0, 3600
     )
     max_restart_wait_s: float = _f(
         120.0, "Restart time a queued request may wait beyond its queue deadline; then 503.", 0, 86400
