@@ -15,6 +15,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from policies.cost import CostEstimate
+
 
 @dataclass(frozen=True)
 class Observation:
@@ -67,6 +69,9 @@ class Observation:
     """psutil: CPU use of the daemon's own process (front end), percent of one core."""
     window_s: float = 10.0
     """Length of the window the rates and percentiles cover: an event stays visible this long."""
+    cost: CostEstimate | None = None
+    """The online step-cost model's fit (``controller/control/stepcost.py``); None where none runs.
+    A policy steering by it holds its knobs while ``cost.ready`` is False and says ``cost.reason``."""
 
     @property
     def idle(self) -> bool:

@@ -16,6 +16,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from controller.control.loop import Change
 from controller.control.observe import GateReadings
 from policies.base import Observation, Policy
+from policies.cost import CostEstimate
 
 GAUGES = {
     "autopilot_admission_limit": "Requests allowed inside the engine at once.",
@@ -27,6 +28,12 @@ GAUGES = {
 }
 QUEUE_DEPTH = "Requests waiting in the admission gate, by priority class."
 POLICY_TERM = "Internal terms of the active policy (error, integral, gradient, baseline, ...)."
+COST_GAUGES = {
+    "autopilot_cost_model_samples": "Engine steps the online step-cost model has taken in.",
+    "autopilot_cost_model_rel_error": "RMS relative error of the step-cost model's recent predictions.",
+    "autopilot_cost_model_ready": "1 when the step-cost model has enough recent steps to steer by.",
+}
+COST_TERM = "Step-cost model coefficient: step_s = a_s + b*prefill + c*decode_seqs + d*kv_tokens."
 
 
 class LiveEngine(Protocol):
@@ -45,6 +52,12 @@ class LiveEngine(Protocol):
     def ready(self) -> bool: ...
 
 
+class LiveCost(Protocol):
+    """The step-cost model's reader (``controller/control/stepcost.py``, ``CostReader``)."""
+
+    def current(self) -> CostEstimate: ...
+
+
 class LivePolicy(Protocol):
     """Whatever holds the policy in force (the control loop: a reload swaps its policy)."""
 
@@ -58,14 +71,32 @@ class LiveGauges:
 
     def __init__(self) -> None:
         self._parts: tuple[GateReadings, LiveEngine, LivePolicy] | None = None
+        self._cost: LiveCost | None = None
 
     def read_from(self, gate: GateReadings, engine: LiveEngine, policy: LivePolicy) -> None:
         self._parts = (gate, engine, policy)
+
+    def read_cost(self, cost: LiveCost) -> None:
+        self._cost = cost
+
+    def _cost_families(self) -> Iterator[Metric]:
+        est = self._cost.current() if self._cost is not None else None
+        terms = GaugeMetricFamily("autopilot_cost_model_coefficient", COST_TERM, labels=["term"])
+        for term, coefficient in (est.coefficients() if est else {}).items():
+            terms.add_metric([term], coefficient)
+        yield terms
+        values: tuple[float | None, ...] = (
+            (est.samples, est.rel_error, int(est.ready)) if est else (None,) * 3
+        )
+        for (name, doc), value in zip(COST_GAUGES.items(), values, strict=True):
+            yield GaugeMetricFamily(name, doc, value=value)  # no sample until there is a value
 
     def describe(self) -> Iterator[Metric]:
         yield from (GaugeMetricFamily(name, doc) for name, doc in GAUGES.items())
         yield GaugeMetricFamily("autopilot_queue_depth", QUEUE_DEPTH, labels=["priority_class"])
         yield GaugeMetricFamily("autopilot_policy_term", POLICY_TERM, labels=["policy", "term"])
+        yield GaugeMetricFamily("autopilot_cost_model_coefficient", COST_TERM, labels=["term"])
+        yield from (GaugeMetricFamily(name, doc) for name, doc in COST_GAUGES.items())
 
     def collect(self) -> Iterator[Metric]:
         if self._parts is None:
@@ -85,6 +116,7 @@ class LiveGauges:
         for term, term_value in policy.terms().items():
             terms.add_metric([policy.name, term], term_value)
         yield terms
+        yield from self._cost_families()
 
 
 class Metrics:

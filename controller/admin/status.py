@@ -15,6 +15,7 @@ from controller.config.load import Config, describe
 from controller.config.slo import describe_slo
 from controller.control.diagnosis import Diagnosis
 from controller.control.loop import ControlLoop
+from controller.control.stepcost import CostReader
 from controller.control.telemetry import TelemetryWindow
 from controller.lifecycle.guard import Guard
 
@@ -43,6 +44,8 @@ class StatusParts(Protocol):
     def draining(self) -> bool: ...
     @property
     def data_plane_up(self) -> bool: ...
+    @property
+    def cost(self) -> CostReader | None: ...
 
 
 def health(d: StatusParts) -> tuple[bool, str]:
@@ -98,6 +101,7 @@ def state(d: StatusParts) -> dict[str, Any]:
         "decisions": d.loop.recent(),
         "diagnosis": dataclasses.asdict(d.diagnosis) if d.diagnosis else None,
         "slo": describe_slo(d.config.slo, d.config.admission.classes),
+        "cost_model": d.cost.current().as_dict() if d.cost is not None else None,
         "config": describe(d.config),
         "pending_config_changes": d.pending_changes,
     }

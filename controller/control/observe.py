@@ -13,6 +13,7 @@ from controller.admission.queues import GateStats
 from controller.control.samplers import GpuReading, GpuSource, HostReading, HostReadingSource
 from controller.control.telemetry import EngineStats
 from policies.base import Observation
+from policies.cost import CostEstimate
 
 
 class GateReadings(Protocol):
@@ -21,6 +22,12 @@ class GateReadings(Protocol):
     def stats(self) -> GateStats: ...
 
     def queued_by_class(self) -> dict[str, int]: ...
+
+
+class CostSource(Protocol):
+    """The step-cost model (``controller/control/stepcost.py``), read at the observation's time."""
+
+    def estimate(self, now_mono: float) -> CostEstimate: ...
 
 
 class StatsWindow(Protocol):
@@ -44,6 +51,7 @@ def build_observation(
     max_num_seqs: int,
     gpu: GpuReading | None = None,
     host: HostReading | None = None,
+    cost: CostEstimate | None = None,
 ) -> Observation:
     """The engine-stats window, the gate and the knobs in force; NVML and host readings where the
     caller has them (the twin has neither: those fields stay None)."""
@@ -72,6 +80,7 @@ def build_observation(
         host_memory_available_bytes=host.memory_available_bytes if host else None,
         daemon_cpu_percent=host.daemon_cpu_percent if host else None,
         window_s=eng.window_s,
+        cost=cost,
     )
 
 
@@ -85,11 +94,14 @@ class Observer:
         engine: EngineKnobs,
         gpu: GpuSource,
         host: HostReadingSource,
+        cost: CostSource | None = None,
     ) -> None:
         self.window, self.gate, self.engine, self.gpu, self.host = window, gate, engine, gpu, host
+        self.cost = cost
 
     def observe(self) -> Observation:
-        e = self.engine
+        e, eng = self.engine, self.window.snapshot()
+        cost = self.cost.estimate(eng.now_mono) if self.cost is not None else None
         return build_observation(
-            self.window.snapshot(), self.gate, e.batch_cap, e.max_num_seqs, self.gpu.read(), self.host.read()
+            eng, self.gate, e.batch_cap, e.max_num_seqs, self.gpu.read(), self.host.read(), cost
         )

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from controller.admin.metrics import GateMetrics, Metrics
 from controller.admission.gate import AdmissionGate
+from controller.clock import monotonic
 from controller.config.load import Config
 from controller.control.actuator import Actuator
 from controller.control.build import normalizer_for, policy_for
@@ -27,12 +28,14 @@ from controller.control.diagnosis import Diagnoser, Diagnosis
 from controller.control.loop import Change, ControlLoop, Subscriber
 from controller.control.observe import Observer
 from controller.control.samplers import GpuSource, HostReadingSource, HostSource, NvmlSource
+from controller.control.stepcost import CostPrior, CostReader, StepCostModel, prior_from
 from controller.control.telemetry import TelemetryWindow
 from controller.engine.runtime.args import serve_namespace
 from controller.engine.runtime.host import EngineHost
 from controller.lifecycle.guard import Guard
 from controller.lifecycle.notify import Notifier
 from controller.lifecycle.tasks import BackgroundTasks
+from controller.sim.profile import load_profile
 from policies.base import Observation
 
 TICK_JOB = "control_tick"
@@ -66,6 +69,8 @@ class Parts:
     """Changed keys per table that wait for a restart (set by the last reload)."""
     draining: bool = False
     server: Any = None
+    cost: CostReader | None = None
+    """The online step-cost model, read by /state and the metrics (fed by ``loop.steps``)."""
     """The data plane's uvicorn server, once it was started."""
 
     @property
@@ -95,6 +100,14 @@ def watch_memory(guard: Guard, tasks: BackgroundTasks) -> Subscriber:
     return on_tick
 
 
+def cost_prior_for(profile: str) -> CostPrior | None:
+    """``[control] cost_profile`` as the step-cost model's seed (the config loader checked it loads)."""
+    if not profile:
+        return None
+    loaded = load_profile(profile)
+    return prior_from(loaded.cost.as_dict(), loaded.name)
+
+
 def build_parts(
     config: Config, gpu_source: GpuSource | None = None, host_source: HostReadingSource | None = None
 ) -> Parts:
@@ -109,7 +122,8 @@ def build_parts(
     host = EngineHost(args, window, server.engine_poll_sleep_s)
     guard = Guard(config.guard, gate, host, metrics.count_restart, last_step_age=window.last_step_age_s)
     gpu, hostsrc = gpu_source or NvmlSource(), host_source or HostSource()
-    observer = Observer(window, gate, host, gpu, hostsrc)
+    cost_model = StepCostModel(prior=cost_prior_for(config.control.cost_profile))
+    observer = Observer(window, gate, host, gpu, hostsrc, cost_model)
     actuator = Actuator(gate, host)
     diagnoser, tasks = Diagnoser(), BackgroundTasks()
     subscribers = [diagnoser.on_tick, watch_memory(guard, tasks), metrics.count_decisions]
@@ -121,4 +135,6 @@ def build_parts(
         diagnoser, loop, AsyncIOScheduler(), Notifier(), tasks,
     )  # fmt: skip
     guard.on_engine_args = parts.adopt_engine
+    parts.cost = CostReader(cost_model, monotonic)
+    metrics.live.read_cost(parts.cost)
     return parts

@@ -20,7 +20,7 @@ from controller.config.diff import ConfigDiff, diff_config, engine_overrides, me
 from controller.config.load import Config, ConfigError, load_config
 from controller.control.build import normalizer_for, policy_for
 from controller.control.normalize import Normalizer
-from controller.lifecycle.parts import TICK_JOB, Parts
+from controller.lifecycle.parts import TICK_JOB, Parts, cost_prior_for
 from policies.base import Policy
 
 log = structlog.get_logger(__name__)
@@ -116,6 +116,8 @@ class Reloader:
             p.loop.policy, p.loop.normalizer = control
         p.loop.resize_history(new.control.history)
         p.guard.configure(new.guard)
+        if new.control.cost_profile != old.control.cost_profile and p.cost is not None:
+            p.cost.model.reset(cost_prior_for(new.control.cost_profile))  # a new seed: start from it
         tick = new.control.tick_seconds
         if tick != old.control.tick_seconds and p.scheduler.get_job(TICK_JOB) is not None:
             p.scheduler.reschedule_job(TICK_JOB, trigger="interval", seconds=tick)
