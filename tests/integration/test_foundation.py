@@ -68,6 +68,8 @@ async def test_api_and_control_plane_answer(daemon: Daemon) -> None:
         assert state["policy"]["name"] == "static" and state["engine"]["max_num_seqs"] == 16
         async with s.get(admin_url(daemon, "/healthz")) as r:
             assert r.status == 200
+        async with s.get(admin_url(daemon, "/")) as r:  # the status page
+            assert r.status == 200 and r.content_type == "text/html"
 
 
 async def test_gate_bounds_the_engine_under_40_streams(daemon: Daemon) -> None:
