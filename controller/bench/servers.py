@@ -63,9 +63,65 @@ class Launched:
     exit_code: int | None = None
     killed: bool = False
     proc: subprocess.Popen[bytes] | None = None
+    config_path: Path | None = None
+    """The daemon's config file (None for vllm serve): :func:`reconfigure` rewrites it and reloads."""
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+
+SETTLE_S = 3.0
+"""A reload has taken effect once the knobs in /state held still this long (the normalize stage may
+move a knob over several ticks)."""
+
+
+def reconfigure(server: Launched, spec: ServerSpec, base: dict[str, Any], timeout_s: float = 60.0) -> None:
+    """Serve ``spec``'s daemon tables from the running daemon: rewrite its config on the same ports, POST
+    /reload, then wait until the knobs in /state hold still. The engine tables must be the same (a
+    different engine is a restart, which the reload would do, but then the runs would not be alike)."""
+    if server.config_path is None or server.state_url is None:
+        raise ValueError(f"{server.spec.name}: only our daemon can be reconfigured by reload")
+    if spec.engine != server.spec.engine:
+        raise ValueError(
+            f"{spec.name}: its [engine] differs from {server.spec.name}'s; start a server for it"
+        )
+    data_port, admin_port = (
+        int(u.rsplit(":", 1)[1].split("/", 1)[0]) for u in (server.base_url, server.state_url)
+    )
+    server.config_path.write_text(to_toml(daemon_config(base, spec, data_port, admin_port)))
+    admin = server.state_url.rsplit("/", 1)[0]
+    request = urllib.request.Request(f"{admin}/reload", method="POST", data=b"")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+            answer = json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        raise RuntimeError(
+            f"{spec.name}: the daemon refused the reload: {exc.read().decode(errors='replace')}"
+        ) from exc
+    server.spec = spec
+    _settle(server.state_url, timeout_s, answer)
+
+
+KNOBS = ("admission_limit", "batch_cap", "token_budget")
+"""The live knobs /state shows at its top level."""
+
+
+def _knobs(state_url: str) -> tuple[Any, ...]:
+    with urllib.request.urlopen(state_url, timeout=5.0) as resp:
+        state = json.loads(resp.read())
+    return tuple(state.get(k) for k in KNOBS)
+
+
+def _settle(state_url: str, timeout_s: float, answer: Any) -> None:
+    start = last_change = time.monotonic()
+    last = _knobs(state_url)
+    while time.monotonic() - last_change < SETTLE_S:
+        if time.monotonic() - start > timeout_s:
+            raise RuntimeError(f"the knobs did not settle within {timeout_s:.0f} s of the reload {answer}")
+        time.sleep(0.5)
+        now = _knobs(state_url)
+        if now != last:
+            last, last_change = now, time.monotonic()
 
 
 def load_base_config(path: Path) -> dict[str, Any]:
@@ -251,7 +307,9 @@ def launched(
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)  # fmt: skip
-    handle = Launched(spec, base_url, metrics_url, state_url, proc.pid, float("nan"), log, proc=proc)
+    config = workdir / f"{_slug(spec.name)}.toml" if spec.kind == "daemon" else None
+    handle = Launched(spec, base_url, metrics_url, state_url, proc.pid, float("nan"), log, proc=proc,
+                      config_path=config)  # fmt: skip
     try:
         handle.startup_s = wait_healthy(proc, _health_urls(base_url, state_url), startup_timeout_s, log)
         yield handle

@@ -18,7 +18,15 @@ from controller.bench.options import add_slo_args, add_workload_args
 from controller.bench.report import render
 from controller.bench.servers import ServerSpec
 from controller.bench.tables import table
-from controller.bench.targets import Bench, add_server_args, parse_value, prepare, run_dir, run_servers
+from controller.bench.targets import (
+    Bench,
+    add_server_args,
+    parse_value,
+    prepare,
+    run_dir,
+    run_live,
+    run_servers,
+)
 
 RESULT = "sweep.json"
 TABLE = "sweep.md"
@@ -37,6 +45,11 @@ def add_parser(cmds: Any) -> None:
     )
     p.add_argument("--set", action="append", required=True, metavar="KEY=V1,V2,...", dest="sweep_set",
                    help=set_help)  # fmt: skip
+    p.add_argument(
+        "--live",
+        action="store_true",
+        help="every setting on one daemon, each in turn by reload (TABLE.KEY settings only)",
+    )
     p.add_argument("--server", choices=("daemon", "vllm-serve"), default="daemon",
                    help="our daemon with the static policy (default) or plain vllm serve")  # fmt: skip
     add_workload_args(p)
@@ -137,7 +150,11 @@ def main(args: argparse.Namespace) -> int:
     bench = prepare(args)
     combos = settings(parse_sets(args.sweep_set))
     specs = server_specs(bench, combos, args.server)
-    summaries = run_servers(bench, specs, args.out)
+    if args.live and any("." not in key for combo in combos for key in combo):
+        raise ValueError(
+            "--live sweeps daemon settings (TABLE.KEY) only: an [engine] setting needs a new engine"
+        )
+    summaries = run_live(bench, specs, args.out) if args.live else run_servers(bench, specs, args.out)
     rec = recommend(summaries)
     ref = next((s for s in summaries if rec and s["target"] == rec["target"]), None)
     text = table(summaries, ref, note="recommended") + "\n\n" + (

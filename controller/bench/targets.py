@@ -21,7 +21,14 @@ from controller.bench.memory import MemoryProbe
 from controller.bench.options import build_specs, format_summary, run_config
 from controller.bench.prompts import PromptBuilder, Tokenizer, load_tokenizer
 from controller.bench.runner import SUMMARY, Endpoints, read_summary, run_workload
-from controller.bench.servers import ServerSpec, launched, load_base_config, served_model
+from controller.bench.servers import (
+    Launched,
+    ServerSpec,
+    launched,
+    load_base_config,
+    reconfigure,
+    served_model,
+)
 from controller.bench.workload import RequestSpec
 
 # Settings a plain `vllm serve` baseline leaves at vLLM's defaults (the knobs a sweep or a policy tunes).
@@ -120,22 +127,53 @@ def run_servers(bench: Bench, servers: Sequence[ServerSpec], out: Path) -> list[
 def run_one(bench: Bench, spec: ServerSpec, target_dir: Path, logs: Path) -> dict[str, Any]:
     """One server's lifetime: start, run the workload, stop; its exit is recorded in its summary."""
     print(f"{spec.name}: starting {spec.kind} (log {logs})", flush=True)
-    cfg = run_config(bench.args, target_dir)
     with launched(spec, bench.base, logs, startup_timeout_s=bench.args.startup_timeout) as server:
         print(f"{spec.name}: healthy after {server.startup_s:.1f} s; running the workload", flush=True)
-        extra = {
-            "server": spec.kind, "engine": spec.engine, "control": spec.control, "admission": spec.admission,
-            "startup_s": server.startup_s, **spec.tags,
-        }  # fmt: skip
-        summary = asyncio.run(
-            run_workload(
-                Target(server.base_url, served_model(spec.engine)), bench.specs, bench.builder, cfg,
-                Endpoints(server.metrics_url, server.state_url), label=spec.name,
-                probe=MemoryProbe(server.pid),
-                extra=extra,
-            )
-        )  # fmt: skip
-        summary["server_alive_at_end"] = server.alive()
+        summary = run_on(bench, server, target_dir)
+    return finish(summary, server, target_dir)
+
+
+def run_live(bench: Bench, servers: Sequence[ServerSpec], out: Path) -> list[dict[str, Any]]:
+    """Every spec on one daemon, each after the last by reload (their [engine] tables are the same):
+    one engine build for the whole sweep, and the knobs move as the loop moves them in production."""
+    summaries: list[dict[str, Any]] = []
+    first = servers[0]
+    print(f"{first.name}: starting {first.kind} (log {out / 'logs'})", flush=True)
+    with launched(first, bench.base, out / "logs", startup_timeout_s=bench.args.startup_timeout) as server:
+        print(f"{first.name}: healthy after {server.startup_s:.1f} s", flush=True)
+        for spec in servers:
+            target_dir = run_dir(out, spec.name)
+            if target_dir.exists():
+                shutil.rmtree(target_dir)
+            if spec is not first:
+                reconfigure(server, spec, bench.base)
+            print(f"{spec.name}: in force; running the workload", flush=True)
+            summaries.append(run_on(bench, server, target_dir))
+    return [finish(s, server, run_dir(out, str(s["target"]))) for s in summaries]
+
+
+def run_on(bench: Bench, server: Launched, target_dir: Path) -> dict[str, Any]:
+    """The workload against a running server, as ``server.spec`` configures it."""
+    spec = server.spec
+    cfg = run_config(bench.args, target_dir)
+    extra = {
+        "server": spec.kind, "engine": spec.engine, "control": spec.control, "admission": spec.admission,
+        "startup_s": server.startup_s, **spec.tags,
+    }  # fmt: skip
+    summary = asyncio.run(
+        run_workload(
+            Target(server.base_url, served_model(spec.engine)), bench.specs, bench.builder, cfg,
+            Endpoints(server.metrics_url, server.state_url), label=spec.name,
+            probe=MemoryProbe(server.pid),
+            extra=extra,
+        )
+    )  # fmt: skip
+    summary["server_alive_at_end"] = server.alive()
+    return summary
+
+
+def finish(summary: dict[str, Any], server: Launched, target_dir: Path) -> dict[str, Any]:
+    """The server's exit into the run's summary, written and printed."""
     summary["exit_code"], summary["killed"] = server.exit_code, server.killed
     (target_dir / SUMMARY).write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
     print(format_summary(summary), flush=True)

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import json
+import threading
+import tomllib
+from dataclasses import replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, ClassVar
 
 import pytest
 
+from controller.bench import servers
 from controller.bench.sweep import parse_sets, server_specs, settings
 from controller.bench.targets import Bench
 
@@ -44,3 +51,54 @@ def test_daemon_settings_are_refused_for_vllm_serve_and_outside_the_daemon_table
         server_specs(bench(), settings(parse_sets(["admission.limit=4"])), "vllm-serve")
     with pytest.raises(ValueError, match=r"sweep keys of \[control\], \[admission\] or \[server\]"):
         server_specs(bench(), settings(parse_sets(["admin.port=4"])), "daemon")
+
+
+class _Daemon(BaseHTTPRequestHandler):
+    """/reload answers ok; /state shows the batch cap stepping down twice, then holding."""
+
+    caps: ClassVar[list[int]] = []
+    reloads: ClassVar[int] = 0
+
+    def do_POST(self) -> None:
+        type(self).reloads += 1
+        self._answer({"ok": True})
+
+    def do_GET(self) -> None:
+        cap = self.caps.pop(0) if len(self.caps) > 1 else self.caps[0]
+        self._answer({"admission_limit": 64, "batch_cap": cap, "token_budget": None})
+
+    def _answer(self, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_reconfigure_rewrites_the_config_reloads_and_waits_for_the_knobs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(servers, "SETTLE_S", 1.0)
+    _Daemon.caps, _Daemon.reloads = [64, 32, 16, 16], 0
+    http = ThreadingHTTPServer(("127.0.0.1", 0), _Daemon)
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    port = http.server_address[1]
+    b = bench()
+    first, second = server_specs(b, settings(parse_sets(["control.params.batch_cap=64,16"])), "daemon")
+    config = tmp_path / "daemon.toml"
+    url = f"http://127.0.0.1:{port}"
+    server = servers.Launched(first, url, f"{url}/metrics", f"{url}/state", 1, 0.0, tmp_path / "log",
+                              config_path=config)  # fmt: skip
+    try:
+        servers.reconfigure(server, second, b.base)
+    finally:
+        http.shutdown()
+    assert _Daemon.reloads == 1 and _Daemon.caps == [16] and server.spec is second
+    written = tomllib.loads(config.read_text())
+    assert written["control"]["params"] == {"batch_cap": 16}
+    assert written["server"]["port"] == port and written["admin"]["port"] == port
+    with pytest.raises(ValueError, match="differs from"):
+        servers.reconfigure(server, replace(second, engine={"model": "/other"}), b.base)
