@@ -69,6 +69,14 @@ class Observation:
     """psutil: CPU use of the daemon's own process (front end), percent of one core."""
     window_s: float = 10.0
     """Length of the window the rates and percentiles cover: an event stays visible this long."""
+    token_budget: int = 2048
+    """Token budget in force: the most tokens the engine's scheduler issues in one step (vLLM's
+    ``max_num_scheduled_tokens``)."""
+    max_num_batched_tokens: int = 2048
+    """Hard ceiling of the token budget (the engine's max_num_batched_tokens, which sizes its buffers)."""
+    token_budget_min: int = 1
+    """Lowest token budget the engine takes (16; max_model_len when chunked prefill is off, as a
+    prompt longer than the budget would then never be scheduled)."""
     cost: CostEstimate | None = None
     """The online step-cost model's fit (``controller/control/stepcost.py``); None where none runs.
     A policy steering by it holds its knobs while ``cost.ready`` is False and says ``cost.reason``."""
@@ -87,6 +95,8 @@ class Decision:
     batch_cap: int | None
     reason: str
     """A short stable string: logged, exported as a metric label, shown in /state."""
+    token_budget: int | None = None
+    """The engine's per-step token budget; None (every policy that does not steer it) holds it."""
 
 
 class Policy(ABC):
@@ -108,7 +118,9 @@ class Policy(ABC):
         tick, holds included. The normalize stage may clamp, rate-limit or drop an ask: a policy whose
         next step depends on how much of its ask took effect learns it here instead of inferring it
         from the next observation. Most policies need only what is in force, which the next
-        Observation carries, so the default does nothing."""
+        Observation carries, so the default does nothing. The token budget in force is in the next
+        Observation (``token_budget``): this hook keeps its three arguments, so the policies and
+        plug-ins that override it keep working."""
         return None
 
     def terms(self) -> dict[str, float]:

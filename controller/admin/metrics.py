@@ -22,6 +22,7 @@ GAUGES = {
     "autopilot_admission_limit": "Requests allowed inside the engine at once.",
     "autopilot_batch_cap": "Active-request cap of the engine's scheduler.",
     "autopilot_max_num_seqs": "Hard ceiling of the batch cap (engine max_num_seqs).",
+    "autopilot_token_budget": "Most tokens the engine's scheduler issues in one step.",
     "autopilot_in_flight_requests": "Requests holding an admission slot.",
     "autopilot_engine_generation": "How many engines this daemon has started.",
     "autopilot_engine_up": "1 when the engine serves, else 0.",
@@ -44,6 +45,9 @@ class LiveEngine(Protocol):
 
     @property
     def max_num_seqs(self) -> int: ...
+
+    @property
+    def token_budget(self) -> int: ...
 
     @property
     def generation(self) -> int: ...
@@ -104,7 +108,14 @@ class LiveGauges:
             return
         gate, engine, holder = self._parts
         g = gate.stats()
-        values = (g.limit, engine.batch_cap, engine.max_num_seqs, g.in_flight, engine.generation)
+        values = (
+            g.limit,
+            engine.batch_cap,
+            engine.max_num_seqs,
+            engine.token_budget,
+            g.in_flight,
+            engine.generation,
+        )
         for (name, doc), value in zip(GAUGES.items(), (*values, 1 if engine.ready else 0), strict=True):
             yield GaugeMetricFamily(name, doc, value=value)
         depth = GaugeMetricFamily("autopilot_queue_depth", QUEUE_DEPTH, labels=["priority_class"])

@@ -70,6 +70,7 @@ def state(d: StatusParts) -> dict[str, Any]:
         "health_reason": reason,
         "admission_limit": g.limit,
         "batch_cap": d.host.batch_cap,
+        "token_budget": d.host.token_budget,
         "policy": {
             "name": d.config.control.policy,
             "params": d.loop.policy.params(),

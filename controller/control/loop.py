@@ -3,7 +3,9 @@ then the subscribers.
 
 Only ``apply`` touches the engine (through the actuator). Every change carries the policy's reason,
 or the normalize stage's own ("clamped_max", ...), and is logged and kept in a short history for
-/state. After apply, each subscriber sees the tick's observation and changes: the daemon's are the
+/state. Before observing, the tick pulls the engine's per-step figures through its ``StepFeed`` (when
+it has one), so a step-cost model fed by it is up to date in the observation. After apply, each
+subscriber sees the tick's observation and changes: the daemon's are the
 diagnosis, the memory guard (which may start an engine restart from what it sees) and the decisions
 metric, so everything a tick sets off is listed where the loop is built.
 """
@@ -21,6 +23,7 @@ import structlog
 
 from controller.control.actuator import Knobs
 from controller.control.normalize import Move, Normalizer
+from controller.control.steps import StepFeed
 from policies.base import Observation, Policy
 
 log = structlog.get_logger(__name__)
@@ -31,7 +34,7 @@ class Change:
     """One knob moving from ``old`` to ``new``, and why."""
 
     knob: str
-    """"admission_limit" or "batch_cap"."""
+    """"admission_limit", "batch_cap" or "token_budget"."""
     old: int
     new: int
     reason: str
@@ -54,12 +57,16 @@ class ControlLoop:
         actuator: Knobs,
         subscribers: Sequence[Subscriber] = (),
         history: int = 50,
+        steps: StepFeed | None = None,
     ) -> None:
         self.policy = policy
         self.normalizer = normalizer
         self._observe = observe
         self._actuator = actuator
         self._subscribers = list(subscribers)
+        self.steps = steps
+        """The engine's per-step figures, pulled each tick before observing: subscribe a consumer to it
+        (``loop.steps.subscribe``)."""
         self.history: deque[Change] = deque(maxlen=history)
         self.last_reason = "not_started"
         self._lock = asyncio.Lock()
@@ -68,6 +75,8 @@ class ControlLoop:
         if self._lock.locked():  # never overlap the previous tick
             return []
         async with self._lock:
+            if self.steps is not None:
+                await self.steps.pull()
             obs = self._observe()
             decision = self.policy.decide(obs, obs.now_mono)
             self.last_reason = decision.reason
@@ -84,8 +93,10 @@ class ControlLoop:
         for knob, old, new, reason in moves:
             if knob == "admission_limit":
                 self._actuator.set_admission_limit(new)
-            else:
+            elif knob == "batch_cap":
                 new = await self._actuator.set_batch_cap(new)
+            else:
+                new = await self._actuator.set_token_budget(new)
             change = Change(knob, old, new, reason, obs.now_mono, time.time())
             self.history.append(change)
             log.info("knob_changed", **asdict(change))

@@ -17,30 +17,40 @@ from typing import Any
 from policies.base import Decision, Observation
 
 Move = tuple[str, int, int, str]
-"""(knob, old, new, reason); knob is "admission_limit" or "batch_cap"."""
+"""(knob, old, new, reason); knob is "admission_limit", "batch_cap" or "token_budget"."""
 
-KNOBS = ("admission_limit", "batch_cap")
+KNOBS = ("admission_limit", "batch_cap", "token_budget")
 URGENT_REASONS = ("kv_critical", "preemptions")
+BUDGET_STEP_UP = 1.0
+BUDGET_STEP_DOWN = 0.5
+"""The token budget's rate limit, a fraction of the budget in force: at most double or halve it per
+tick. The budget counts tokens, not requests, so ``max_step_*`` (whole requests) would not fit it. A
+budget move is cheap and preempts nothing, so 8192 -> 512 in four ticks is fast enough, while a noisy
+ask cannot swing a whole step's worth of prefill in one tick."""
 
 
 class Normalizer:
     """Decision + Observation -> moves. Stages, in order, for each knob the decision sets:
 
-    1. clamp to ``[1, max_num_seqs]`` (batch cap; the ceiling is ``obs.max_num_seqs``) or ``[1, limit_max]``
-       (admission limit): suffix ":clamped_min" / ":clamped_max". The clamped value is recorded as
+    1. clamp to ``[1, max_num_seqs]`` (batch cap; the ceiling is ``obs.max_num_seqs``), ``[1, limit_max]``
+       (admission limit) or ``[obs.token_budget_min, obs.max_num_batched_tokens]`` (token budget):
+       suffix ":clamped_min" / ":clamped_max". The clamped value is recorded as
        this tick's recommendation for the stabilisation window (a knob the decision leaves None, a hold,
        records nothing).
     2. tolerance: a change of at most ``tolerance * current`` is dropped (outcome ":within_tolerance").
     3. scale-down stabilisation: a decrease goes only down to the highest recommendation of the last
        ``stabilization_s`` seconds (Kubernetes' scale-down window): suffix ":stabilized".
-    4. rate limit: a move larger than ``max_step_up`` / ``max_step_down`` is cut to it: ":rate_limited".
+    4. rate limit: a move larger than ``max_step_up`` / ``max_step_down`` (the token budget:
+       ``BUDGET_STEP_UP`` / ``BUDGET_STEP_DOWN``) is cut to it: ":rate_limited".
     5. apply only on change: a value equal to the one in force gives no move.
 
     Stages 2-4 are skipped (only the clamp applies) when the knob in force is outside its bounds (it
     moves straight into them) or when the decision's reason is one of ``urgent_reasons``: an emergency
     cut is not delayed. Each stage that alters a value appends its suffix to the policy's reason, so a
     move reads e.g. "kv_low:rate_limited". ``last_outcome`` keeps, per knob, the reason of the last
-    tick's result, moves and dropped changes alike (e.g. "kv_low:within_tolerance", "steady:unchanged").
+    tick's result, moves and dropped changes alike (e.g. "kv_low:within_tolerance", "steady:unchanged");
+    the token budget has an outcome once a policy has asked for it (the policies that never steer it
+    leave it out, rather than a ":hold" every tick for a knob they do not know).
 
     Parameters (defaults: every stage off, so the stage only clamps and drops non-changes):
     ``limit_max``: ceiling of the admission limit (required).
@@ -74,44 +84,66 @@ class Normalizer:
         self.last_outcome: dict[str, str] = {}
 
     def normalize(self, decision: Decision, obs: Observation, now_mono: float) -> list[Move]:
-        """The moves to apply this tick, admission limit first."""
+        """The moves to apply this tick, admission limit first, token budget last."""
         wanted = {
-            "admission_limit": (decision.admission_limit, obs.admission_limit, self.limit_max),
-            "batch_cap": (decision.batch_cap, obs.batch_cap, obs.max_num_seqs),
+            "admission_limit": (decision.admission_limit, obs.admission_limit, 1, self.limit_max),
+            "batch_cap": (decision.batch_cap, obs.batch_cap, 1, obs.max_num_seqs),
+            "token_budget": (
+                decision.token_budget,
+                obs.token_budget,
+                min(obs.token_budget_min, obs.max_num_batched_tokens),
+                obs.max_num_batched_tokens,
+            ),
         }
         urgent = decision.reason in self.urgent_reasons
         moves = []
-        for knob, (want, current, ceiling) in wanted.items():
+        for knob, (want, current, floor, ceiling) in wanted.items():
             if want is None:
-                self.last_outcome[knob] = f"{decision.reason}:hold"
+                if knob != "token_budget" or knob in self.last_outcome:
+                    self.last_outcome[knob] = f"{decision.reason}:hold"
                 continue
-            new, reason = self._one(knob, want, current, ceiling, decision.reason, now_mono, urgent)
+            bounds = (floor, ceiling)
+            new, reason = self._one(knob, want, current, bounds, decision.reason, now_mono, urgent)
             self.last_outcome[knob] = reason
             if new != current:
                 moves.append((knob, current, new, reason))
         return moves
 
     def _one(
-        self, knob: str, want: int, current: int, ceiling: int, reason: str, now: float, urgent: bool
+        self,
+        knob: str,
+        want: int,
+        current: int,
+        bounds: tuple[int, int],
+        reason: str,
+        now: float,
+        urgent: bool,
     ) -> tuple[int, str]:
         """The value for one knob and its reason with the suffixes of the stages that altered it."""
-        if want < 1:
-            want, reason = 1, f"{reason}:clamped_min"
+        floor, ceiling = bounds
+        if want < floor:
+            want, reason = floor, f"{reason}:clamped_min"
         elif want > ceiling:
             want, reason = ceiling, f"{reason}:clamped_max"
         highest = self._record(knob, want, now)
         if want == current:
             return want, f"{reason}:unchanged"
-        if urgent or not 1 <= current <= ceiling:
+        if urgent or not floor <= current <= ceiling:
             return want, reason
         if abs(want - current) <= self.tolerance * current:
             return current, f"{reason}:within_tolerance"
         if want < current and highest > want:
             want, reason = min(current, highest), f"{reason}:stabilized"
-        step = _step(self.max_step_up if want > current else self.max_step_down, current)
+        step = self._max_step(knob, want > current, current)
         if step is not None and abs(want - current) > step:
             want, reason = current + (step if want > current else -step), f"{reason}:rate_limited"
         return want, reason
+
+    def _max_step(self, knob: str, up: bool, current: int) -> int | None:
+        """The largest move this tick from ``current``; None: no limit."""
+        if knob == "token_budget":
+            return max(1, math.ceil(current * (BUDGET_STEP_UP if up else BUDGET_STEP_DOWN)))
+        return _step(self.max_step_up if up else self.max_step_down, current)
 
     def _record(self, knob: str, want: int, now: float) -> int:
         """Keep this tick's recommendation; the highest one inside the stabilisation window."""

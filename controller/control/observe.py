@@ -7,6 +7,7 @@ the memory guard) is the loop's subscribers' business, not the observer's.
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from typing import Protocol
 
 from controller.admission.queues import GateStats
@@ -43,6 +44,28 @@ class EngineKnobs(Protocol):
     @property
     def max_num_seqs(self) -> int: ...
 
+    @property
+    def token_budget(self) -> int: ...
+
+    @property
+    def max_num_batched_tokens(self) -> int: ...
+
+    @property
+    def token_budget_min(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class BudgetReading:
+    """The token budget in force and its bounds, as the engine (or the twin) reports them."""
+
+    token_budget: int
+    max_num_batched_tokens: int
+    token_budget_min: int
+
+    @classmethod
+    def of(cls, engine: EngineKnobs) -> BudgetReading:
+        return cls(engine.token_budget, engine.max_num_batched_tokens, engine.token_budget_min)
+
 
 def build_observation(
     eng: EngineStats,
@@ -51,6 +74,7 @@ def build_observation(
     max_num_seqs: int,
     gpu: GpuReading | None = None,
     host: HostReading | None = None,
+    budget: BudgetReading | None = None,
     cost: CostEstimate | None = None,
 ) -> Observation:
     """The engine-stats window, the gate and the knobs in force; NVML and host readings where the
@@ -80,6 +104,7 @@ def build_observation(
         host_memory_available_bytes=host.memory_available_bytes if host else None,
         daemon_cpu_percent=host.daemon_cpu_percent if host else None,
         window_s=eng.window_s,
+        **(asdict(budget) if budget else {}),  # without one, Observation's defaults (tests)
         cost=cost,
     )
 
@@ -101,7 +126,13 @@ class Observer:
 
     def observe(self) -> Observation:
         e, eng = self.engine, self.window.snapshot()
-        cost = self.cost.estimate(eng.now_mono) if self.cost is not None else None
         return build_observation(
-            eng, self.gate, e.batch_cap, e.max_num_seqs, self.gpu.read(), self.host.read(), cost
+            eng,
+            self.gate,
+            e.batch_cap,
+            e.max_num_seqs,
+            self.gpu.read(),
+            self.host.read(),
+            BudgetReading.of(e),
+            self.cost.estimate(eng.now_mono) if self.cost is not None else None,
         )

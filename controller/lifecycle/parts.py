@@ -29,6 +29,7 @@ from controller.control.loop import Change, ControlLoop, Subscriber
 from controller.control.observe import Observer
 from controller.control.samplers import GpuSource, HostReadingSource, HostSource, NvmlSource
 from controller.control.stepcost import CostPrior, CostReader, StepCostModel, prior_from
+from controller.control.steps import StepFeed
 from controller.control.telemetry import TelemetryWindow
 from controller.engine.runtime.args import serve_namespace
 from controller.engine.runtime.host import EngineHost
@@ -128,8 +129,11 @@ def build_parts(
     diagnoser, tasks = Diagnoser(), BackgroundTasks()
     subscribers = [diagnoser.on_tick, watch_memory(guard, tasks), metrics.count_decisions]
     policy, normalizer = policy_for(config), normalizer_for(config.control)
-    loop = ControlLoop(policy, normalizer, observer.observe, actuator, subscribers, config.control.history)
+    history, steps = config.control.history, StepFeed(host)
+    loop = ControlLoop(policy, normalizer, observer.observe, actuator, subscribers, history, steps)
     metrics.live.read_from(gate, host, loop)
+    if loop.steps is not None:  # the engine's per-step figures, pulled at each tick before observing
+        loop.steps.subscribe(cost_model.update)
     parts = Parts(
         config, registry, metrics, window, gate, args, host, guard, gpu, hostsrc, observer, actuator,
         diagnoser, loop, AsyncIOScheduler(), Notifier(), tasks,

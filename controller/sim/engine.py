@@ -5,7 +5,8 @@ What is modelled, with the vLLM 0.32 source it follows (``vllm/v1/core/sched/sch
 
 * Continuous batching: every step first schedules the RUNNING requests in order, each for all the
   tokens it has not computed yet (one for a decode, the rest of its prompt for a prefill), capped by
-  the step's token budget ``max_num_batched_tokens``; then, only when the step preempted nobody, it
+  the step's token budget (``max_num_scheduled_tokens``: ``max_num_batched_tokens`` until the loop
+  moves it, as our scheduler subclass does live); then, only when the step preempted nobody, it
   admits WAITING requests while the budget lasts and ``len(running) < max_num_active_reqs`` (the
   batch cap; vLLM's ``max_num_active_seqs``, our ``controller/engine/runtime/scheduler.py`` moves it live).
 * Chunked prefill: a prompt longer than the budget left is split over steps; without
@@ -26,7 +27,8 @@ model's fixed term), ``long_prefill_token_threshold`` (0 by default), the waterm
 Each step's duration is the profile's ``CostModel``; the engine reports every step as the
 ``StepSample`` that our real stat logger (``controller/engine/runtime/stats.py``) builds from vLLM's
 ``SchedulerStats`` / ``IterationStats``, so the real ``TelemetryWindow`` and policies see the same
-signals.
+signals, and as the ``EngineStep`` that our scheduler subclass measures inside the real EngineCore
+(``controller/engine/runtime/stepmeter.py``), kept in a ring of ``STEP_RING`` for ``drain_steps``.
 """
 
 from __future__ import annotations
@@ -37,8 +39,13 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from controller.control.actuator import token_budget_bounds
+from controller.control.steps import EngineStep
 from controller.control.telemetry import StepSample
 from controller.sim.profile import CostModel, EngineLimits
+
+STEP_RING = 4096
+"""Steps kept between two drains, as in the real engine's ring."""
 
 
 @dataclass(eq=False)
@@ -166,6 +173,13 @@ class SimEngine:
         self.max_num_seqs = limits.max_num_seqs
         self.batch_cap = limits.max_num_seqs
         """``max_num_active_reqs``: admission into RUNNING stops at this many."""
+        self.max_num_batched_tokens = limits.max_num_batched_tokens
+        self.token_budget_min, _ = token_budget_bounds(
+            limits.max_num_batched_tokens, limits.enable_chunked_prefill, limits.max_model_len
+        )
+        self.token_budget = limits.max_num_batched_tokens
+        """``max_num_scheduled_tokens``: the most tokens one step issues."""
+        self.step_log: deque[EngineStep] = deque(maxlen=STEP_RING)
         self.record_token_times = record_token_times
         self.total_preemptions = 0
         self.steps = 0
@@ -175,6 +189,18 @@ class SimEngine:
         """Clamp to [1, max_num_seqs], apply, return the value in force; never preempts."""
         self.batch_cap = max(1, min(int(cap), self.max_num_seqs))
         return self.batch_cap
+
+    def set_token_budget(self, budget: int) -> int:
+        """Clamp to [token_budget_min, max_num_batched_tokens], apply from the next plan, return the
+        value in force; never preempts (a running prefill gets smaller chunks)."""
+        self.token_budget = max(self.token_budget_min, min(int(budget), self.max_num_batched_tokens))
+        return self.token_budget
+
+    def drain_steps(self) -> list[EngineStep]:
+        """The steps finished since the last drain, oldest first."""
+        steps = list(self.step_log)
+        self.step_log.clear()
+        return steps
 
     # -- requests ---------------------------------------------------------------------------------
     def add(self, req: SimRequest) -> None:
@@ -195,7 +221,7 @@ class SimEngine:
     # -- one step ---------------------------------------------------------------------------------
     def plan(self) -> StepPlan:
         """``Scheduler.schedule``: running requests first, preempting on KV shortage, then admissions."""
-        budget = self.limits.max_num_batched_tokens
+        budget = self.token_budget
         scheduled: dict[SimRequest, int] = {}
         preempted = 0
         i = 0
@@ -266,9 +292,16 @@ class SimEngine:
     def step_s(self, plan: StepPlan) -> float:
         return self.cost.step_s(plan.prefill_tokens, plan.decode_seqs, plan.kv_tokens_read)
 
-    def finish_step(self, plan: StepPlan, t_end: float) -> tuple[StepSample, list[SimRequest]]:
-        """Apply a planned step at its end time: tokens out, finished requests leave and free blocks."""
+    def finish_step(
+        self, plan: StepPlan, t_end: float, step_s: float | None = None
+    ) -> tuple[StepSample, list[SimRequest]]:
+        """Apply a planned step at its end time: tokens out, finished requests leave and free blocks.
+        ``step_s``: how long it took (the driver's draw; the cost model's mean without one)."""
         self.steps += 1
+        if plan.scheduled:  # as in the engine: a step that scheduled nothing ran no forward pass
+            took = self.step_s(plan) if step_s is None else step_s
+            kv = plan.kv_tokens_read
+            self.step_log.append(EngineStep(t_end, plan.prefill_tokens, plan.decode_seqs, kv, took))
         ttft: list[float] = []
         itl: list[float] = []
         generated = 0

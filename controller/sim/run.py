@@ -53,7 +53,8 @@ from controller.clock import FakeClock
 from controller.config.load import AdmissionConfig, ControlConfig
 from controller.control.loop import Change, ControlLoop
 from controller.control.normalize import Normalizer
-from controller.control.observe import build_observation
+from controller.control.observe import BudgetReading, build_observation
+from controller.control.steps import EngineStep, StepFeed
 from controller.control.telemetry import TelemetryWindow
 from controller.sim.engine import SimEngine, SimRequest, StepPlan
 from controller.sim.profile import Profile
@@ -131,7 +132,9 @@ class Simulation:
         a = self.control.admission
         self.gate = AdmissionGate(a.limit, a.max_queue, a.classes, a.aging_s, clock=self.clock)
         self.changes: list[Change] = []
-        self.loop = ControlLoop(policy, normalizer, self.observe, self, [self._record_changes], history=50)
+        self.loop = ControlLoop(
+            policy, normalizer, self.observe, self, [self._record_changes], history=50, steps=StepFeed(self)
+        )
         self._rng = random.Random(seed)
         self.jitter = jitter
         variance = profile.variance if use_variance else None
@@ -154,13 +157,22 @@ class Simulation:
     async def set_batch_cap(self, cap: int) -> int:
         return self.engine.set_batch_cap(cap)
 
+    async def set_token_budget(self, budget: int) -> int:
+        return self.engine.set_token_budget(budget)
+
+    async def drain_steps(self) -> list[EngineStep]:
+        """The twin's ``StepSource``: its steps, for ``loop.steps`` consumers (a step-cost model)."""
+        return self.engine.drain_steps()
+
     def _record_changes(self, _obs: Observation, changes: list[Change]) -> None:
         self.changes.extend(changes)
 
     # -- observation: as the daemon's observer builds it, without NVML and psutil ----------------------
     def observe(self) -> Observation:
+        e = self.engine
+        budget = BudgetReading(e.token_budget, e.max_num_batched_tokens, e.token_budget_min)
         return build_observation(
-            self.window.snapshot(), self.gate, self.engine.batch_cap, self.engine.max_num_seqs
+            self.window.snapshot(), self.gate, e.batch_cap, e.max_num_seqs, budget=budget
         )
 
     # -- one request, as our engine client handles it ---------------------------------------------------
@@ -310,7 +322,7 @@ class Simulation:
         next_tick, next_sample = c.control.tick_seconds, c.sample_period_s
         end_by = (arrivals[-1].arrival_s if arrivals else 0.0) + c.drain_s
         entries: list[tuple[float, int, RequestSpec]] = []
-        i, plan, step_end = 0, None, 0.0
+        i, plan, step_end, step_s = 0, None, 0.0, 0.0
         while i < len(arrivals) or entries or plan is not None or self.engine.has_work or self._open > 0:
             next_arrival = arrivals[i].arrival_s if i < len(arrivals) else math.inf
             next_entry = entries[0][0] if entries else math.inf
@@ -323,7 +335,7 @@ class Simulation:
             # time) then find these waiters already refused, so the run stays deterministic
             woken = self.gate.expire_overdue() > 0  # did anything happen that tasks must react to?
             if plan is not None and step_end <= t:
-                woken = self._end_step(plan, t) or woken
+                woken = self._end_step(plan, t, step_s) or woken
                 plan = None
             while i < len(arrivals) and arrivals[i].arrival_s <= t:
                 spec = arrivals[i]
@@ -346,11 +358,12 @@ class Simulation:
                 next_sample += c.sample_period_s
             if plan is None and self.engine.has_work:
                 plan = self.engine.plan()
-                step_end = t + self._step_s(plan)
+                step_s = self._step_s(plan)
+                step_end = t + step_s
 
-    def _end_step(self, plan: StepPlan, t: float) -> bool:
+    def _end_step(self, plan: StepPlan, t: float, step_s: float) -> bool:
         """Apply a step at its end: the window records it, finished requests' tasks are woken."""
-        sample, done = self.engine.finish_step(plan, t)
+        sample, done = self.engine.finish_step(plan, t, step_s)
         self.window.record(sample)
         for req in done:
             assert req.on_finish is not None

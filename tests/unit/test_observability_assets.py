@@ -156,6 +156,7 @@ def test_promtool_accepts_the_rules() -> None:
 
 class _Engine:
     batch_cap, max_num_seqs, generation, ready = 12, 16, 2, True
+    token_budget = 512
 
 
 class _Holder:
@@ -173,6 +174,7 @@ def test_gauges_are_read_at_scrape_time() -> None:
     gate.set_limit(9)  # no refresh step: the next scrape sees it
     assert value("autopilot_admission_limit") == 9
     assert (value("autopilot_batch_cap"), value("autopilot_max_num_seqs")) == (12, 16)
+    assert value("autopilot_token_budget") == 512
     assert (value("autopilot_engine_generation"), value("autopilot_engine_up")) == (2, 1)
     assert value("autopilot_in_flight_requests") == 0
     assert value("autopilot_queue_depth", {"priority_class": gate.classes[0].name}) == 0

@@ -1,5 +1,9 @@
-"""Owns the AsyncLLM: builds it from [engine], moves its batch cap, swaps it for a new one, and
-shuts it down. Implements the guard's ``EngineControl``.
+"""Owns the AsyncLLM: builds it from [engine], moves its batch cap and token budget, drains its
+per-step figures, swaps it for a new one, and shuts it down. Implements the guard's ``EngineControl``.
+
+The knobs survive a restart: the new engine gets the batch cap and the token budget in force (each
+clamped to the new engine's ceiling); a budget the loop never moved follows the new engine's own
+initial value (``[engine] max_num_scheduled_tokens``, else ``max_num_batched_tokens``).
 
 A restart never trades a working engine for settings that have not built: the settings in force
 (``args``) change only when a build with the new ones succeeded. Where two engines fit at once (the
@@ -20,11 +24,13 @@ from typing import Any
 import structlog
 from vllm.v1.engine.async_llm import AsyncLLM
 
+from controller.control.actuator import TOKEN_BUDGET_MIN, token_budget_bounds
+from controller.control.steps import EngineStep
 from controller.control.telemetry import TelemetryWindow
 from controller.engine.runtime.args import engine_args
 from controller.engine.runtime.builds import build_in_thread
 from controller.engine.runtime.ipc import plugin_problem, set_poll_sleep
-from controller.engine.runtime.scheduler import UTILITY_SET, scheduler_path
+from controller.engine.runtime.scheduler import UTILITY_BUDGET, UTILITY_DRAIN, UTILITY_SET, scheduler_path
 from controller.engine.runtime.stats import stat_logger_factory
 
 log = structlog.get_logger(__name__)
@@ -68,6 +74,13 @@ class EngineHost:
         self.generation = 0
         self.max_num_seqs = int(args.max_num_seqs)
         self.batch_cap = self.max_num_seqs
+        self.max_num_batched_tokens = int(getattr(args, "max_num_batched_tokens", None) or 0)
+        """Ceiling of the token budget; known for sure once an engine is built (vLLM picks a default)."""
+        self.token_budget_min = min(TOKEN_BUDGET_MIN, self.max_num_batched_tokens)
+        self.token_budget = self.max_num_batched_tokens
+        """The per-step token budget in force (vLLM's ``max_num_scheduled_tokens``)."""
+        self._budget_moved = False
+        """The loop has set the budget: a new engine gets it, not its own initial value."""
         self.in_flight: dict[int, tuple[str, AsyncLLM]] = {}
         """Requests inside an engine, by the governed client's own key (one per attempt: clients may
         reuse a request id), with the engine's request id and the engine they run on."""
@@ -123,7 +136,9 @@ class EngineHost:
         self.batch_cap = min(self.batch_cap, self.max_num_seqs)
         self.generation += 1
         self._window.reset()
-        await self.set_batch_cap(self.batch_cap)
+        # straight to the new engine: set_batch_cap only stores the cap while a restart runs
+        self.batch_cap = int(await llm.engine_core.call_utility_async(UTILITY_SET, self.batch_cap))
+        await self._adopt_budget(llm)
         log.info("engine_started", generation=self.generation, **self.memory_settings())
 
     def _two_engines_fit(self) -> bool:
@@ -225,6 +240,43 @@ class EngineHost:
         self.batch_cap = int(await self.llm.engine_core.call_utility_async(UTILITY_SET, cap))
         return self.batch_cap
 
+    async def set_token_budget(self, budget: int) -> int:
+        """Apply a per-step token budget inside the EngineCore process (from its next step on);
+        returns the clamped value in force."""
+        self._budget_moved = True
+        budget = max(self.token_budget_min, min(int(budget), self.max_num_batched_tokens))
+        if self.dead or self._restarting:
+            self.token_budget = budget  # applied to the next engine when it starts
+            return budget
+        self.token_budget = int(await self.llm.engine_core.call_utility_async(UTILITY_BUDGET, budget))
+        return self.token_budget
+
+    async def _adopt_budget(self, llm: AsyncLLM) -> None:
+        """A new engine's budget bounds, and the budget in force (module docstring)."""
+        cfg = llm.vllm_config
+        sched = getattr(cfg, "scheduler_config", None)
+        if sched is None:  # an engine without a scheduler config to read (the unit tests' fakes)
+            return
+        self.max_num_batched_tokens = int(sched.max_num_batched_tokens)
+        self.token_budget_min, _ = token_budget_bounds(
+            self.max_num_batched_tokens,
+            bool(sched.enable_chunked_prefill),
+            int(cfg.model_config.max_model_len),
+            int(cfg.num_speculative_tokens),
+        )
+        initial = int(sched.max_num_scheduled_tokens or self.max_num_batched_tokens)
+        want = self.token_budget if self._budget_moved else initial
+        self.token_budget = max(self.token_budget_min, min(want, self.max_num_batched_tokens))
+        self.token_budget = int(await llm.engine_core.call_utility_async(UTILITY_BUDGET, self.token_budget))
+
+    async def drain_steps(self) -> list[EngineStep]:
+        """The engine's steps since the last drain, measured inside the EngineCore (scheduler.py);
+        none while no engine serves (a retired engine's last steps are lost with it)."""
+        if self.dead or self._restarting:
+            return []
+        rows = await self.llm.engine_core.call_utility_async(UTILITY_DRAIN)
+        return [EngineStep(float(t), int(p), int(d), int(kv), float(s)) for t, p, d, kv, s in rows]
+
     async def abort_in_flight(self, reason: str) -> int:
         keys = list(self.in_flight)
         for key in keys:
@@ -272,6 +324,8 @@ class EngineHost:
             "restarting": self._restarting,
             "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": getattr(sched, "max_num_batched_tokens", None),
+            "token_budget": self.token_budget,
+            "token_budget_min": self.token_budget_min,
             "scheduling_policy": str(getattr(sched, "policy", None)),
             **self.memory_settings(),
         }

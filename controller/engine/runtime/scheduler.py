@@ -1,15 +1,33 @@
-"""Runtime batch cap inside the EngineCore process.
+"""Runtime batch cap and token budget inside the EngineCore process, and its per-step figures.
 
 vLLM admits a waiting request into RUNNING while ``len(running) < scheduler.max_num_active_reqs``
-(``max_num_active_seqs``; vllm/v1/core/sched/scheduler.py). Nothing in vLLM changes that number at
-runtime, so this module, which vLLM imports inside the EngineCore process through ``scheduler_cls``,
-does two things:
+(``max_num_active_seqs``) and issues at most ``scheduler.max_num_scheduled_tokens`` tokens per step
+(vllm/v1/core/sched/scheduler.py). Nothing in vLLM changes either number at runtime, so this module,
+which vLLM imports inside the EngineCore process through ``scheduler_cls``, does three things:
 
-* the scheduler subclasses below expose ``set_batch_cap`` (clamped to [1, max_num_seqs]);
-* it adds the utility method ``autopilot_set_batch_cap`` to ``EngineCore``, which
-  ``engine_core.call_utility_async`` runs there between two engine steps.
+* the scheduler subclasses below expose ``set_batch_cap`` (clamped to [1, max_num_seqs]) and
+  ``set_token_budget`` (clamped to ``control.actuator.token_budget_bounds``);
+* they measure each step's figures (``stepmeter.StepMeter``: prefill tokens, decoding sequences, KV
+  tokens, step time) into a bounded ring;
+* it adds the utility methods ``autopilot_set_batch_cap``, ``autopilot_set_token_budget`` and
+  ``autopilot_drain_steps`` to ``EngineCore``, which ``engine_core.call_utility_async`` runs there
+  between two engine steps (never inside ``schedule()``, so a budget never changes mid-step).
 
-Lowering the cap never preempts: requests already running finish; only new admissions wait.
+Lowering the cap never preempts: requests already running finish; only new admissions wait. Lowering
+the budget never preempts either: a running prefill gets smaller chunks. What else reads
+``max_num_scheduled_tokens`` in vLLM 0.32, and why a lower value keeps its invariants:
+
+* ``schedule()`` starts ``token_budget`` from it and asserts the step's total stays within it (the
+  utility runs between steps, so both read the same value);
+* the input buffers, the encoder budget (``max_num_encoder_input_tokens``) and spec decode's slots
+  (``input_budget - draft_slots``) come from ``max_num_batched_tokens``, which does not move;
+* Mamba's block-aligned prefill split reads it as ``max_prefill_tokens``: a chunk narrower than a
+  block then advances sub-block, a case vLLM handles ("A block too wide for one chunk");
+* a spec-decode request whose padded decode does not fit the budget is left for the next step
+  (vLLM prefers that to an unpadded one), hence the floor of 1 + draft tokens.
+
+A budget below the running batch delays the decodes past the first ``budget`` running requests (vLLM
+serves RUNNING in order): a policy keeps the budget at or above the batch it decodes.
 """
 
 from __future__ import annotations
@@ -20,33 +38,82 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core import EngineCore
 
+from controller.control.actuator import token_budget_bounds
+from controller.engine.runtime.stepmeter import StepMeter, StepTuple
+
 UTILITY_SET = "autopilot_set_batch_cap"
+UTILITY_BUDGET = "autopilot_set_token_budget"
+UTILITY_DRAIN = "autopilot_drain_steps"
 
 
-class _BatchCapMixin:
+class _LiveKnobsMixin:
     max_num_running_reqs: int
     max_num_active_reqs: int
+    max_num_scheduled_tokens: int
+    max_model_len: int
+    num_spec_tokens: int
+    scheduler_config: Any
+    requests: dict[str, Any]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.step_meter = StepMeter()
 
     def set_batch_cap(self, cap: int) -> int:
         """Clamp ``cap`` to [1, max_num_seqs], apply it, and return the value in force."""
         self.max_num_active_reqs = max(1, min(int(cap), self.max_num_running_reqs))
         return self.max_num_active_reqs
 
+    def set_token_budget(self, budget: int) -> int:
+        """Clamp ``budget`` to [floor, max_num_batched_tokens] (module docstring), apply it from the
+        next step on, and return the value in force."""
+        cfg = self.scheduler_config
+        floor, ceiling = token_budget_bounds(
+            int(cfg.max_num_batched_tokens),
+            bool(cfg.enable_chunked_prefill),
+            int(self.max_model_len),
+            int(self.num_spec_tokens),
+        )
+        self.max_num_scheduled_tokens = max(floor, min(int(budget), ceiling))
+        return self.max_num_scheduled_tokens
 
-class CappedScheduler(_BatchCapMixin, Scheduler):
-    """vLLM's synchronous scheduler with a runtime batch cap."""
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        t_start = self.step_meter.clock()
+        output = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        self.step_meter.scheduled(output, self.requests, t_start)
+        return output
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+        self.step_meter.finished(scheduler_output)
+        return outputs
 
 
-class CappedAsyncScheduler(_BatchCapMixin, AsyncScheduler):
-    """vLLM's async scheduler with a runtime batch cap."""
+class CappedScheduler(_LiveKnobsMixin, Scheduler):
+    """vLLM's synchronous scheduler with a runtime batch cap, token budget and step figures."""
+
+
+class CappedAsyncScheduler(_LiveKnobsMixin, AsyncScheduler):
+    """vLLM's async scheduler with a runtime batch cap, token budget and step figures."""
 
 
 def _set_batch_cap(self: Any, cap: int) -> int:
     return int(self.scheduler.set_batch_cap(cap))
 
 
+def _set_token_budget(self: Any, budget: int) -> int:
+    return int(self.scheduler.set_token_budget(budget))
+
+
+def _drain_steps(self: Any) -> list[StepTuple]:
+    meter: StepMeter = self.scheduler.step_meter
+    return meter.drain()
+
+
 # EngineCore looks utility methods up by name with getattr (EngineCore._handle_client_request).
 setattr(EngineCore, UTILITY_SET, _set_batch_cap)
+setattr(EngineCore, UTILITY_BUDGET, _set_token_budget)
+setattr(EngineCore, UTILITY_DRAIN, _drain_steps)
 
 
 def scheduler_path(async_scheduling: bool) -> str:

@@ -1,0 +1,79 @@
+"""The token budget moves inside the running engine, and the engine's per-step figures come out of it
+(the tiny model on the CPU, one daemon for the module).
+
+A prompt of P tokens is prefilled in one step under a budget above P, and in ceil(P / 64) chunks of at
+most 64 tokens under a budget of 64; the prefill tokens the EngineCore reports add up to P either way,
+and every step took a positive time. The control loop ticks once at start, then only when told.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from controller.control.steps import EngineStep
+from controller.lifecycle.daemon import Daemon
+from tests.helpers import admin_url, http_session, running_daemon, url, write_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+
+CEILING = 2048
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> AsyncIterator[Daemon]:
+    path = write_config(
+        tmp_path_factory.mktemp("cfg") / "config.toml",
+        engine={"max_num_batched_tokens": CEILING},  # prefix caching is off: every prompt is prefilled
+        control={"tick_seconds": 3600.0, "policy": "static"},
+    )
+    async with running_daemon(path) as d:
+        yield d
+
+
+async def complete(s: aiohttp.ClientSession, d: Daemon, prompt: str) -> int:
+    """One short completion; its prompt's length in tokens."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 3, "ignore_eos": True}
+    async with s.post(url(d, "/v1/completions"), json=body) as r:
+        assert r.status == 200, await r.text()
+        return int((await r.json())["usage"]["prompt_tokens"])
+
+
+async def prefill_of(d: Daemon, s: aiohttp.ClientSession, prompt: str) -> tuple[int, list[EngineStep]]:
+    await d.parts.host.drain_steps()  # what earlier requests left
+    t0 = time.monotonic()
+    tokens = await complete(s, d, prompt)
+    steps = await d.parts.host.drain_steps()
+    assert steps and all(t0 <= st.t_mono <= time.monotonic() and st.step_s > 0 for st in steps), steps
+    return tokens, steps
+
+
+async def test_the_budget_moves_in_the_engine_and_chunks_a_long_prompt(daemon: Daemon) -> None:
+    host, actuator = daemon.parts.host, daemon.parts.actuator
+    assert (host.token_budget, host.max_num_batched_tokens, host.token_budget_min) == (CEILING, CEILING, 16)
+    async with http_session() as s:
+        tokens, whole = await prefill_of(daemon, s, " ".join(["engine"] * 600))
+        assert 300 < tokens < CEILING
+        assert [st.prefill_tokens for st in whole if st.prefill_tokens] == [tokens]
+        assert any(st.decode_seqs == 1 for st in whole)  # the decodes that follow
+
+        assert await actuator.set_token_budget(1) == 16  # the engine's own clamp, read back
+        assert await actuator.set_token_budget(10**6) == CEILING
+        assert await actuator.set_token_budget(64) == 64
+        tokens, chunked = await prefill_of(daemon, s, " ".join(["engine"] * 600))
+        prefills = [st.prefill_tokens for st in chunked if st.prefill_tokens]
+        assert len(prefills) == math.ceil(tokens / 64) and max(prefills) == 64, prefills
+        assert sum(prefills) == tokens
+
+        async with s.get(admin_url(daemon, "/state")) as r:
+            state = await r.json()
+        assert state["token_budget"] == 64 and state["engine"]["token_budget"] == 64
+        async with s.get(admin_url(daemon, "/metrics")) as r:
+            assert "autopilot_token_budget 64.0" in await r.text()
+    await actuator.set_token_budget(CEILING)

@@ -1,0 +1,73 @@
+"""The twin honours the token budget knob as the engine does, and reports its steps as EngineSteps."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from controller.bench.workload import poisson
+from controller.control.normalize import Normalizer
+from controller.control.steps import EngineStep
+from controller.sim.engine import SimEngine, SimRequest
+from controller.sim.profile import CostModel, EngineLimits
+from controller.sim.run import Simulation
+from policies.base import Decision, Observation, Policy
+from tests.sim.scenarios import PROFILE
+
+COST = CostModel(a_s=0.01, b_s_per_prefill_token=0.001, c_s_per_decode_seq=0.002, d_s_per_kv_token=1e-5)
+LIMITS = EngineLimits(
+    max_num_seqs=8, max_num_batched_tokens=512, block_size=16, kv_cache_tokens=4096, max_model_len=1024
+)
+
+
+def test_a_lower_budget_splits_a_prompt_into_more_steps_and_each_step_is_recorded() -> None:
+    e = SimEngine(LIMITS, COST)
+    assert e.set_token_budget(100) == 100
+    e.add(SimRequest(1, 250, 2, 0, arrival_t=0.0))
+    scheduled = []
+    for t in range(1, 6):
+        plan = e.plan()
+        scheduled.append(sum(n for _, n in plan.scheduled))
+        e.finish_step(plan, float(t), step_s=0.5 if t == 1 else None)
+    assert scheduled == [100, 100, 50, 1, 0]  # three prefill chunks, one decode, done
+    steps = e.drain_steps()
+    assert steps[0] == EngineStep(1.0, 100, 0, 100, 0.5)  # the driver's draw when it gives one
+    assert [(s.prefill_tokens, s.decode_seqs, s.kv_tokens) for s in steps[1:4]] == [
+        (100, 0, 200),
+        (50, 0, 250),
+        (0, 1, 251),
+    ]
+    assert steps[1].step_s == COST.step_s(100, 0, 200)  # else the cost model's mean
+    assert len(steps) == 4 and e.drain_steps() == []  # the empty last step is not one
+
+
+def test_the_budget_is_clamped_like_the_engines() -> None:
+    e = SimEngine(LIMITS, COST)
+    assert (e.set_token_budget(1), e.set_token_budget(10_000)) == (16, 512)
+    whole = SimEngine(dataclasses.replace(LIMITS, enable_chunked_prefill=False, max_model_len=512), COST)
+    assert whole.set_token_budget(64) == 512  # without chunked prefill a whole prompt must fit
+
+
+class HalveBudget(Policy):
+    """Asks for a quarter of the ceiling; records the budget and the steps the loop saw."""
+
+    name = "halve"
+
+    def __init__(self) -> None:
+        self.budgets: list[int] = []
+
+    def decide(self, obs: Observation, now_mono: float) -> Decision:
+        self.budgets.append(obs.token_budget)
+        return Decision(None, None, "test", token_budget=obs.max_num_batched_tokens // 4)
+
+
+async def test_the_twins_loop_moves_the_budget_and_feeds_its_steps() -> None:
+    policy = HalveBudget()
+    sim = Simulation(PROFILE, policy, Normalizer(limit_max=128))
+    seen: list[EngineStep] = []
+    assert sim.loop.steps is not None
+    sim.loop.steps.subscribe(seen.extend)
+    await sim.run(poisson(2.0, 5.0, prompt_tokens=200, output_tokens=20, seed=3))
+    assert policy.budgets[0] == 2048 and policy.budgets[-1] == 512  # halved twice (the rate limit)
+    assert sim.engine.token_budget == 512
+    assert seen and all(s.step_s > 0 for s in seen) and sim.loop.steps.total == len(seen)
+    assert max(s.prefill_tokens for s in seen) <= 2048 and sum(s.prefill_tokens for s in seen) > 0
