@@ -16,12 +16,14 @@ PRESETS: dict[str, dict[str, int]] = {
 
 
 class StaticPolicy(Policy):
-    """Holds the batch cap and the admission limit at fixed values.
+    """Holds the batch cap, the admission limit and (when given) the token budget at fixed values.
 
-    Formula: ``batch_cap = B``, ``admission_limit = L`` at every tick.
+    Formula: ``batch_cap = B``, ``admission_limit = L``, ``token_budget = T`` at every tick.
     Parameters: ``preset`` (one of PRESETS) or explicit ``batch_cap`` / ``admission_limit`` (explicit
-    values override the preset's). Without any, ``B`` is the engine's ``max_num_seqs`` and ``L`` is
-    ``[admission] limit``. The normalize stage clamps ``B`` to ``max_num_seqs``.
+    values override the preset's), and ``token_budget``. Without any, ``B`` is the engine's
+    ``max_num_seqs``, ``L`` is ``[admission] limit`` and the token budget is left as the engine has it
+    (``max_num_batched_tokens``). The normalize stage clamps ``B`` to ``max_num_seqs`` and ``T`` to
+    ``max_num_batched_tokens``.
     States: none.
     """
 
@@ -35,13 +37,16 @@ class StaticPolicy(Policy):
         preset: str | None = None,
         batch_cap: int | None = None,
         admission_limit: int | None = None,
+        token_budget: int | None = None,
     ) -> None:
         base: dict[str, int] = {"batch_cap": max_num_seqs, "admission_limit": initial_limit}
         if preset is not None:
             if not isinstance(preset, str) or preset not in PRESETS:  # a TOML list is unhashable
                 raise PolicyError(f"preset = {preset!r}: use one of {', '.join(PRESETS)}")
             base = dict(PRESETS[preset])
-        for key, value in (("batch_cap", batch_cap), ("admission_limit", admission_limit)):
+        for key, value in (
+            ("batch_cap", batch_cap), ("admission_limit", admission_limit), ("token_budget", token_budget)
+        ):  # fmt: skip
             if value is not None:
                 if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                     raise PolicyError(f"{key} = {value!r}: must be an integer >= 1")
@@ -49,9 +54,13 @@ class StaticPolicy(Policy):
         self.preset = preset
         self.batch_cap = base["batch_cap"]
         self.admission_limit = base["admission_limit"]
+        self.token_budget = base.get("token_budget")
 
     def decide(self, obs: Observation, now_mono: float) -> Decision:
-        return Decision(self.admission_limit, self.batch_cap, "static")
+        return Decision(self.admission_limit, self.batch_cap, "static", token_budget=self.token_budget)
 
     def params(self) -> dict[str, Any]:
-        return {"preset": self.preset, "batch_cap": self.batch_cap, "admission_limit": self.admission_limit}
+        return {
+            "preset": self.preset, "batch_cap": self.batch_cap, "admission_limit": self.admission_limit,
+            "token_budget": self.token_budget,
+        }  # fmt: skip

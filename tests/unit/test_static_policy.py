@@ -79,8 +79,15 @@ def test_static_values(params: dict[str, Any], batch_cap: int, admission_limit: 
         "preset": params.get("preset"),
         "batch_cap": batch_cap,
         "admission_limit": admission_limit,
+        "token_budget": None,
     }
     assert policy.terms() == {}
+
+
+def test_a_token_budget_is_held_too() -> None:
+    policy = static(batch_cap=8, token_budget=512)
+    assert policy.decide(observation(), 0.0) == Decision(INITIAL_LIMIT, 8, "static", token_budget=512)
+    assert policy.params()["token_budget"] == 512
 
 
 def test_presets_table() -> None:
@@ -103,6 +110,7 @@ def test_presets_table() -> None:
         ({"batch_cap": "32"}, "batch_cap = '32': must be an integer >= 1"),
         ({"batch_cap": True}, "batch_cap = True: must be an integer >= 1"),
         ({"admission_limit": 1.5}, "admission_limit = 1.5: must be an integer >= 1"),
+        ({"token_budget": 0}, "token_budget = 0: must be an integer >= 1"),
         ({"preset": "small", "admission_limit": 0}, "admission_limit = 0: must be an integer >= 1"),
         (
             {"bogus": 1},
