@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from policies.cost import CostEstimate
+from policies.slo import SloTargets
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,9 @@ class Policy(ABC):
     name: ClassVar[str]
     param_names: ClassVar[tuple[str, ...]] = ()
     """The attributes ``params()`` reports (each one a constructor parameter of the same name)."""
+    takes_slo: ClassVar[bool] = False
+    """True: the constructor takes ``slo`` (``policies/slo.SloTargets`` or None), which the builder
+    passes from ``[slo]`` (a policy that steers to the SLO)."""
 
     @abstractmethod
     def decide(self, obs: Observation, now_mono: float) -> Decision: ...
@@ -137,6 +141,7 @@ BUILT_INS: dict[str, str] = {
     "gradient": "policies.gradient:GradientPolicy",
     "hysteresis": "policies.hysteresis:HysteresisPolicy",
     "pid": "policies.pid:PidPolicy",
+    "slo": "policies.slo_policy:SloPolicy",
     "static": "policies.static:StaticPolicy",
 }
 """The built-in policies by name, as import strings: a policy module imports this one, so this one
@@ -182,11 +187,23 @@ def _load(name: str, target: str) -> type[Policy]:
     return cls
 
 
-def build_policy(name: str, params: Mapping[str, Any], *, max_num_seqs: int, initial_limit: int) -> Policy:
+def build_policy(
+    name: str,
+    params: Mapping[str, Any],
+    *,
+    max_num_seqs: int,
+    initial_limit: int,
+    slo: SloTargets | None = None,
+) -> Policy:
     """Instantiate a policy; every policy takes its params plus the engine's ceiling and the
-    initial admission limit as keyword arguments."""
+    initial admission limit as keyword arguments, and one that ``takes_slo`` the ``[slo]`` targets."""
     cls = resolve(name)
+    extra: dict[str, Any] = dict(params)
+    if cls.takes_slo:
+        if "slo" in extra:
+            raise PolicyError(f"[control.params] for policy '{name}': 'slo' comes from the [slo] table")
+        extra["slo"] = slo
     try:
-        return cls(max_num_seqs=max_num_seqs, initial_limit=initial_limit, **dict(params))  # type: ignore[call-arg]
+        return cls(max_num_seqs=max_num_seqs, initial_limit=initial_limit, **extra)  # type: ignore[call-arg]
     except TypeError as exc:
         raise PolicyError(f"[control.params] for policy '{name}': {exc}") from exc

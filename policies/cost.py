@@ -45,6 +45,15 @@ class CostEstimate:
     """"ready", or why not: "cost model: 12 samples < 50", "cost model: last sample 75 s ago > 60 s"."""
     seed: str = ""
     """The profile the fit started from ('' = none)."""
+    kv_tokens_per_seq: float | None = None
+    """Recent KV tokens a scheduled sequence attends over (moving mean of ``kv_tokens / decode_seqs``
+    over the steps that decode): what the ``d`` term of a larger batch costs per sequence. None before
+    the first decoding step."""
+    prefill_per_decode: float | None = None
+    """Recent prefill tokens per decoded token (moving means of the steps' prefill tokens over their
+    decoding sequences): in steady state the load's prompt tokens per output token, so
+    ``b * prefill_per_decode`` is what each sequence of the batch costs a mean step in prefill. None
+    before the first decoding step."""
 
     def predict_step(self, prefill_tokens: int, decode_seqs: int, kv_tokens: int) -> float:
         """Predicted seconds of a step with these features."""

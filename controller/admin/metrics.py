@@ -7,6 +7,7 @@ scrape time by ``LiveGauges``, a Collector, so a scrape never shows a value olde
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -197,7 +198,13 @@ class Metrics:
     def count_decisions(self, _obs: Observation, changes: list[Change]) -> None:
         """A loop subscriber: one count per knob change, by knob and reason."""
         for change in changes:
-            self.decisions.labels(change.knob, change.reason).inc()
+            self.decisions.labels(change.knob, reason_label(change.reason)).inc()
+
+
+def reason_label(reason: str) -> str:
+    """A reason as a metric label: without its bracketed figures ("slo[budget 1256: ...]:rate_limited"
+    -> "slo:rate_limited"), which the log and /state keep, so a label's values stay few."""
+    return re.sub(r"\[[^\]]*\]", "", reason)
 
 
 class GateMetrics:

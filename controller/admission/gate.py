@@ -25,6 +25,7 @@ from controller.admission.deadlines import Deadlines
 from controller.admission.queues import ClassQueue, GateRejected, GateStats, Slot, Waiter
 from controller.admission.refusals import Refusals
 from controller.admission.shedding import shed_order
+from controller.admission.ttft import NO_BOUNDS, TtftBounds
 from controller.clock import Clock, monotonic
 
 __all__ = ["AdmissionGate", "GateRejected", "GateStats", "Slot"]
@@ -60,6 +61,7 @@ class AdmissionGate(Refusals):
         self.aging_s = aging_s
         self._clock = clock
         self._events: GateEvents = events or NoEvents()
+        self._ttft, self._configured = NO_BOUNDS, list(classes)  # as configured, before set_ttft's cut
         self._order: list[ClassQueue] = [ClassQueue(c) for c in classes]
         self._in_flight: Counter[str] = Counter()
         self._in_flight_total = 0
@@ -85,7 +87,8 @@ class AdmissionGate(Refusals):
         time; deadlines are re-armed against the new class. Pending counts of a class that no
         longer exists are dropped."""
         old = {q.spec.name: q for q in self._order}
-        self._order = [ClassQueue(c) for c in classes]
+        self._configured = list(classes)
+        self._order = [ClassQueue(c) for c in self._ttft.bounded(classes)]
         for q in self._order:
             if q.spec.name in old:
                 q.pending = old[q.spec.name].pending
@@ -101,6 +104,11 @@ class AdmissionGate(Refusals):
         self.aging_s, self.max_queue = aging_s, max_queue
         self.expire_overdue()
         self._wake()
+
+    def set_ttft(self, ttft: TtftBounds) -> None:
+        """SLO steering (``ttft.py``): deadlines cut to the TTFT bounds, refusal by predicted TTFT."""
+        self._ttft = ttft
+        self.configure(self._configured, self.aging_s, self.max_queue)
 
     @property
     def classes(self) -> list[PriorityClass]:
@@ -130,10 +138,13 @@ class AdmissionGate(Refusals):
         for q in self._order:
             q.expire_pending(self._clock() - self.PENDING_TTL_S)
 
-    def check_admission(self, priority: int = 0, n: int = 1, calls: int = 1) -> None:
+    def check_admission(
+        self, priority: int = 0, n: int = 1, calls: int = 1, prompt_tokens: int | None = None
+    ) -> None:
         """Refuse now (raise ``GateRejected``) or count the request as pending in its class: ``n``
         is what it will generate (prompts x sequences each), ``calls`` the ``acquire`` calls that
-        follow (one per prompt), each holding a pending place until it reaches the gate."""
+        follow (one per prompt), each holding a pending place until it reaches the gate;
+        ``prompt_tokens`` (where known) adds its own prefill to its predicted wait (``set_ttft``)."""
         q = self._queue_of(priority)
         if self._refuse_new is not None:
             self._events.rejected(q.spec.name, self._refuse_new.reason)
@@ -141,7 +152,7 @@ class AdmissionGate(Refusals):
         self._expire_pending()
         position, own = self._position(q, n)
         if position > 0:
-            self._check_wait(q, position, own, n)
+            self._check_wait(q, position, own, n, self._ttft.prefill_s(prompt_tokens))
         q.pending.extend([self._clock()] * calls)
 
     def _position(self, q: ClassQueue, n: int) -> tuple[int, int]:
@@ -155,20 +166,18 @@ class AdmissionGate(Refusals):
         own = n + q.queued + len(q.pending) - reserved_free
         return (own + higher - shared if own > 0 else own), own
 
-    def _check_wait(self, q: ClassQueue, position: int, own: int, n: int) -> None:
+    def _check_wait(self, q: ClassQueue, position: int, own: int, n: int, prefill_s: float) -> None:
         """``position`` requests (this one included) would wait ahead of a slot for it, ``own`` of
-        them of its class."""
+        them of its class; ``prefill_s`` its own prefill after the wait."""
         spec = q.spec
         own = min(position, own)
         if own > spec.max_queue:
             why = f"{own - n} {spec.name} requests already wait (queue limit {spec.max_queue})"
             self._refuse(q, n, "queue_full", own - spec.max_queue, why)
         rate = self._rate.per_second()
-        if rate is not None and position / rate > spec.queue_deadline_s:
-            why = (
-                f"expected wait {position / rate:.1f}s exceeds the {spec.name} queue deadline of "
-                f"{spec.queue_deadline_s:g}s"
-            )
+        if rate is not None and position / rate + prefill_s > spec.queue_deadline_s:
+            wait = f"{position / rate:.1f}s" + (f" + prefill {prefill_s:.2f}s" if prefill_s else "")
+            why = f"expected wait {wait} exceeds the {spec.name} queue deadline of {spec.queue_deadline_s:g}s"
             self._refuse(q, n, "expected_wait", position - rate * spec.queue_deadline_s, why)
         waiting = sum(o.queued + len(o.pending) for o in self._order)
         free_any = max(0, self._limit - self._in_flight_total)
@@ -357,9 +366,7 @@ class AdmissionGate(Refusals):
         self._deadlines.resume()
         self._wake()
 
-    @property
-    def paused(self) -> bool:
-        return self._deadlines.paused
+    paused = property(lambda self: self._deadlines.paused, doc="Slots are held (an engine restart).")
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait until nothing is in flight; False when the deadline passed first."""

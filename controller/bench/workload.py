@@ -318,3 +318,37 @@ def describe(specs: Sequence[RequestSpec]) -> dict[str, Any]:
         "output_tokens_mean": sum(s.output_tokens for s in specs) / len(specs),
         "priorities": sorted({s.priority for s in specs}),
     }
+
+
+def alternate(loads: Sequence[Sequence[RequestSpec]], phase_s: float, total_s: float) -> list[RequestSpec]:
+    """A load that changes phase: ``total_s`` seconds of ``phase_s``-long phases taken from ``loads`` in
+    turn (phase ``i`` from load ``i % len(loads)``). Each load plays on from where its last phase
+    stopped (its own clock), wrapping to its start when it runs out, so two traces alternate window by
+    window, e.g. ten minutes of conversation traffic, then ten of code, then the next ten of each."""
+    if phase_s <= 0 or total_s <= 0 or not loads or not all(loads):
+        raise WorkloadError(f"phases of {phase_s} s over {total_s} s: need both > 0 and non-empty loads")
+    lengths = [_period(load) for load in loads]
+    cursors = [0.0] * len(loads)
+    out: list[RequestSpec] = []
+    for i in range(math.ceil(total_s / phase_s)):
+        k, start = i % len(loads), i * phase_s
+        length = min(phase_s, total_s - start)
+        t0 = cursors[k]
+        cursors[k] = (t0 + length) % lengths[k]
+        picked = [s for s in loads[k] if _in_window(s.arrival_s, t0, length, lengths[k])]
+        picked.sort(key=lambda s: (s.arrival_s - t0) % lengths[k])
+        for s in picked:
+            at = start + (s.arrival_s - t0) % lengths[k]
+            out.append(RequestSpec(len(out), at, s.prompt_tokens, s.output_tokens, s.priority))
+    return out
+
+
+def _period(load: Sequence[RequestSpec]) -> float:
+    """A load's length when it wraps: its last arrival plus one mean gap between arrivals."""
+    last = max(s.arrival_s for s in load)
+    return last + (last - min(s.arrival_s for s in load)) / len(load) or 1.0
+
+
+def _in_window(t: float, t0: float, length: float, period: float) -> bool:
+    """``t`` is in ``[t0, t0 + length)`` on a clock that wraps at ``period``."""
+    return (t - t0) % period < length

@@ -119,6 +119,11 @@ class StepCostModel:
         self._log_var, self._spread_n = 0.0, 0
         """Moving mean of log(measured / predicted)^2, and how many steps it has seen."""
         self._recent: deque[tuple[float, float]] = deque(maxlen=self.settings.window)
+        self._kv_per_seq: float | None = None
+        """Moving mean of kv_tokens / decode_seqs over decoding steps (``CostEstimate.kv_tokens_per_seq``)."""
+        self._mix = (0.0, 0.0, 0.0)
+        """Sums of prefill tokens, decode seqs and steps, each with the forgetting factor
+        (``CostEstimate.prefill_per_decode``)."""
 
     # -- learning ---------------------------------------------------------------------------------
     def update(self, steps: Sequence[EngineStep]) -> None:
@@ -132,6 +137,7 @@ class StepCostModel:
         ]
         if not kept:
             return
+        self._track_batch(kept)
         x = np.array([[1.0, s.prefill_tokens, s.decode_seqs, s.kv_tokens] for s in kept]) / SCALES
         y = np.array([s.step_s for s in kept])
         pred = x @ self._theta
@@ -146,6 +152,19 @@ class StepCostModel:
         self._learn(x[keep], y[keep])
         for step, yi, pi in itertools.compress(zip(kept, y, pred, strict=True), keep):
             self._track(float(yi), float(pi), step.t_mono)
+
+    def _track_batch(self, steps: Sequence[EngineStep]) -> None:
+        """The KV a decoding sequence reads and the prefill/decode mix of the steps, as moving means
+        with the fit's forgetting factor."""
+        alpha = 1.0 - self.settings.forgetting
+        for s in steps:
+            p, d, n = self._mix
+            lam = self.settings.forgetting
+            self._mix = (lam * p + s.prefill_tokens, lam * d + s.decode_seqs, lam * n + 1.0)
+            if s.decode_seqs > 0:
+                ratio = s.kv_tokens / s.decode_seqs
+                prev = self._kv_per_seq
+                self._kv_per_seq = ratio if prev is None else prev + alpha * (ratio - prev)
 
     def _is_outlier(self, y: float, pred: float) -> bool:
         s = self.settings
@@ -232,7 +251,16 @@ class StepCostModel:
         return CostEstimate(
             **coef, samples=self.samples, rejected=self.rejected, rel_error=rel, r2=r2, age_s=age,
             ready=reason == "ready", reason=reason, seed=self.prior.name if self.prior else "",
+            kv_tokens_per_seq=self._kv_per_seq,
+            prefill_per_decode=self._prefill_per_decode(),
         )  # fmt: skip
+
+    def _prefill_per_decode(self) -> float | None:
+        """Prefill tokens per decoded token over the fit's memory; None until it holds a tenth of its
+        memory in steps (the first steps of a load are its prompts alone) or any decode."""
+        p, d, n = self._mix
+        enough = n >= 0.1 / (1.0 - self.settings.forgetting)
+        return p / d if enough and d > 0 else None
 
     def _quality(self) -> tuple[float | None, float | None]:
         if not self._recent:
@@ -273,3 +301,10 @@ class CostReader:
 
     def current(self) -> CostEstimate:
         return self.model.estimate(self._clock())
+
+    def prefill_s(self, prompt_tokens: int) -> float:
+        """The gate's prefill term (``admission/ttft.PrefillEstimator``): one step of the prompt alone,
+        ``a + b * prompt_tokens``; 0 until the fit has ``min_samples`` steps (no guess refuses anyone)."""
+        if self.model.samples < self.model.settings.min_samples:
+            return 0.0
+        return max(0.0, self.model.predict_step(prompt_tokens, 0, 0))

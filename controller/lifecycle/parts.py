@@ -23,7 +23,7 @@ from controller.admission.gate import AdmissionGate
 from controller.clock import monotonic
 from controller.config.load import Config
 from controller.control.actuator import Actuator
-from controller.control.build import normalizer_for, policy_for
+from controller.control.build import normalizer_for, policy_for, ttft_for
 from controller.control.diagnosis import Diagnoser, Diagnosis
 from controller.control.loop import Change, ControlLoop, Subscriber
 from controller.control.observe import Observer
@@ -140,5 +140,6 @@ def build_parts(
     )  # fmt: skip
     guard.on_engine_args = parts.adopt_engine
     parts.cost = CostReader(cost_model, monotonic)
+    gate.set_ttft(ttft_for(policy, config.slo, a.classes, parts.cost))  # SLO steering's TTFT bounds
     metrics.live.read_cost(parts.cost)
     return parts

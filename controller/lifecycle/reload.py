@@ -18,7 +18,7 @@ import structlog
 
 from controller.config.diff import ConfigDiff, diff_config, engine_overrides, merge_live
 from controller.config.load import Config, ConfigError, load_config
-from controller.control.build import normalizer_for, policy_for
+from controller.control.build import normalizer_for, policy_for, ttft_for
 from controller.control.normalize import Normalizer
 from controller.lifecycle.parts import TICK_JOB, Parts, cost_prior_for
 from policies.base import Policy
@@ -76,8 +76,9 @@ class Reloader:
         }
 
     def _control_for(self, new: Config, diff: ConfigDiff) -> tuple[Policy, Normalizer] | None:
-        """The new policy and normalize stage when [control] or the limit changed, else None."""
-        if "control" not in diff.live and new.admission.limit == self.parts.config.admission.limit:
+        """The new policy and normalize stage when [control], [slo] or the limit changed, else None."""
+        unchanged = not {"control", "slo"} & set(diff.live)
+        if unchanged and new.admission.limit == self.parts.config.admission.limit:
             return None
         merged = merge_live(self.parts.config, new)
         return policy_for(merged), normalizer_for(merged.control)
@@ -114,6 +115,7 @@ class Reloader:
         p.window.window_s = new.control.window_seconds
         if control is not None:
             p.loop.policy, p.loop.normalizer = control
+        p.gate.set_ttft(ttft_for(p.loop.policy, new.slo, a.classes, p.cost))  # the policy's, on the new [slo]
         p.loop.resize_history(new.control.history)
         p.guard.configure(new.guard)
         if new.control.cost_profile != old.control.cost_profile and p.cost is not None:

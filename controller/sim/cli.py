@@ -46,8 +46,20 @@ def add_simulate_parser(sub: Any) -> None:
                    help="a policy parameter (TOML value: 0.8, \"mean\", true); repeatable")  # fmt: skip
     p.add_argument("--config", type=Path, default=None,
                    help="a config.toml: its [engine] limits, [admission], [control] apply")  # fmt: skip
-    p.add_argument("--slo-ttft", type=float, required=True, help="TTFT SLO in seconds (goodput)")
-    p.add_argument("--slo-tpot", type=float, required=True, help="TPOT SLO in seconds (goodput)")
+    p.add_argument("--slo-ttft", type=float, required=True,
+                   help="TTFT SLO, seconds: goodput's, and [slo] if --config has none")  # fmt: skip
+    p.add_argument("--slo-tpot", type=float, required=True,
+                   help="TPOT SLO, seconds: goodput's, and [slo] if --config has none")  # fmt: skip
+    p.add_argument("--alternate", action="append", default=[], metavar="TRACE:SCALE",
+                   help="another trace (replayed SCALE x faster) whose windows alternate with --trace's, "
+                        "--phase-s each, for --total-s; repeatable")  # fmt: skip
+    p.add_argument("--phase-s", type=float, default=600.0, help="phase length of --alternate (seconds)")
+    p.add_argument("--total-s", type=float, default=2400.0, help="length of the --alternate load (seconds)")
+    p.add_argument("--grid", nargs="+", metavar="AXIS=V1,V2",
+                   help="run --policy, vLLM's defaults and every static point of limit=.. budget=.. "
+                        "deadline=.. (all three axes); write grid.json and grid.md, with ratios")  # fmt: skip
+    p.add_argument("--grid-runs", action="store_true", help="with --grid: also write each run's directory")
+    p.add_argument("--jobs", type=int, default=1, help="with --grid: runs at once (processes)")
     p.add_argument("--out", type=Path, required=True, help="output directory")
     p.add_argument("--seed", type=int, default=0, help="seed of the front-end and step-time draws")
     p.add_argument("--jitter", type=float, default=0.0,
@@ -121,31 +133,35 @@ def parse_params(items: list[str]) -> dict[str, Any]:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from controller.bench.workload import WorkloadError, read_azure_trace, trace_window
+    from controller.bench.workload import WorkloadError
     from controller.config.load import ConfigError
     from controller.sim.profile import load_profile
     from controller.sim.twin import build_simulation, with_config, write_result
     from policies.base import PolicyError
 
     try:
-        profile, control, admission = with_config(
-            load_profile(args.profile), args.config, args.policy, parse_params(args.param)
+        profile, control, admission, slo = with_config(
+            load_profile(args.profile),
+            args.config,
+            args.policy,
+            parse_params(args.param),
+            (args.slo_ttft, args.slo_tpot),
         )
-        specs = trace_window(
-            read_azure_trace(args.trace),
-            start_s=args.start,
-            duration_s=args.duration,
-            time_scale=args.time_scale,
-            token_scale=args.token_scale,
-        )
+        specs = _specs(args)
+        if args.grid:
+            from controller.sim.grid import run_grid
+
+            _quiet_logs()
+            return run_grid(args, profile, control, admission, specs, slo)
         if args.compare:
             from controller.sim.compare import run_compare
 
             _quiet_logs()
-            return run_compare(args, profile, control, admission, specs)
+            return run_compare(args, profile, control, admission, specs, slo)
         sim = build_simulation(
-            profile, control, admission, seed=args.seed, jitter=args.jitter, use_variance=not args.no_variance
-        )
+            profile, control, admission, seed=args.seed, jitter=args.jitter,
+            use_variance=not args.no_variance, slo=slo,
+        )  # fmt: skip
     except ConfigError as exc:
         print(f"{args.config}: invalid config: {'; '.join(exc.errors)}", file=sys.stderr)
         return 1
@@ -178,6 +194,30 @@ def run_simulate(args: argparse.Namespace) -> int:
         title = f"Twin ({profile.name}): {policy.name} on {args.trace.name}"
         print(f"report: {render(args.out / 'report', [args.out], title=title)}")
     return 0
+
+
+def _specs(args: argparse.Namespace) -> list[Any]:
+    """The window of ``--trace``, or with ``--alternate`` its windows in turn with the other traces'."""
+    from controller.bench.workload import alternate, read_azure_trace, trace_window
+
+    def window(path: Path, scale: float, start: float, duration: float | None) -> list[Any]:
+        rows = read_azure_trace(path)
+        return trace_window(rows, start_s=start, duration_s=duration, time_scale=scale,
+                            token_scale=args.token_scale)  # fmt: skip
+
+    base = window(args.trace, args.time_scale, args.start, args.duration)
+    args.workload_desc = f"{args.trace.name} at {args.time_scale:g}x"
+    if not args.alternate:
+        return base
+    loads = [base]
+    for item in args.alternate:
+        path, sep, scale = item.rpartition(":")
+        if not sep:
+            raise ValueError(f"--alternate {item!r}: write TRACE:SCALE, e.g. code.csv:2")
+        loads.append(window(Path(path), float(scale), 0.0, None))
+    args.workload_desc += "".join(f", {a}" for a in args.alternate)
+    args.workload_desc += f" alternating every {args.phase_s:g} s for {args.total_s:g} s"
+    return alternate(loads, args.phase_s, args.total_s)
 
 
 def format_summary(s: dict[str, Any]) -> str:

@@ -22,6 +22,7 @@ from controller.config.load import AdmissionConfig, ControlConfig
 from controller.sim.profile import Profile
 from controller.sim.run import SimResult
 from controller.sim.twin import build_simulation, write_result
+from policies.slo import SloTargets
 
 CONFIGS: list[tuple[str, str, dict[str, Any]]] = [
     ("static-default", "static", {}),  # vLLM as configured: the cap at max_num_seqs, no gate limit below it
@@ -65,6 +66,7 @@ def run_compare(
     control: ControlConfig,
     admission: AdmissionConfig,
     specs: Sequence[RequestSpec],
+    slo: SloTargets | None = None,
 ) -> int:
     """Every configuration of :data:`CONFIGS` over ``specs``: its policy and parameters replace
     ``control``'s; the rest of ``control`` and ``admission`` (``--config``'s or the defaults) apply."""
@@ -73,7 +75,7 @@ def run_compare(
     for name, policy, params in CONFIGS:
         run = dataclasses.replace(control, policy=policy, params=params)
         sim = build_simulation(profile, run, admission, seed=args.seed, jitter=args.jitter,
-                               use_variance=not args.no_variance)  # fmt: skip
+                               use_variance=not args.no_variance, slo=slo)  # fmt: skip
         res = results[name] = asyncio.run(sim.run(specs))
         res.extra.update(kind="sim", policy=policy, policy_params=params, trace=str(args.trace),
                          time_scale=args.time_scale)  # fmt: skip

@@ -51,15 +51,18 @@ from controller.bench.records import (
 from controller.bench.workload import RequestSpec, describe
 from controller.clock import FakeClock
 from controller.config.load import AdmissionConfig, ControlConfig
+from controller.control.build import ttft_for
 from controller.control.loop import Change, ControlLoop
 from controller.control.normalize import Normalizer
 from controller.control.observe import BudgetReading, build_observation
+from controller.control.stepcost import CostReader, StepCostModel, prior_from
 from controller.control.steps import EngineStep, StepFeed
 from controller.control.telemetry import TelemetryWindow
 from controller.sim.engine import SimEngine, SimRequest, StepPlan
-from controller.sim.profile import Profile
+from controller.sim.profile import Profile, load_profile
 from controller.sim.quantiles import LoadTables, QuantileTable
 from policies.base import Observation, Policy
+from policies.slo import SloTargets
 
 SETTLE_ROUNDS = 4
 """Event-loop rounds after each event. The longest chain is: the engine finishes a request -> its task
@@ -83,6 +86,8 @@ class ControlSettings:
     drain_s: float = 600.0
     """After the last arrival, how long unfinished requests may run before the run stops (they are
     then recorded as failed)."""
+    slo: SloTargets | None = None
+    """``[slo]``: what a policy that steers to it (and the gate's TTFT bounds under it) read."""
 
 
 @dataclass
@@ -132,9 +137,13 @@ class Simulation:
         a = self.control.admission
         self.gate = AdmissionGate(a.limit, a.max_queue, a.classes, a.aging_s, clock=self.clock)
         self.changes: list[Change] = []
-        self.loop = ControlLoop(
-            policy, normalizer, self.observe, self, [self._record_changes], history=50, steps=StepFeed(self)
-        )
+        named = self.control.control.cost_profile  # the step-cost model's seed, as the daemon's
+        prior = prior_from(load_profile(named).cost.as_dict(), named) if named else None
+        self.cost = StepCostModel(prior=prior)
+        steps = StepFeed(self, [self.cost.update])
+        self.loop = ControlLoop(policy, normalizer, self.observe, self, [self._record_changes], 50, steps)
+        prefill = CostReader(self.cost, self.clock)
+        self.gate.set_ttft(ttft_for(policy, self.control.slo, a.classes, prefill))
         self._rng = random.Random(seed)
         self.jitter = jitter
         variance = profile.variance if use_variance else None
@@ -171,9 +180,9 @@ class Simulation:
     def observe(self) -> Observation:
         e = self.engine
         budget = BudgetReading(e.token_budget, e.max_num_batched_tokens, e.token_budget_min)
-        return build_observation(
-            self.window.snapshot(), self.gate, e.batch_cap, e.max_num_seqs, budget=budget
-        )
+        snap = self.window.snapshot()
+        cost = self.cost.estimate(snap.now_mono)
+        return build_observation(snap, self.gate, e.batch_cap, e.max_num_seqs, budget=budget, cost=cost)
 
     # -- one request, as our engine client handles it ---------------------------------------------------
     async def _client(self, spec: RequestSpec) -> None:
@@ -191,7 +200,7 @@ class Simulation:
             self._fail(spec, t0, "failed", 400, msg)
             return
         try:
-            self.gate.check_admission(spec.priority)
+            self.gate.check_admission(spec.priority, prompt_tokens=spec.prompt_tokens)
         except GateRejected as exc:
             self._fail(spec, t0, "refused", exc.status, exc.message)
             return

@@ -19,6 +19,7 @@ from controller.control.build import normalizer_for
 from controller.sim.profile import Profile
 from controller.sim.run import ControlSettings, SimResult, Simulation
 from policies.base import build_policy
+from policies.slo import SloBound, SloTargets
 
 
 def build_simulation(
@@ -30,10 +31,12 @@ def build_simulation(
     seed: int = 0,
     jitter: float = 0.0,
     use_variance: bool = True,
+    slo: SloTargets | None = None,
 ) -> Simulation:
     """The twin under ``control`` (default: ``[control]``'s defaults, the static policy) and
     ``admission`` (default: its defaults with the limit at the engine's ``max_num_seqs``, as
-    config.toml sets it: no gate limit below the engine's ceiling)."""
+    config.toml sets it: no gate limit below the engine's ceiling), steering to ``slo`` (``[slo]``)
+    where the policy does."""
     control = control or ControlConfig()
     admission = admission or AdmissionConfig(limit=profile.engine.max_num_seqs)
     policy = build_policy(
@@ -41,8 +44,9 @@ def build_simulation(
         dict(control.params),
         max_num_seqs=profile.engine.max_num_seqs,
         initial_limit=admission.limit,
+        slo=slo,
     )
-    settings = ControlSettings(control=control, admission=admission, drain_s=drain_s)
+    settings = ControlSettings(control=control, admission=admission, drain_s=drain_s, slo=slo)
     return Simulation(
         profile,
         policy,
@@ -55,21 +59,36 @@ def build_simulation(
 
 
 def with_config(
-    profile: Profile, config: Path | None, policy: str | None, params: dict[str, Any]
-) -> tuple[Profile, ControlConfig, AdmissionConfig]:
-    """The profile with a config file's ``[engine]`` limits on top, and its ``[control]`` and
-    ``[admission]`` (defaults without a file). ``policy`` replaces the file's policy and drops its
-    params; ``params`` are laid over what is left. Raises ``ConfigError`` and ``ProfileError``."""
+    profile: Profile,
+    config: Path | None,
+    policy: str | None,
+    params: dict[str, Any],
+    slo: tuple[float, float] | None = None,
+) -> tuple[Profile, ControlConfig, AdmissionConfig, SloTargets | None]:
+    """The profile with a config file's ``[engine]`` limits on top, and its ``[control]``,
+    ``[admission]`` and ``[slo]`` (defaults without a file). ``policy`` replaces the file's policy and
+    drops its params; ``params`` are laid over what is left; ``slo`` (TTFT, TPOT: the goodput SLO of
+    ``--slo-ttft`` / ``--slo-tpot``) is the ``[slo]`` steered to when the file has none. Raises
+    ``ConfigError`` and ``ProfileError``."""
     control, admission = ControlConfig(), AdmissionConfig(limit=profile.engine.max_num_seqs)
+    targets = None
     if config is not None:
         loaded = load_config(config)
         limits = profile.engine.replace(loaded.engine, f"{config} [engine]")
         profile = dataclasses.replace(profile, engine=limits)
-        control, admission = loaded.control, loaded.admission
+        control, admission, targets = loaded.control, loaded.admission, loaded.slo
     merged = dict(control.params) if policy is None else {}
     merged.update(params)
     control = dataclasses.replace(control, policy=policy or control.policy, params=merged)
-    return profile, control, admission
+    if targets is None and slo is not None:
+        targets = slo_for(admission, *slo)
+    return profile, control, admission, targets
+
+
+def slo_for(admission: AdmissionConfig, ttft_s: float, tpot_s: float) -> SloTargets:
+    """One bound for every class of ``admission`` (what ``[slo]`` with no class override resolves to)."""
+    bound = SloBound(ttft_s, tpot_s)
+    return SloTargets(bound, tuple((c.name, bound) for c in admission.classes))
 
 
 def write_result(out: Path, result: SimResult, summary: dict[str, Any]) -> None:

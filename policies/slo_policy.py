@@ -1,0 +1,214 @@
+"""The slo policy: steer the token budget, the batch cap and the admission limit to the SLO, from the
+online step-cost model (``Observation.cost``) and ``[slo]`` (``policies/slo.SloTargets``).
+
+Every knob is sized from a predicted step, ``step(P, D, K) = a + b*P + c*D + d*K`` (P prefill tokens,
+D decoding sequences, K KV tokens they read), planned to ``margin * tpot`` with ``tpot`` the tightest
+class's TPOT bound (the cap and the budget are shared by every class).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from policies.base import Decision, Observation, Policy
+from policies.common import check_float, check_int, is_stale
+from policies.cost import CostEstimate
+from policies.slo import SloTargets
+
+
+class SloPolicy(Policy):
+    """Sizes the three knobs to the TPOT bound and keeps the queue in the gate, where the TTFT bound
+    is enforced (the gate refuses a request whose predicted TTFT misses its class's bound).
+
+    Each tick, with ``tau = margin * tpot_s``, the model's ``a, b, c, d``, ``D`` the running requests
+    (the decoding batch the next step serves) and ``k`` the KV tokens one of them reads
+    (``cost.kv_tokens_per_seq``):
+
+    1. no ``[slo]``, stale stats, or ``cost`` None / not ready -> hold every knob, and say why
+       (``cost.reason``).
+    2. token budget ``T = D + floor((tau - a - c*D - d*k*D) / b)``: the largest whose step, a full
+       prefill chunk with the decoding batch it joins, is predicted within ``tau``; never below
+       ``D + min_prefill_tokens`` (vLLM serves the running requests first, in order: a budget below the
+       batch starves the later decodes), nor below the new cap plus ``min_prefill_tokens``.
+    3. batch cap ``min(N_tpot, N_kv)``: ``N_tpot = floor((tau - a - b*min_prefill_tokens) / (c + d*k))``,
+       the largest batch whose decode step (with a minimal prefill chunk) is within ``tau``;
+       ``N_kv = floor(kv_target * D / kv_usage)``, what the cache holds without preemption. The KV of
+       one sequence is estimated from the observation as its mean share of the cache,
+       ``kv_usage / D`` (the latest step's usage over the latest running count), so no cache size is
+       needed; with fewer than ``kv_min_running`` requests running the share is too noisy and only
+       ``N_tpot`` applies.
+    4. admission limit: just above what the engine runs, so that the queue forms in the gate, where it
+       is ordered by class and shed against the TTFT bound, not in the engine's waiting queue.
+       ``waiting = in_flight - D`` (requests inside the engine not yet running), ``h = max(min_headroom,
+       ceil(headroom * D))``: more than ``h`` waiting -> ``D + h`` ("engine_full"); requests queued in
+       the gate with the limit reached and at most ``h / 2`` waiting -> ``limit + h`` ("gate_queue");
+       otherwise the limit holds. Always within ``[min_limit, cap + h]``.
+
+    Bands against churn: a budget or cap move smaller than ``band`` of the value in force is dropped, and
+    a knob reverses its last direction only ``reverse_after_s`` after its last move (the normalize
+    stage's rate limit still applies: the budget at most doubles or halves per tick).
+
+    Parameters (defaults): ``margin`` 0.9; ``kv_target`` 0.9; ``kv_min_running`` 4;
+    ``min_prefill_tokens`` 64; ``headroom`` 0.1; ``min_headroom`` 2; ``min_limit`` 1; ``min_cap`` 1;
+    ``band`` 0.1; ``reverse_after_s`` 30.0; ``stale_after_s`` 5.0. ``slo`` is passed by the builder from
+    ``[slo]`` (not a ``[control.params]`` key).
+
+    States: per knob the direction and time of its last move.
+    """
+
+    name = "slo"
+    takes_slo = True
+    param_names = tuple(
+        "margin mean_margin budget_margin ttft_wait_share kv_target kv_min_running min_prefill_tokens "
+        "headroom min_headroom min_limit min_cap band reverse_after_s stale_after_s".split()
+    )
+
+    def __init__(
+        self,
+        *,
+        max_num_seqs: int,
+        initial_limit: int,
+        slo: SloTargets | None = None,
+        margin: float = 0.9,
+        mean_margin: float = 0.5,
+        budget_margin: float = 0.9,
+        ttft_wait_share: float = 0.8,
+        kv_target: float = 0.9,
+        kv_min_running: int = 4,
+        min_prefill_tokens: int = 64,
+        headroom: float = 0.1,
+        min_headroom: int = 2,
+        min_limit: int = 1,
+        min_cap: int = 1,
+        band: float = 0.1,
+        reverse_after_s: float = 30.0,
+        stale_after_s: float = 5.0,
+    ) -> None:
+        self.max_num_seqs, self.slo = max_num_seqs, slo
+        self.margin = check_float("margin", margin, 0.0, 10.0, lo_open=True)
+        self.mean_margin = check_float("mean_margin", mean_margin, 0.0, 10.0, lo_open=True)
+        self.budget_margin = check_float("budget_margin", budget_margin, 0.0, 100.0, lo_open=True)
+        self.ttft_wait_share = check_float("ttft_wait_share", ttft_wait_share, 0.0, 1.0, lo_open=True)
+        self.kv_target = check_float("kv_target", kv_target, 0.0, 1.0, lo_open=True)
+        self.kv_min_running = check_int("kv_min_running", kv_min_running, 1)
+        self.min_prefill_tokens = check_int("min_prefill_tokens", min_prefill_tokens, 1)
+        self.headroom = check_float("headroom", headroom, 0.0, 10.0)
+        self.min_headroom = check_int("min_headroom", min_headroom, 0)
+        self.min_limit = check_int("min_limit", min_limit, 1)
+        self.min_cap = check_int("min_cap", min_cap, 1, max_num_seqs)
+        self.band = check_float("band", band, 0.0, 1.0)
+        self.reverse_after_s = check_float("reverse_after_s", reverse_after_s, 0.0)
+        self.stale_after_s = check_float("stale_after_s", stale_after_s, 0.0, lo_open=True)
+        self._last: dict[str, tuple[int, float]] = {}
+        """knob -> (direction of its last move, +1 / -1, and when)."""
+        self._terms: dict[str, float] = {}
+
+    def decide(self, obs: Observation, now_mono: float) -> Decision:
+        hold = self._hold_reason(obs)
+        if hold is not None:
+            return Decision(None, None, hold)
+        cost = obs.cost
+        assert cost is not None and self.slo is not None
+        tau = self.margin * self.slo.tightest.tpot_s
+        k = cost.kv_tokens_per_seq or 0.0
+        cap, cap_why = self._cap(obs, cost, tau, k)
+        budget, budget_why = self._budget(obs, cost, self.budget_margin * self.slo.tightest.tpot_s, k, cap)
+        runs, runs_why = self._concurrency(cost, k, cap)
+        limit, limit_why = self._limit(obs, runs)
+        self._terms = {"tau_s": tau, "kv_tokens_per_seq": k, "cap": cap, "budget": budget, "limit": limit}
+        decision = Decision(
+            self._banded("admission_limit", obs.admission_limit, limit, now_mono, self.band),
+            self._banded("batch_cap", obs.batch_cap, cap, now_mono, self.band),
+            f"slo[{budget_why}; {cap_why}; {runs_why}; {limit_why}]",
+            token_budget=self._banded("token_budget", obs.token_budget, budget, now_mono, self.band),
+        )
+        return decision
+
+    def _hold_reason(self, obs: Observation) -> str | None:
+        if self.slo is None:
+            return "no_slo[the slo policy needs an [slo] table with ttft_s and tpot_s]"
+        if is_stale(obs, self.stale_after_s):
+            return "stale_stats"
+        if obs.cost is None:
+            return "cost_not_ready[no step-cost model]"
+        if not obs.cost.ready:
+            return f"cost_not_ready[{obs.cost.reason}]"
+        return None
+
+    def _cap(self, obs: Observation, cost: CostEstimate, tau: float, k: float) -> tuple[int, str]:
+        """The largest batch whose decode step is within ``tau`` and that KV holds."""
+        per_seq = cost.c_s_per_decode_seq + cost.d_s_per_kv_token * k
+        room = tau - cost.a_s - cost.b_s_per_prefill_token * self.min_prefill_tokens
+        n = self.max_num_seqs if per_seq <= 0 else max(0, math.floor(room / per_seq))
+        cap, why = n, f"cap {n}: decode step {_ms(cost.a_s + per_seq * n)} <= {_ms(tau)}"
+        d = obs.running
+        if d >= self.kv_min_running and obs.kv_usage > 0:
+            n = math.floor(self.kv_target * d / obs.kv_usage)
+            if n < cap:
+                cap, why = n, f"cap {n}: KV {obs.kv_usage:.2f} at {d} running > {self.kv_target:g}"
+        return max(self.min_cap, min(self.max_num_seqs, cap)), why
+
+    def _concurrency(self, cost: CostEstimate, k: float, cap: int) -> tuple[int, str]:
+        """What the engine runs within the SLO: the cap, or fewer where the mean step (its decodes
+        and their share of the load's prefill) would pass ``mean_margin`` of the TPOT bound."""
+        r = cost.prefill_per_decode
+        assert self.slo is not None
+        bound = self.mean_margin * self.slo.tightest.tpot_s
+        decode = cost.c_s_per_decode_seq + cost.d_s_per_kv_token * k
+        per_seq = decode + cost.b_s_per_prefill_token * (r or 0.0)
+        if r is None or per_seq <= 0:
+            return cap, f"runs {cap}: the cap (no prefill mix measured yet)"
+        n = max(self.min_cap, math.floor((bound - cost.a_s) / per_seq))
+        if n >= cap:
+            return cap, f"runs {cap}: the cap"
+        mean = _ms(cost.a_s + per_seq * n)
+        return n, f"runs {n}: mean step {mean} at {r:.1f} prefill/decode <= {_ms(bound)}"
+
+    def _budget(
+        self, obs: Observation, cost: CostEstimate, tau: float, k: float, cap: int
+    ) -> tuple[int, str]:
+        """The largest budget whose step, with the decoding batch it joins, is within ``tau``."""
+        d = obs.running
+        decode_s = cost.a_s + (cost.c_s_per_decode_seq + cost.d_s_per_kv_token * k) * d
+        b = cost.b_s_per_prefill_token
+        chunk = obs.max_num_batched_tokens if b <= 0 else math.floor((tau - decode_s) / b)
+        floor = max(d, min(cap, self.max_num_seqs)) + self.min_prefill_tokens
+        budget = max(floor, d + chunk)
+        predicted = decode_s + b * (budget - d)
+        return budget, f"budget {budget}: step {_ms(predicted)} at {d} decodes, bound {_ms(tau)}"
+
+    def _limit(self, obs: Observation, runs: int) -> tuple[int, str]:
+        """Just above what the engine runs: the queue forms in the gate."""
+        d = obs.running
+        h = max(self.min_headroom, math.ceil(self.headroom * runs))
+        waiting = max(0, obs.in_flight - d)
+        want, why = runs + h, f"limit {runs + h}: {h} above"
+        if waiting > h and d + h < want:
+            want, why = d + h, f"limit {d + h}: {waiting} wait in the engine > {h}"
+        return max(self.min_limit, want), why
+
+    def _banded(self, knob: str, current: int, want: int, now_mono: float, band: float) -> int | None:
+        """``want``, or None (hold) for a move within ``band`` of ``current`` or one (smaller than a
+        halving or a doubling) that reverses the knob's last move sooner than ``reverse_after_s``."""
+        if want == current or abs(want - current) <= band * current:
+            return None
+        direction = 1 if want > current else -1
+        last = self._last.get(knob)
+        small = abs(want - current) <= 0.5 * max(want, current)  # a halving or doubling always goes
+        recent = last is not None and now_mono - last[1] < self.reverse_after_s
+        if small and recent and last is not None and last[0] != direction:
+            return None
+        self._last[knob] = (direction, now_mono)
+        return want
+
+    def params(self) -> dict[str, Any]:
+        return {**super().params(), "slo": None if self.slo is None else self.slo.as_dict()}
+
+    def terms(self) -> dict[str, float]:
+        """The step bound, the KV per sequence and the three sizes of the last tick."""
+        return dict(self._terms)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f} ms"

@@ -1,0 +1,48 @@
+"""The alternating load (bench/workload.alternate) and simulate --grid's parsing and configurations."""
+
+from __future__ import annotations
+
+import pytest
+
+from controller.bench.workload import RequestSpec, WorkloadError, alternate
+from controller.config.load import AdmissionConfig, ControlConfig
+from controller.sim.grid import parse_grid, runs
+
+
+def load(times: list[float], tokens: int) -> list[RequestSpec]:
+    return [RequestSpec(i, t, tokens, 1) for i, t in enumerate(times)]
+
+
+def test_phases_alternate_and_each_load_plays_on_from_where_it_stopped() -> None:
+    a = load([0.0, 4.0, 11.0, 15.0], 100)  # wraps after 15 + 15 / 4 = 18.75 s
+    b = load([1.0, 2.0, 9.0], 200)  # wraps after 9 + 8 / 3 s
+    out = alternate([a, b], phase_s=10.0, total_s=40.0)
+    got = [(round(s.arrival_s, 3), s.prompt_tokens) for s in out]
+    assert got == [
+        (0.0, 100), (4.0, 100),  # phase 0: a [0, 10)
+        (11.0, 200), (12.0, 200), (19.0, 200),  # phase 1: b [0, 10)
+        (21.0, 100), (25.0, 100), (28.75, 100),  # phase 2: a [10, 20), its start again at 18.75
+        (32.667, 200), (33.667, 200),  # phase 3: b [10, 20) from its start at 11.667
+    ]  # fmt: skip
+    assert [s.index for s in out] == list(range(len(out)))
+    with pytest.raises(WorkloadError):
+        alternate([a, []], 10.0, 40.0)
+
+
+def test_the_grid_needs_every_axis_and_runs_policy_defaults_then_points() -> None:
+    grid = parse_grid(["limit=24,48", "budget=1024", "deadline=0.8,5"])
+    assert grid == {"limit": [24, 48], "budget": [1024], "deadline": [0.8, 5.0]}
+    with pytest.raises(ValueError, match="deadline missing"):
+        parse_grid(["limit=24", "budget=1024"])
+    with pytest.raises(ValueError, match="KEY one of limit, budget, deadline"):
+        parse_grid(["limt=24"])
+    todo = runs(grid, ControlConfig(policy="slo"), AdmissionConfig(limit=1024))
+    assert [r.name for r in todo] == [
+        "slo", "defaults", "static L24 B1024 D0.8", "static L24 B1024 D5", "static L48 B1024 D0.8",
+        "static L48 B1024 D5",
+    ]  # fmt: skip
+    point = todo[2]
+    assert point.control.policy == "static"
+    assert point.control.params == {"admission_limit": 24, "token_budget": 1024}
+    assert {c.queue_deadline_s for c in point.admission.classes} == {0.8}
+    assert todo[1].admission == AdmissionConfig(limit=1024)

@@ -1,0 +1,136 @@
+"""The slo policy (policies/slo_policy.py) with a fake step-cost fit: every knob's size, exactly."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from controller.admin.metrics import reason_label
+from policies.base import BUILT_INS, PolicyError, build_policy
+from policies.cost import CostEstimate
+from policies.slo import SloBound, SloTargets
+from policies.slo_policy import SloPolicy
+from tests.helpers import obs
+
+SLO = SloTargets(SloBound(1.0, 0.05), (("interactive", SloBound(1.0, 0.05)),))
+
+
+def cost(**overrides: Any) -> CostEstimate:
+    """a = 5.1 ms, b = 30 us per prefill token, c = 100 us per sequence, d = 0.1 us per KV token;
+    400 KV tokens per sequence, 2 prefill tokens per decoded token; ready."""
+    fields: dict[str, Any] = {
+        "a_s": 0.0051, "b_s_per_prefill_token": 3e-5, "c_s_per_decode_seq": 1e-4,
+        "d_s_per_kv_token": 1e-7, "samples": 500, "rejected": 0, "rel_error": 0.02, "r2": 0.99,
+        "age_s": 0.1, "ready": True, "reason": "ready", "kv_tokens_per_seq": 400.0,
+        "prefill_per_decode": 2.0,
+    }  # fmt: skip
+    return CostEstimate(**{**fields, **overrides})
+
+
+def policy(**params: Any) -> SloPolicy:
+    built = build_policy("slo", params, max_num_seqs=256, initial_limit=50, slo=SLO)
+    assert isinstance(built, SloPolicy)
+    return built
+
+
+def loaded(**overrides: Any) -> Any:
+    """20 running, 2 waiting inside the engine, KV at 0.1; knobs: limit 50, cap 256, budget 2048."""
+    base: dict[str, Any] = {
+        "admission_limit": 50, "batch_cap": 256, "max_num_seqs": 256, "in_flight": 22, "queued": 0,
+        "running": 20, "kv_usage": 0.1, "token_budget": 2048, "max_num_batched_tokens": 8192,
+        "token_budget_min": 16, "cost": cost(),
+    }  # fmt: skip
+    return obs(**{**base, **overrides})
+
+
+def test_each_knob_is_sized_from_the_model_and_the_tpot_bound() -> None:
+    d = policy().decide(loaded(), 100.0)
+    # budget: tau = 0.9 * 50 ms = 45 ms; decodes 5.1 + 20 * (0.1 + 0.04) ms = 7.9 ms;
+    #   chunk floor((45 - 7.9) ms / 30 us) = 1236 -> 20 + 1236
+    assert d.token_budget == 1256
+    # cap: decode step floor((45 - 5.1 - 64 * 0.03) ms / 0.14 ms) = 271; KV: floor(0.9 * 20 / 0.1) = 180
+    assert d.batch_cap == 180
+    # runs: mean step floor((25 - 5.1) ms / (0.14 + 2 * 0.03) ms) = 99; limit 99 + ceil(0.1 * 99)
+    assert d.admission_limit == 109
+    assert d.reason == (
+        "slo[budget 1256: step 45 ms at 20 decodes, bound 45 ms; cap 180: KV 0.10 at 20 running > 0.9; "
+        "runs 99: mean step 25 ms at 2.0 prefill/decode <= 25 ms; limit 109: 10 above]"
+    )
+
+
+def test_without_kv_pressure_the_decode_step_sizes_the_cap() -> None:
+    no_mix = cost(prefill_per_decode=None)
+    d = policy().decide(loaded(kv_usage=0.01, cost=no_mix), 100.0)
+    # KV: floor(0.9 * 20 / 0.01) = 1800; decode step: 271, clamped to max_num_seqs (in force: held)
+    assert d.batch_cap is None
+    assert d.admission_limit == 256 + 26  # no prefill mix measured yet: the engine runs its cap
+    wide = SloPolicy(max_num_seqs=512, initial_limit=50, slo=SLO).decide(
+        loaded(kv_usage=0.01, batch_cap=128), 1.0
+    )
+    assert wide.batch_cap == 271
+    assert "cap 271: decode step 43 ms <= 45 ms" in wide.reason
+
+
+def test_the_budget_never_falls_below_the_batch_it_serves() -> None:
+    slow = cost(c_s_per_decode_seq=2e-3)  # 20 decodes: 5.1 + 20 * 2.04 ms = 45.9 ms > 45 ms alone
+    d = policy().decide(loaded(cost=slow), 100.0)
+    # cap floor((45 - 5.1 - 1.92) ms / 2.04 ms) = 18; the budget serves the 20 running + 64 prefill
+    assert (d.batch_cap, d.token_budget) == (18, 84)
+
+
+def test_an_engine_queue_pulls_the_limit_down_to_what_runs() -> None:
+    d = policy().decide(loaded(in_flight=40, admission_limit=40), 100.0)
+    assert d.admission_limit == 30  # 20 waiting inside the engine > 10: 20 running + 10
+    assert "limit 30: 20 wait in the engine > 10" in d.reason
+
+
+@pytest.mark.parametrize(
+    ("estimate", "reason"),
+    [
+        (None, "cost_not_ready[no step-cost model]"),
+        (
+            cost(ready=False, reason="cost model: 12 samples < 50"),
+            "cost_not_ready[cost model: 12 samples < 50]",
+        ),
+    ],
+)
+def test_it_holds_every_knob_until_the_model_is_ready(estimate: CostEstimate | None, reason: str) -> None:
+    d = policy().decide(loaded(cost=estimate), 100.0)
+    assert (d.admission_limit, d.batch_cap, d.token_budget, d.reason) == (None, None, None, reason)
+
+
+def test_without_an_slo_it_holds_and_says_so() -> None:
+    d = SloPolicy(max_num_seqs=256, initial_limit=50).decide(loaded(), 0.0)
+    assert (d.admission_limit, d.batch_cap, d.token_budget) == (None, None, None)
+    assert d.reason.startswith("no_slo[")
+
+
+def test_small_moves_and_quick_reversals_are_held() -> None:
+    p = policy()
+    # within 10 % of what is in force: held
+    d = p.decide(loaded(token_budget=1300, batch_cap=190, admission_limit=115), 100.0)
+    assert (d.token_budget, d.batch_cap, d.admission_limit) == (None, None, None)
+    d = p.decide(loaded(batch_cap=150), 100.0)  # up to 180
+    assert d.batch_cap == 180
+    # 10 s later the KV share says 150 again: a reversal within reverse_after_s (30 s) is held ...
+    assert p.decide(loaded(batch_cap=180, kv_usage=0.12), 110.0).batch_cap is None
+    # ... unless it halves the cap, or the 30 s have passed
+    assert p.decide(loaded(batch_cap=180, kv_usage=0.25), 111.0).batch_cap == 72
+    assert p.decide(loaded(batch_cap=72, kv_usage=0.25), 141.0).batch_cap is None  # 72: unchanged
+
+
+def test_it_is_built_in_and_takes_the_slo_from_the_builder_only() -> None:
+    assert BUILT_INS["slo"] == "policies.slo_policy:SloPolicy"
+    assert policy().slo is SLO
+    with pytest.raises(PolicyError, match="'slo' comes from the \\[slo\\] table"):
+        build_policy("slo", {"slo": 1}, max_num_seqs=8, initial_limit=8, slo=SLO)
+    with pytest.raises(PolicyError, match="margin = 0"):
+        policy(margin=0)
+
+
+def test_the_figures_stay_out_of_the_metric_label() -> None:
+    reason = policy().decide(loaded(), 100.0).reason + ":rate_limited"
+    assert reason_label(reason) == "slo:rate_limited"
+    assert reason_label("cost_not_ready[cost model: 12 samples < 50]:hold") == "cost_not_ready:hold"
+    assert reason_label("kv_low:rate_limited") == "kv_low:rate_limited"
