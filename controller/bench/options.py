@@ -78,13 +78,24 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of arrivals, lengths and priorities (default 0)")
 
 
+def steer_to_slo(base: dict[str, Any], args: argparse.Namespace) -> None:
+    """``--slo-ttft`` / ``--slo-tpot`` (both given) become the daemon's ``[slo]`` when ``--config`` has
+    none: the SLO goodput counts is the one the loop steers to."""
+    ttft, tpot = getattr(args, "slo_ttft", None), getattr(args, "slo_tpot", None)
+    if "slo" not in base and ttft is not None and tpot is not None:
+        base["slo"] = {"ttft_s": ttft, "tpot_s": tpot}
+
+
 def add_slo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--slo-ttft", type=float, help="TTFT objective in seconds (goodput counts requests within it)"
-    )
+        "--slo-ttft", type=float,
+        help="TTFT objective in seconds (goodput counts requests within it; with --slo-tpot, the "
+        "daemon's [slo] when --config has none)",
+    )  # fmt: skip
     p.add_argument(
-        "--slo-tpot", type=float, help="TPOT objective in seconds per output token after the first"
-    )
+        "--slo-tpot", type=float,
+        help="TPOT objective in seconds per output token after the first (as --slo-ttft)",
+    )  # fmt: skip
     p.add_argument(
         "--warmup", type=int, default=4, help="short unrecorded requests before the run (default 4)"
     )

@@ -18,7 +18,7 @@ from typing import Any
 
 from controller.bench.client import Target
 from controller.bench.memory import MemoryProbe
-from controller.bench.options import build_specs, format_summary, run_config
+from controller.bench.options import build_specs, format_summary, run_config, steer_to_slo
 from controller.bench.prompts import PromptBuilder, Tokenizer, load_tokenizer
 from controller.bench.runner import SUMMARY, Endpoints, read_summary, run_workload
 from controller.bench.servers import (
@@ -83,6 +83,7 @@ def prepare(args: argparse.Namespace) -> Bench:
         if not dot or table == "engine":
             raise ValueError(f"--daemon {key}: write TABLE.KEY=VALUE, e.g. --daemon control.tick_seconds=0.5")
         base.setdefault(table, {})[name] = value
+    steer_to_slo(base, args)
     tokenizer: Tokenizer = load_tokenizer(Path(args.tokenizer or base["engine"]["model"]))
     max_len = int(base["engine"].get("max_model_len") or 2048)
     specs = build_specs(args, tokenizer, max_len)

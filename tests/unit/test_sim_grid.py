@@ -46,3 +46,29 @@ def test_the_grid_needs_every_axis_and_runs_policy_defaults_then_points() -> Non
     assert point.control.params == {"admission_limit": 24, "token_budget": 1024}
     assert {c.queue_deadline_s for c in point.admission.classes} == {0.8}
     assert todo[1].admission == AdmissionConfig(limit=1024)
+
+
+def test_the_bench_slo_becomes_the_daemons_when_the_config_has_none() -> None:
+    import argparse
+
+    from controller.bench.options import steer_to_slo
+
+    args = argparse.Namespace(slo_ttft=1.0, slo_tpot=0.05)
+    base: dict[str, dict[str, float]] = {}
+    steer_to_slo(base, args)
+    assert base["slo"] == {"ttft_s": 1.0, "tpot_s": 0.05}
+    own = {"slo": {"ttft_s": 2.5, "tpot_s": 0.07}}
+    steer_to_slo(own, args)
+    assert own["slo"] == {"ttft_s": 2.5, "tpot_s": 0.07}  # the config's own [slo] stands
+    steer_to_slo(none := {}, argparse.Namespace(slo_ttft=1.0, slo_tpot=None))
+    assert none == {}
+
+
+def test_simulate_steers_to_its_slo_when_the_config_has_none() -> None:
+    from controller.sim.profile import load_profile
+    from controller.sim.twin import with_config
+
+    _, control, admission, slo = with_config(load_profile("cpu-tiny"), None, "slo", {}, (1.0, 0.05))
+    assert slo is not None and slo.for_class("interactive") == (1.0, 0.05)
+    assert [name for name, _ in slo.by_class] == [c.name for c in admission.classes]
+    assert control.policy == "slo"
