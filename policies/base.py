@@ -137,8 +137,6 @@ class PolicyError(ValueError):
 
 
 BUILT_INS: dict[str, str] = {
-    "aimd": "policies.aimd:AimdPolicy",
-    "gradient": "policies.gradient:GradientPolicy",
     "hysteresis": "policies.hysteresis:HysteresisPolicy",
     "pid": "policies.pid:PidPolicy",
     "slo": "policies.slo_policy:SloPolicy",

@@ -17,9 +17,6 @@ from policies.base import Decision, Observation, PolicyError
 KV_SOURCES = ("mean", "latest", "max")
 """How a policy reads KV usage: the window mean, the last step, or the window max."""
 
-LATENCIES = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")
-"""Latency signals a policy may follow; each is a window percentile of the Observation."""
-
 
 def check_float(name: str, value: object, lo: float, hi: float = math.inf, *, lo_open: bool = False) -> float:
     """A number in [lo, hi] (or (lo, hi] with ``lo_open``); TOML integers are accepted."""
@@ -48,12 +45,6 @@ def check_choice(name: str, value: object, choices: Sequence[str]) -> str:
     return value
 
 
-def check_bool(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise PolicyError(f"{name} = {value!r}: must be true or false")
-    return value
-
-
 def is_stale(obs: Observation, stale_after_s: float) -> bool:
     """Requests are in flight but the engine has not reported a step for too long (or ever).
 
@@ -66,17 +57,6 @@ def is_stale(obs: Observation, stale_after_s: float) -> bool:
 def has_demand(obs: Observation, used: int, ceiling: int, fraction: float) -> bool:
     """Raising a knob helps only if requests wait in the gate or ``used`` is close to ``ceiling``."""
     return obs.queued > 0 or used >= fraction * ceiling
-
-
-def latency_sample(obs: Observation, which: str) -> float | None:
-    """The window percentile named by ``which`` (one of LATENCIES)."""
-    samples = {
-        "ttft_p50": obs.ttft_p50_s,
-        "ttft_p99": obs.ttft_p99_s,
-        "itl_p50": obs.itl_p50_s,
-        "itl_p99": obs.itl_p99_s,
-    }
-    return samples[which]
 
 
 def limit_for_cap(cap: int, factor: float, headroom: int) -> int:
@@ -171,64 +151,6 @@ class CapFollower:
         return Decision(limit_for_cap(cap, self.limit_factor, self.limit_headroom), cap, reason)
 
 
-@dataclass(kw_only=True)
-class LimitMover:
-    """The part every policy that moves the admission limit shares, its parameters defined once: a
-    latency sample to follow, bounds for the limit, growth only with demand, stale stats hold, and
-    the batch cap following the limit on request. Built as ``LimitMover(max_num_seqs=...,
-    latency=..., demand_fraction=..., **params)``: each policy sets its own default for the two.
-    """
-
-    max_num_seqs: int
-    """The engine's ceiling of the batch cap."""
-    latency: str
-    """The latency sample the policy follows, one of LATENCIES."""
-    demand_fraction: float
-    """Growth needs requests queued in the gate or ``in_flight >= demand_fraction * limit``."""
-    min_limit: int = 1
-    """The lowest admission limit the policy asks for."""
-    max_limit: int | None = None
-    """The highest admission limit the policy asks for; None: 2 * max_num_seqs."""
-    cap_follows_limit: bool = False
-    """True: ``batch_cap = clamp(limit, 1, max_num_seqs)``; false: the cap is left alone."""
-    stale_after_s: float = 5.0
-    """Requests in flight and no engine step for this long: hold."""
-
-    def __post_init__(self) -> None:
-        self.latency = check_choice("latency", self.latency, LATENCIES)
-        self.min_limit = check_int("min_limit", self.min_limit, 1)
-        top = 2 * self.max_num_seqs if self.max_limit is None else self.max_limit
-        self.max_limit = check_int("max_limit", top, self.min_limit)
-        self.demand_fraction = check_float("demand_fraction", self.demand_fraction, 0.0, 1.0, lo_open=True)
-        self.cap_follows_limit = check_bool("cap_follows_limit", self.cap_follows_limit)
-        self.stale_after_s = check_float("stale_after_s", self.stale_after_s, 0.0, lo_open=True)
-
-    @property
-    def top(self) -> int:
-        """The highest admission limit, as checked (``max_limit`` is set once constructed)."""
-        return 2 * self.max_num_seqs if self.max_limit is None else self.max_limit
-
-    def params(self) -> dict[str, Any]:
-        return _params(self)
-
-    def stale(self, obs: Observation) -> bool:
-        return is_stale(obs, self.stale_after_s)
-
-    def sample(self, obs: Observation) -> float | None:
-        return latency_sample(obs, self.latency)
-
-    def has_demand(self, obs: Observation) -> bool:
-        return has_demand(obs, obs.in_flight, obs.admission_limit, self.demand_fraction)
-
-    def clamp(self, estimate: float) -> float:
-        return clamp(estimate, self.min_limit, self.top)
-
-    def decision(self, limit: int, reason: str) -> Decision:
-        """The limit, and the batch cap with it when it follows (clamped to the engine's ceiling)."""
-        cap = max(1, min(self.max_num_seqs, limit)) if self.cap_follows_limit else None
-        return Decision(limit, cap, reason)
-
-
-def _params(part: CapFollower | LimitMover) -> dict[str, Any]:
+def _params(part: CapFollower) -> dict[str, Any]:
     """A shared part's parameters for /state (its ceiling and its state are not parameters)."""
     return {f.name: getattr(part, f.name) for f in fields(part) if f.init and f.name != "max_num_seqs"}

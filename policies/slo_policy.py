@@ -126,10 +126,10 @@ class SloPolicy(Policy):
         return decision
 
     def _hold_reason(self, obs: Observation) -> str | None:
-        if self.slo is None:
-            return "no_slo[the slo policy needs an [slo] table with ttft_s and tpot_s]"
         if is_stale(obs, self.stale_after_s):
             return "stale_stats"
+        if self.slo is None:
+            return "no_slo[the slo policy needs an [slo] table with ttft_s and tpot_s]"
         if obs.cost is None:
             return "cost_not_ready[no step-cost model]"
         if not obs.cost.ready:

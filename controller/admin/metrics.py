@@ -29,7 +29,7 @@ GAUGES = {
     "autopilot_engine_up": "1 when the engine serves, else 0.",
 }
 QUEUE_DEPTH = "Requests waiting in the admission gate, by priority class."
-POLICY_TERM = "Internal terms of the active policy (error, integral, gradient, baseline, ...)."
+POLICY_TERM = "Internal terms of the active policy (error, integral, tau_s, ...)."
 COST_GAUGES = {
     "autopilot_cost_model_samples": "Engine steps the online step-cost model has taken in.",
     "autopilot_cost_model_rel_error": "RMS relative error of the step-cost model's recent predictions.",

@@ -32,8 +32,7 @@ CONFIGS: list[tuple[str, str, dict[str, Any]]] = [
     ("static-small", "static", {"preset": "small"}),
     ("hysteresis", "hysteresis", {}),
     ("pid", "pid", {}),
-    ("gradient", "gradient", {}),
-    ("aimd", "aimd", {}),
+    ("slo", "slo", {}),
 ]
 KEYS = (
     "requests", "refused", "goodput_rps", "slo_attainment", "throughput_tok_s", "ttft_p50", "ttft_p99",

@@ -67,7 +67,7 @@ def test_compare_servers_expand_in_a_fixed_order() -> None:
     assert best.control == {"policy": "static", "params": {}}
     pid = next(s for s in specs if s.name == "policy:pid")
     assert pid.control == {"policy": "pid", "params": {"setpoint": 0.9}}
-    assert [s.name for s in compare.servers(_bench(), _args())][5] == "policy:aimd"  # no best: skipped
+    assert [s.name for s in compare.servers(_bench(), _args())][5] == "policy:hysteresis"  # no best: skipped
 
 
 def test_compare_daemon_and_vllm_serve_with_the_same_engine() -> None:

@@ -104,7 +104,7 @@ def test_our_events_survive_a_library_raising_the_root_level(capsys: pytest.Capt
     configure_logging(json_logs=True)
     logging.getLogger().setLevel(logging.ERROR)
     structlog.get_logger("controller.lifecycle.daemon").info("serving")
-    structlog.get_logger("policies.aimd").info("cut")
+    structlog.get_logger("policies.hysteresis").info("cut")
     logging.getLogger("torch").warning("third-party noise follows the root")
     assert [x["event"] for x in json_lines(capsys.readouterr().out)] == ["serving", "cut"]
 

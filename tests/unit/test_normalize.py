@@ -115,7 +115,7 @@ def test_reset_forgets_the_window() -> None:
 
 
 def test_damps_the_chatter_of_a_limit_at_equilibrium() -> None:
-    """A policy alternating 55/56 (the gradient policy at equilibrium) moves once, then never."""
+    """A policy alternating 55/56 (a limit-moving policy at equilibrium) moves once, then never."""
     normalizer = Normalizer(limit_max=128, stabilization_s=10.0)
     limit, moves = 64, []
     for t in range(30):

@@ -7,7 +7,7 @@ import pytest
 from policies.base import REGISTRY, Decision, Policy, build_policy, resolve
 from tests.helpers import obs
 
-BUILT_INS = ["aimd", "gradient", "hysteresis", "pid", "static"]
+BUILT_INS = ["hysteresis", "pid", "slo", "static"]
 
 
 @pytest.mark.parametrize("name", BUILT_INS)
@@ -22,7 +22,7 @@ def test_built_in_policies_resolve_and_run_with_defaults(name: str) -> None:
     assert isinstance(policy.params(), dict)
 
 
-@pytest.mark.parametrize("name", ["aimd", "gradient", "hysteresis", "pid"])
+@pytest.mark.parametrize("name", ["hysteresis", "pid", "slo"])
 def test_stale_stats_hold_every_policy(name: str) -> None:
     policy = build_policy(name, {}, max_num_seqs=64, initial_limit=64)
     assert policy.decide(obs(in_flight=3, stats_age_s=30.0), 0.0) == Decision(None, None, "stale_stats")
