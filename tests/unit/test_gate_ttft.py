@@ -4,6 +4,7 @@ share of each class's TTFT bound, and early refusal by predicted TTFT (expected 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
@@ -102,3 +103,20 @@ def test_the_cost_models_prefill_term_waits_for_its_samples() -> None:
     steps = [EngineStep(i * 0.01, p, 4, 4000, 0.002 + 1e-5 * p) for i, p in enumerate([100, 200, 400] * 30)]
     model.update(steps)
     assert reader.prefill_s(1000) == pytest.approx(0.002 + 1e-5 * 1000, rel=0.05)
+
+
+async def test_the_daemon_bounds_its_gate_under_slo_and_a_reload_lifts_it(tmp_path: Path) -> None:
+    from controller.config.load import load_config
+    from controller.lifecycle.parts import build_parts
+    from controller.lifecycle.reload import Reloader
+    from tests.helpers import write_config
+
+    slo = {"ttft_s": 1.0, "tpot_s": 0.05}
+    path = write_config(tmp_path / "config.toml", control={"policy": "slo"}, slo=slo)
+    parts = build_parts(load_config(path))
+    deadlines = {c.name: c.queue_deadline_s for c in parts.gate.classes}
+    assert deadlines["interactive"] == pytest.approx(0.8) and deadlines["batch"] == pytest.approx(0.8)
+    ports = {"server": {"port": parts.config.server.port}, "admin": {"port": parts.config.admin.port}}
+    write_config(path, **ports, control={"policy": "static"}, slo=slo)
+    assert (await Reloader(parts)._reload())["ok"]
+    assert {c.name: c.queue_deadline_s for c in parts.gate.classes} == {"interactive": 5.0, "batch": 60.0}
