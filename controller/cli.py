@@ -1,6 +1,7 @@
 """``vllm-autopilot``: serve, check-config, make-model, simulate, bench.
 
-Each subcommand's parser names its handler with ``set_defaults(func=...)``; ``main`` only calls it.
+Each subcommand's parser names its handler with ``set_defaults(func=...)``; ``main`` only calls it,
+except ``serve``, whose options ``main`` hands to vLLM's own serve parser (config/cli_layer.py).
 """
 
 from __future__ import annotations
@@ -9,9 +10,11 @@ import argparse
 import asyncio
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from controller.bench.cli import add_bench_commands, bench_main
+from controller.config.cli_layer import serve_config
 from controller.config.load import DEFAULT_CONFIG, Config, ConfigError, describe, load_config
 from controller.lifecycle.logs import configure_logging
 from controller.models.cli import add_model_parser
@@ -19,40 +22,46 @@ from controller.sim.cli import add_calibrate_parser, add_simulate_parser, add_va
 from policies.base import PolicyError
 
 
-def _load_or_exit(path: Path) -> Config:
+def _load_or_exit(where: object, load: Callable[[], Config]) -> Config:
     try:
-        return load_config(path)
+        return load()
     except ConfigError as exc:
-        print(f"{path}: invalid config ({len(exc.errors)} error(s)):", file=sys.stderr)
+        print(f"{where}: invalid config ({len(exc.errors)} error(s)):", file=sys.stderr)
         for err in exc.errors:
             print(f"  - {err}", file=sys.stderr)
         sys.exit(1)
 
 
-def _serve(args: argparse.Namespace) -> int:
-    configure_logging()  # before anything imports vLLM (load_config does): vLLM logs through it
-    config = _load_or_exit(args.config)
+def _serve(argv: list[str]) -> int:
+    """``serve [MODEL] [any vllm serve option] [--config FILE.toml]`` (config/cli_layer.py)."""
+    configure_logging()  # before anything imports vLLM (the parser does): vLLM logs through it
+    config = _load_or_exit("vllm-autopilot serve", lambda: serve_config(argv))
     # Lazy: the daemon imports vLLM (~20 s), which no other subcommand needs.
     from controller.lifecycle.daemon import serve
 
     try:
         return asyncio.run(serve(config))
     except PolicyError as exc:
-        print(f"{args.config}: {exc}", file=sys.stderr)
+        print(f"{config.path}: {exc}", file=sys.stderr)
         return 1
 
 
 def _check_config(args: argparse.Namespace) -> int:
-    print(json.dumps(describe(_load_or_exit(args.config)), indent=2, default=str))
+    config = _load_or_exit(args.config, lambda: load_config(args.config))
+    print(json.dumps(describe(config), indent=2, default=str))
     return 0
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vllm-autopilot", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run the daemon in the foreground (systemd runs this)")
-    serve.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
-    serve.set_defaults(func=_serve)
+    # Listed here for the top-level --help; main() hands its arguments to vLLM's serve parser.
+    sub.add_parser(
+        "serve",
+        help="run the daemon in the foreground: [MODEL] [any vllm serve option] [--config FILE.toml] "
+        "(systemd runs this)",
+        add_help=False,
+    )
     check = sub.add_parser("check-config", help="validate a config file and print the effective config")
     check.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     check.set_defaults(func=_check_config)
@@ -68,5 +77,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # vLLM's parser, not argparse's subparser, reads serve's options
+        return _serve(argv[1:])
     args = _parser().parse_args(argv)
     return int(args.func(args))

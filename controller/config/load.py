@@ -223,6 +223,8 @@ class Config:
     drain-and-restart (queued requests kept). False: they stay pending until the service restarts."""
     slo: SloTargets | None = None
     """[slo] resolved per class (controller/config/slo.py); None: the file has no [slo]."""
+    overlay: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """The command line's tables, laid over the file again at each reload (config/cli_layer.py)."""
 
     @property
     def max_num_seqs(self) -> int:
@@ -364,15 +366,19 @@ def _policy_errors(engine: dict[str, Any], tables: dict[str, Any]) -> list[str]:
 
 def load_config(path: Path = DEFAULT_CONFIG) -> Config:
     """Read and validate ``path``."""
+    return parse_config(read_toml(path), path)
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """The parsed file, or a ``ConfigError`` that says why it cannot be read."""
     try:
         text = path.read_text()
     except OSError as exc:
         raise ConfigError([f"cannot read config file {path}: {exc.strerror}; pass --config PATH"]) from exc
     try:
-        data = tomllib.loads(text)
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError([f"{path}: not valid TOML ({exc}); fix the syntax at that line"]) from exc
-    return parse_config(data, path)
 
 
 def describe(config: Config, *, secrets: bool = False) -> dict[str, Any]:

@@ -16,8 +16,9 @@ from typing import Any
 
 import structlog
 
+from controller.config.cli_layer import load_layered
 from controller.config.diff import ConfigDiff, diff_config, engine_overrides, merge_live
-from controller.config.load import Config, ConfigError, load_config
+from controller.config.load import Config, ConfigError
 from controller.control.build import normalizer_for, policy_for, ttft_for
 from controller.control.normalize import Normalizer
 from controller.lifecycle.parts import TICK_JOB, Parts, cost_prior_for
@@ -50,7 +51,7 @@ class Reloader:
     async def _reload(self) -> dict[str, Any]:
         p = self.parts
         try:
-            new = load_config(p.config.path)
+            new = load_layered(p.config.path, p.config.overlay)  # the command line stays on top
             diff = diff_config(p.config, new)
             control = self._control_for(new, diff)  # built before anything changes
         except ConfigError as exc:
