@@ -48,11 +48,11 @@ def errors_of(data: dict[str, Any]) -> list[str]:
 
 def test_the_default_file_steers_to_its_slo() -> None:
     config = load_config(DEFAULT)
-    bound = SloBound(2.5, 0.07)
+    bound = SloBound(5.0, 0.25)
     assert config.slo == SloTargets(bound, (("interactive", bound), ("batch", bound)))
-    assert config.slo.for_class("interactive") == (2.5, 0.07)
+    assert config.slo.for_class("interactive") == (5.0, 0.25)
     ttft_s, tpot_s = config.slo.for_class("batch")  # unpacks as a pair
-    assert (ttft_s, tpot_s) == (2.5, 0.07)
+    assert (ttft_s, tpot_s) == (5.0, 0.25)
 
 
 def test_without_slo_there_is_no_slo() -> None:
@@ -156,23 +156,23 @@ def test_check_config_shows_the_resolved_slo(capsys: pytest.CaptureFixture[str])
     assert main(["check-config", "--config", str(DEFAULT)]) == 0
     shown = json.loads(capsys.readouterr().out)["slo"]
     assert shown == {
-        "ttft_s": 2.5,
-        "tpot_s": 0.07,
+        "ttft_s": 5.0,
+        "tpot_s": 0.25,
         "classes": {
-            "interactive": {"ttft_s": 2.5, "tpot_s": 0.07, "wait_bound_s": 2.5},
-            "batch": {"ttft_s": 2.5, "tpot_s": 0.07, "wait_bound_s": 2.5},
+            "interactive": {"ttft_s": 5.0, "tpot_s": 0.25, "wait_bound_s": 5.0},
+            "batch": {"ttft_s": 5.0, "tpot_s": 0.25, "wait_bound_s": 5.0},
         },
     }
 
 
 def test_the_slo_is_live_on_reload() -> None:
     old = load_config(DEFAULT)
-    new = parse_config(document({"ttft_s": 1.0, "tpot_s": 0.07}, batch={"slo_ttft_s": 20.0}), DEFAULT)
+    new = parse_config(document({"ttft_s": 1.0, "tpot_s": 0.25}, batch={"slo_ttft_s": 20.0}), DEFAULT)
     diff = diff_config(old, new)
     assert diff.live == {"admission": ["classes"], "slo": ["classes", "ttft_s"]}
     assert diff.pending == {}
     merged = merge_live(old, new)
-    assert merged.slo is not None and merged.slo.for_class("batch") == SloBound(20.0, 0.07)
+    assert merged.slo is not None and merged.slo.for_class("batch") == SloBound(20.0, 0.25)
     gone = diff_config(old, parse_config(document(None), DEFAULT))
     assert gone.live == {"slo": ["classes", "tpot_s", "ttft_s"]} and gone.pending == {}
 
