@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
+import psutil
 
 from controller.bench.client import parse_event, pooled_connector
 from controller.bench.servers import to_toml
@@ -189,6 +190,23 @@ async def stream_completion(
 
 
 # -- the gate -----------------------------------------------------------------------------------
+
+
+async def wait_for(predicate: Any, timeout_s: float, what: str) -> None:
+    """Poll ``predicate`` every 50 ms until it holds; fail naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+def engine_core() -> psutil.Process:
+    """The EngineCore process under this test process (the in-process daemon's engine)."""
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if "EngineCore" in child.name() or "EngineCore" in " ".join(child.cmdline()):
+                return child
+    raise AssertionError("no EngineCore child process found")
 
 
 async def settle() -> None:

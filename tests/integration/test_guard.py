@@ -13,18 +13,16 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 import pytest_asyncio
 
 from controller.control.samplers import FakeHostSource, HostReading
 from controller.lifecycle.daemon import Daemon
-from tests.helpers import http_session, running_daemon, stream_completion, write_config
+from tests.helpers import engine_core, http_session, running_daemon, stream_completion, wait_for, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -67,17 +65,6 @@ def restarts(d: Daemon, reason: str) -> float:
     return value or 0.0
 
 
-def engine_core_pid() -> int:
-    for child in psutil.Process().children(recursive=True):
-        try:
-            name, cmd = child.name(), " ".join(child.cmdline())
-        except psutil.Error:
-            continue
-        if "EngineCore" in name or "EngineCore" in cmd:
-            return int(child.pid)
-    raise AssertionError("no EngineCore child process found")
-
-
 def ok(r: dict[str, Any], tokens: int) -> bool:
     return r["status"] == 200 and r["tokens"] == tokens
 
@@ -86,13 +73,6 @@ def clear_error(r: dict[str, Any]) -> bool:
     """A request that did not complete must say why and that a retry is fine."""
     message = str(r.get("error", "")) + str(r.get("body", ""))
     return r["status"] in (500, 503) and "retry" in message.lower()
-
-
-async def wait_for(predicate: Any, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
 
 
 async def test_a_memory_risk_restarts_once_with_smaller_kv_and_loses_no_queued_request(
@@ -128,7 +108,7 @@ async def test_b_engine_core_sigkill_under_load_is_recovered(daemon: Daemon) -> 
     async with http_session() as s:
         load = [asyncio.create_task(stream_completion(s, base(daemon), 300)) for _ in range(8)]
         await wait_for(lambda: daemon.parts.gate.stats().in_flight >= 8, 30, "load inside the engine")
-        os.kill(engine_core_pid(), signal.SIGKILL)
+        os.kill(engine_core().pid, signal.SIGKILL)
         waiting = [asyncio.create_task(stream_completion(s, base(daemon), 16)) for _ in range(5)]
         results = await asyncio.wait_for(asyncio.gather(*load), 180)  # none may hang
         waiting_results = await asyncio.wait_for(asyncio.gather(*waiting), 180)
@@ -144,7 +124,7 @@ async def test_c_repeated_crashes_spend_the_budget_then_503_without_hanging(daem
     # Budget 2 crashes an hour: (b) spent 1 ((a)'s memory restart spent none); this crash spends the
     # second, the next one finds it spent.
     for expected_generation in (daemon.parts.host.generation + 1, None):
-        os.kill(engine_core_pid(), signal.SIGKILL)
+        os.kill(engine_core().pid, signal.SIGKILL)
         if expected_generation is not None:
             await wait_for(
                 lambda g=expected_generation: daemon.parts.host.generation == g and daemon.parts.host.ready,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ import pytest_asyncio
 
 from controller.config.load import load_config
 from controller.lifecycle.daemon import Daemon
-from tests.helpers import http_session, stream_completion, url, write_config
+from tests.helpers import http_session, stream_completion, url, wait_for, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -47,13 +46,6 @@ async def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> 
     finally:
         if not d.parts.draining:  # (d) shuts it down itself
             await d.shutdown()
-
-
-async def wait_for(predicate: Any, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
 
 
 def raw_request(d: Daemon, body: dict[str, Any], rcvbuf: int = 4096) -> socket.socket:

@@ -9,17 +9,23 @@ import asyncio
 import contextlib
 import os
 import signal
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import psutil
 import pytest
 import pytest_asyncio
 
 from controller.lifecycle.daemon import Daemon
-from tests.helpers import http_session, running_daemon, stream_completion, url, write_config
+from tests.helpers import (
+    engine_core,
+    http_session,
+    running_daemon,
+    stream_completion,
+    url,
+    wait_for,
+    write_config,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -32,21 +38,6 @@ async def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> 
     )
     async with running_daemon(path) as d:
         yield d
-
-
-def engine_core() -> psutil.Process:
-    for child in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            if "EngineCore" in child.name() or "EngineCore" in " ".join(child.cmdline()):
-                return child
-    raise AssertionError("no EngineCore child process found")
-
-
-async def wait_for(predicate: Any, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
 
 
 async def test_a_stopped_engine_core_is_restarted_and_its_request_ends_with_a_clear_error(
