@@ -18,6 +18,7 @@ import sys
 import time
 import tomllib
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -86,7 +87,7 @@ def reconfigure(server: Launched, spec: ServerSpec, base: dict[str, Any], timeou
             f"{spec.name}: its [engine] differs from {server.spec.name}'s; start a server for it"
         )
     data_port, admin_port = (
-        int(u.rsplit(":", 1)[1].split("/", 1)[0]) for u in (server.base_url, server.state_url)
+        int(urllib.parse.urlsplit(u).port or 0) for u in (server.base_url, server.state_url)
     )
     server.config_path.write_text(to_toml(daemon_config(base, spec, data_port, admin_port)))
     admin = server.state_url.rsplit("/", 1)[0]
