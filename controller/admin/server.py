@@ -26,6 +26,7 @@ HEALTH: web.AppKey[HealthFn] = web.AppKey("health")
 RELOAD: web.AppKey[ReloadFn] = web.AppKey("reload")
 TOKEN: web.AppKey[str] = web.AppKey("token")
 OUR_REGISTRY: web.AppKey[CollectorRegistry] = web.AppKey("registry")
+VLLM_REGISTRY: web.AppKey[CollectorRegistry] = web.AppKey("vllm_registry")
 
 
 def _authorized(request: web.Request) -> bool:
@@ -45,7 +46,7 @@ def _unauthorized() -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = generate_latest(request.app[OUR_REGISTRY]) + generate_latest(REGISTRY)  # ours + vllm:*
+    body = generate_latest(request.app[OUR_REGISTRY]) + generate_latest(request.app[VLLM_REGISTRY])
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
@@ -73,9 +74,13 @@ def make_admin_app(
     health_fn: HealthFn,
     reload_fn: ReloadFn,
     token: str = "",
+    vllm_registry: CollectorRegistry = REGISTRY,
 ) -> web.Application:
+    """`vllm_registry` is where vLLM's stat logger registers its vllm:* metrics (prometheus_client's
+    process-wide default); /metrics serves it after ours."""
     app = web.Application()
     app[OUR_REGISTRY] = registry
+    app[VLLM_REGISTRY] = vllm_registry
     app[STATE] = state_fn
     app[HEALTH] = health_fn
     app[RELOAD] = reload_fn
