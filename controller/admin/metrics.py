@@ -14,6 +14,7 @@ from typing import Protocol
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from controller.control.capacity import Capacity
 from controller.control.loop import Change
 from controller.control.observe import GateReadings
 from policies.base import Observation, Policy
@@ -34,6 +35,12 @@ COST_GAUGES = {
     "autopilot_cost_model_samples": "Engine steps the online step-cost model has taken in.",
     "autopilot_cost_model_rel_error": "RMS relative error of the step-cost model's recent predictions.",
     "autopilot_cost_model_ready": "1 when the step-cost model has enough recent steps to steer by.",
+}
+CAPACITY_GAUGES = {
+    "autopilot_saturation": "Offered requests/s over autopilot_capacity_rps: 0 idle, 1 at the SLO capacity "
+    "the step-cost model predicts for the current mix, above 1 over it (no sample: /state capacity.reason).",
+    "autopilot_capacity_rps": "Good requests per second this replica can serve at the current request mix "
+    "within [slo] (no sample: /state capacity.reason).",
 }
 COST_TERM = "Step-cost model coefficient: step_s = a_s + b*prefill + c*decode_seqs + d*kv_tokens."
 
@@ -63,6 +70,13 @@ class LiveCost(Protocol):
     def current(self) -> CostEstimate: ...
 
 
+class LiveCapacity(Protocol):
+    """The capacity meter (``controller/control/capacity.py``): its latest tick's figures."""
+
+    @property
+    def last(self) -> Capacity: ...
+
+
 class LivePolicy(Protocol):
     """Whatever holds the policy in force (the control loop: a reload swaps its policy)."""
 
@@ -77,12 +91,22 @@ class LiveGauges:
     def __init__(self) -> None:
         self._parts: tuple[GateReadings, LiveEngine, LivePolicy] | None = None
         self._cost: LiveCost | None = None
+        self._capacity: LiveCapacity | None = None
 
     def read_from(self, gate: GateReadings, engine: LiveEngine, policy: LivePolicy) -> None:
         self._parts = (gate, engine, policy)
 
     def read_cost(self, cost: LiveCost) -> None:
         self._cost = cost
+
+    def read_capacity(self, capacity: LiveCapacity) -> None:
+        self._capacity = capacity
+
+    def _capacity_families(self) -> Iterator[Metric]:
+        last = self._capacity.last if self._capacity is not None else None
+        values = (last.saturation, last.capacity_rps) if last else (None, None)
+        for (name, doc), value in zip(CAPACITY_GAUGES.items(), values, strict=True):
+            yield GaugeMetricFamily(name, doc, value=value)  # None: no sample, never a made-up one
 
     def _cost_families(self) -> Iterator[Metric]:
         est = self._cost.current() if self._cost is not None else None
@@ -102,6 +126,7 @@ class LiveGauges:
         yield GaugeMetricFamily("autopilot_policy_term", POLICY_TERM, labels=["policy", "term"])
         yield GaugeMetricFamily("autopilot_cost_model_coefficient", COST_TERM, labels=["term"])
         yield from (GaugeMetricFamily(name, doc) for name, doc in COST_GAUGES.items())
+        yield from (GaugeMetricFamily(name, doc) for name, doc in CAPACITY_GAUGES.items())
 
     def collect(self) -> Iterator[Metric]:
         if self._parts is None:
@@ -129,6 +154,7 @@ class LiveGauges:
             terms.add_metric([policy.name, term], term_value)
         yield terms
         yield from self._cost_families()
+        yield from self._capacity_families()
 
 
 class Metrics:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from controller.admission.gate import AdmissionGate
 from controller.config.load import Config, describe
 from controller.config.slo import describe_slo
+from controller.control.capacity import CapacityMeter
 from controller.control.diagnosis import Diagnosis
 from controller.control.loop import ControlLoop
 from controller.control.stepcost import CostReader
@@ -46,6 +47,8 @@ class StatusParts(Protocol):
     def data_plane_up(self) -> bool: ...
     @property
     def cost(self) -> CostReader | None: ...
+    @property
+    def capacity(self) -> CapacityMeter | None: ...
 
 
 def health(d: StatusParts) -> tuple[bool, str]:
@@ -103,6 +106,7 @@ def state(d: StatusParts) -> dict[str, Any]:
         "diagnosis": dataclasses.asdict(d.diagnosis) if d.diagnosis else None,
         "slo": describe_slo(d.config.slo, d.config.admission.classes),
         "cost_model": d.cost.current().as_dict() if d.cost is not None else None,
+        "capacity": d.capacity.last.as_dict() if d.capacity is not None else None,
         "config": describe(d.config),
         "pending_config_changes": d.pending_changes,
     }

@@ -36,6 +36,11 @@ class StepSample:
     """Inter-token latencies observed in this step (seconds)."""
     finished: int
     """Requests that finished in this step."""
+    finished_prefill_tokens: int = 0
+    """Prompt tokens the requests finished in this step had to prefill: their prompts less the
+    prefix-cache hits (what the request mix costs in prefill, ``controller/control/capacity.py``)."""
+    finished_output_tokens: int = 0
+    """Output tokens the requests finished in this step generated."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,18 @@ class EngineStats:
     last_step_age_s: float | None
     """Seconds since the engine last reported a step; None before the first one. A large age with
     nothing running means idle, not stalled."""
+
+
+@dataclass(frozen=True)
+class FinishedMix:
+    """The requests that finished inside the window: how many, and what a mean one cost."""
+
+    finished: int
+    """Requests finished inside the window."""
+    prefill_tokens: float | None
+    """Mean prompt tokens prefilled per finished request (prefix-cache hits excluded); None: none."""
+    output_tokens: float | None
+    """Mean output tokens per finished request; None when none finished."""
 
 
 class TelemetryWindow:
@@ -134,6 +151,16 @@ class TelemetryWindow:
             itl_p99_s=percentile(itl, 99, "nearest_rank"),
             last_step_age_s=(now - self._last_t_mono) if self._last_t_mono is not None else None,
         )
+
+    def finished_mix(self) -> FinishedMix:
+        """The request mix of the window, from the requests that finished in it (each one's prompt
+        and output are known only then)."""
+        self._trim(self._clock())
+        n = sum(s.finished for s in self._steps)
+        if n == 0:
+            return FinishedMix(0, None, None)
+        prefill = sum(s.finished_prefill_tokens for s in self._steps)
+        return FinishedMix(n, prefill / n, sum(s.finished_output_tokens for s in self._steps) / n)
 
     def max_running_since(self, t_mono: float) -> int:
         """Largest RUNNING count reported at or after ``t_mono`` (0 when none)."""

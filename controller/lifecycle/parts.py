@@ -3,9 +3,9 @@
 Who calls whom, as wired here: the scheduler ticks the control loop; the loop observes through the
 ``Observer`` (gate, telemetry window, engine knobs, NVML, psutil), lets the policy decide, normalizes,
 moves knobs only through the ``Actuator``, then calls its subscribers in order: the diagnosis, the
-memory guard (which may start an engine restart) and the decisions metric. The admin server reads
-``Parts`` through ``controller.admin.status``; the reload handler (``controller.lifecycle.reload``)
-swaps the live tables into them.
+capacity meter (``autopilot_saturation``), the memory guard (which may start an engine restart) and
+the decisions metric. The admin server reads ``Parts`` through ``controller.admin.status``; the
+reload handler (``controller.lifecycle.reload``) swaps the live tables into them.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from controller.clock import monotonic
 from controller.config.load import Config
 from controller.control.actuator import Actuator
 from controller.control.build import normalizer_for, policy_for, ttft_for
+from controller.control.capacity import CapacityMeter
 from controller.control.diagnosis import Diagnoser, Diagnosis
 from controller.control.loop import Change, ControlLoop, Subscriber
 from controller.control.observe import Observer
@@ -70,9 +71,12 @@ class Parts:
     """Changed keys per table that wait for a restart (set by the last reload)."""
     draining: bool = False
     server: Any = None
+    """The data plane's uvicorn server, once it was started."""
     cost: CostReader | None = None
     """The online step-cost model, read by /state and the metrics (fed by ``loop.steps``)."""
-    """The data plane's uvicorn server, once it was started."""
+    capacity: CapacityMeter | None = None
+    """The SLO capacity and saturation, computed each tick (a loop subscriber), read by /state and
+    the metrics."""
 
     @property
     def data_plane_up(self) -> bool:
@@ -127,8 +131,10 @@ def build_parts(
     observer = Observer(window, gate, host, gpu, hostsrc, cost_model)
     actuator = Actuator(gate, host)
     diagnoser, tasks = Diagnoser(), BackgroundTasks()
-    subscribers = [diagnoser.on_tick, watch_memory(guard, tasks), metrics.count_decisions]
     policy, normalizer = policy_for(config), normalizer_for(config.control)
+    capacity = CapacityMeter(window, gate)
+    capacity.configure(config.slo, policy)
+    subscribers = [diagnoser.on_tick, capacity.on_tick, watch_memory(guard, tasks), metrics.count_decisions]
     history, steps = config.control.history, StepFeed(host)
     loop = ControlLoop(policy, normalizer, observer.observe, actuator, subscribers, history, steps)
     metrics.live.read_from(gate, host, loop)
@@ -142,4 +148,6 @@ def build_parts(
     parts.cost = CostReader(cost_model, monotonic)
     gate.set_ttft(ttft_for(policy, config.slo, a.classes, parts.cost))  # SLO steering's TTFT bounds
     metrics.live.read_cost(parts.cost)
+    parts.capacity = capacity
+    metrics.live.read_capacity(capacity)
     return parts

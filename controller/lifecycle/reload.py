@@ -117,6 +117,8 @@ class Reloader:
         if control is not None:
             p.loop.policy, p.loop.normalizer = control
         p.gate.set_ttft(ttft_for(p.loop.policy, new.slo, a.classes, p.cost))  # the policy's, on the new [slo]
+        if p.capacity is not None:
+            p.capacity.configure(new.slo, p.loop.policy)
         p.loop.resize_history(new.control.history)
         p.guard.configure(new.guard)
         if new.control.cost_profile != old.control.cost_profile and p.cost is not None:

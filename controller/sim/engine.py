@@ -336,5 +336,7 @@ class SimEngine:
             ttft_s=tuple(ttft),
             itl_s=tuple(itl),
             finished=len(done),
+            finished_prefill_tokens=sum(r.prompt_tokens for r in done),  # the twin has no prefix cache
+            finished_output_tokens=sum(r.output_tokens for r in done),
         )
         return sample, done

@@ -52,6 +52,7 @@ from controller.bench.workload import RequestSpec, describe
 from controller.clock import FakeClock
 from controller.config.load import AdmissionConfig, ControlConfig
 from controller.control.build import ttft_for
+from controller.control.capacity import CapacityMeter
 from controller.control.loop import Change, ControlLoop
 from controller.control.normalize import Normalizer
 from controller.control.observe import BudgetReading, build_observation
@@ -141,7 +142,10 @@ class Simulation:
         prior = prior_from(load_profile(named).cost.as_dict(), named) if named else None
         self.cost = StepCostModel(prior=prior)
         steps = StepFeed(self, [self.cost.update])
-        self.loop = ControlLoop(policy, normalizer, self.observe, self, [self._record_changes], 50, steps)
+        self.capacity = CapacityMeter(self.window, self.gate, history=None)  # every tick's saturation
+        self.capacity.configure(self.control.slo, policy)
+        subscribers = [self._record_changes, self.capacity.on_tick]
+        self.loop = ControlLoop(policy, normalizer, self.observe, self, subscribers, 50, steps)
         prefill = CostReader(self.cost, self.clock)
         self.gate.set_ttft(ttft_for(policy, self.control.slo, a.classes, prefill))
         self._rng = random.Random(seed)

@@ -30,6 +30,7 @@ class _WindowLogger(StatLoggerBase):
         if scheduler_stats is None and iteration_stats is None:
             return
         it = iteration_stats
+        done = it.finished_requests if it else []  # FinishedRequestStats: each request's token counts
         self.window.record(
             StepSample(
                 t_mono=self.window.now(),
@@ -40,7 +41,9 @@ class _WindowLogger(StatLoggerBase):
                 generated_tokens=it.num_generation_tokens if it else 0,
                 ttft_s=tuple(it.time_to_first_tokens_iter) if it else (),
                 itl_s=tuple(it.inter_token_latencies_iter) if it else (),
-                finished=len(it.finished_requests) if it else 0,
+                finished=len(done),
+                finished_prefill_tokens=sum(r.num_prompt_tokens - r.num_cached_tokens for r in done),
+                finished_output_tokens=sum(r.num_generation_tokens for r in done),
             )
         )
 
