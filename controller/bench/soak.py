@@ -63,21 +63,28 @@ def _mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def rss_growth(series: Sequence[SeriesPoint], skip_s: float) -> float | None:
-    """Rise of the least-squares RSS line from the first to the last sample after ``skip_s``, relative."""
-    pts = [(p.t_s, float(p.rss_bytes)) for p in series if p.rss_bytes is not None and p.t_s > skip_s]
-    if len(pts) < 3:
+def line_rise(points: Sequence[tuple[float, float]]) -> float | None:
+    """Rise of the least-squares line through ``points`` from the first to the last x, relative to its
+    value at the first x; None with fewer than three points or no spread in x."""
+    if len(points) < 3:
         return None
-    n = len(pts)
-    mt = sum(t for t, _ in pts) / n
-    mv = sum(v for _, v in pts) / n
-    var = sum((t - mt) ** 2 for t, _ in pts)
+    n = len(points)
+    mt = sum(t for t, _ in points) / n
+    mv = sum(v for _, v in points) / n
+    var = sum((t - mt) ** 2 for t, _ in points)
     if var == 0:
         return None
-    slope = sum((t - mt) * (v - mv) for t, v in pts) / var
-    start = mv + slope * (pts[0][0] - mt)
-    end = mv + slope * (pts[-1][0] - mt)
+    slope = sum((t - mt) * (v - mv) for t, v in points) / var
+    start = mv + slope * (points[0][0] - mt)
+    end = mv + slope * (points[-1][0] - mt)
     return (end - start) / start if start > 0 else None
+
+
+def rss_growth(series: Sequence[SeriesPoint], skip_s: float) -> float | None:
+    """Rise of the least-squares RSS line from the first to the last sample after ``skip_s``, relative."""
+    return line_rise(
+        [(p.t_s, float(p.rss_bytes)) for p in series if p.rss_bytes is not None and p.t_s > skip_s]
+    )
 
 
 def verdict(

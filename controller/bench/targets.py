@@ -74,8 +74,8 @@ class Bench:
         return engine
 
 
-def prepare(args: argparse.Namespace) -> Bench:
-    """Load ``--config``, apply ``--engine`` overrides, build the workload with the model's tokenizer."""
+def base_config(args: argparse.Namespace) -> dict[str, Any]:
+    """``--config`` with the ``--engine`` and ``--daemon`` overrides laid over it."""
     base = load_base_config(args.config)
     base["engine"].update(parse_assignments(args.engine or [], "--engine"))
     for key, value in parse_assignments(args.daemon or [], "--daemon").items():
@@ -83,6 +83,12 @@ def prepare(args: argparse.Namespace) -> Bench:
         if not dot or table == "engine":
             raise ValueError(f"--daemon {key}: write TABLE.KEY=VALUE, e.g. --daemon control.tick_seconds=0.5")
         base.setdefault(table, {})[name] = value
+    return base
+
+
+def prepare(args: argparse.Namespace) -> Bench:
+    """Load ``--config``, apply ``--engine`` overrides, build the workload with the model's tokenizer."""
+    base = base_config(args)
     steer_to_slo(base, args)
     tokenizer: Tokenizer = load_tokenizer(Path(args.tokenizer or base["engine"]["model"]))
     max_len = int(base["engine"].get("max_model_len") or 2048)
@@ -90,7 +96,8 @@ def prepare(args: argparse.Namespace) -> Bench:
     return Bench(base, specs, PromptBuilder(tokenizer, seed=args.seed), args)
 
 
-def add_server_args(p: argparse.ArgumentParser) -> None:
+def add_config_args(p: argparse.ArgumentParser) -> None:
+    """The daemon config a bench command starts its servers from, and how long a start may take."""
     p.add_argument("--config", type=Path, default=Path("config.toml"),
                    help="daemon config whose [engine] every server uses (default config.toml)")  # fmt: skip
     p.add_argument("--engine", action="append", metavar="KEY=VALUE",
@@ -98,12 +105,16 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--daemon", action="append", metavar="TABLE.KEY=VALUE",
                    help="override a setting of the daemon's other tables (repeatable), "
                    "e.g. server.engine_poll_sleep_s=0.0002 or control.tick_seconds=0.5")  # fmt: skip
-    p.add_argument("--tokenizer", type=Path, help="tokenizer dir (default: the [engine] model dir)")
-    p.add_argument("--out", type=Path, required=True, help="directory; each server's run goes to OUT/<name>/")
-    p.add_argument("--resume", action="store_true", help="skip servers whose run directory is complete")
     p.add_argument(
         "--startup-timeout", type=float, default=300.0, help="seconds to wait for a server's health"
     )
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    add_config_args(p)
+    p.add_argument("--tokenizer", type=Path, help="tokenizer dir (default: the [engine] model dir)")
+    p.add_argument("--out", type=Path, required=True, help="directory; each server's run goes to OUT/<name>/")
+    p.add_argument("--resume", action="store_true", help="skip servers whose run directory is complete")
 
 
 def run_dir(out: Path, name: str) -> Path:

@@ -1,0 +1,36 @@
+"""The chaos soak, short: ``vllm-autopilot bench chaos`` against the real engine (tiny model) runs every
+fault once (four reloads, valid and broken, then an EngineCore SIGKILL with a SIGHUP during the rebuild)
+under steady mixed-priority load with rude clients, and every invariant holds. The 10-minute run is in
+docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from controller.bench.chaos_faults import FAULTS
+from controller.bench.chaos_load import KINDS
+from tests.helpers import ROOT, write_config
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.timeout(900)
+def test_every_invariant_holds_through_every_fault(tmp_path: Path, tiny_model: Path) -> None:
+    config = write_config(tmp_path / "chaos.toml", engine={"model": str(tiny_model)}, admission={"limit": 8})
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "controller", "bench", "chaos", "--config", str(config), "--out", str(out),
+            "--duration", "40", "--fault-every", "5", "--rate", "2", "--warmup", "20"]  # fmt: skip
+    run = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=840)
+    report = json.loads((out / "chaos.json").read_text())
+    assert run.returncode == 0, f"{report['reasons']}\n{run.stdout[-3000:]}\n{run.stderr[-2000:]}"
+    assert report["passed"]
+    assert [f["fault"] for f in report["faults"]] == list(FAULTS)
+    kinds = {o["kind"] for o in report["outcomes"]}
+    assert kinds == set(KINDS), f"every client behaviour was sent: {kinds}"
+    assert any(o["end"] == "completed" for o in report["outcomes"])
+    assert report["figures"]["served_at_end"] and report["figures"]["exit_code"] == 0

@@ -1,0 +1,150 @@
+"""``bench chaos``: how a request's ending is classified (against a small aiohttp server that misbehaves
+on purpose) and the verdict over made-up runs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from controller.bench.chaos_faults import FaultRecord
+from controller.bench.chaos_load import LoadShape, Outcome, Sender
+from controller.bench.chaos_verdict import EndState, Limits, bad_ending, verdict
+from controller.bench.client import Target
+
+
+def _event(data: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(data)}\n\n".encode()
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    """The behaviour is picked by the request id: how a server may end a request."""
+    rid = request.headers["X-Request-Id"]
+    body = await request.json()
+    if rid == "refused":
+        return web.json_response(
+            {"error": {"message": "queue full"}}, status=429, headers={"Retry-After": "2"}
+        )
+    if rid == "refused_bare":
+        return web.Response(status=429, text="busy")
+    if rid == "multi":
+        return web.json_response({"choices": [{"text": "x"} for _ in body["prompt"]]})
+    resp = web.StreamResponse()
+    await resp.prepare(request)
+    for _ in range(3):
+        await resp.write(_event({"choices": [{"text": "a"}]}))
+    if rid == "error":
+        await resp.write(_event({"error": {"message": "engine died"}}))
+    elif rid == "cut":
+        assert request.transport is not None
+        request.transport.close()
+        return resp
+    elif rid == "slow":
+        await asyncio.sleep(5)
+    await resp.write(_event({"choices": [], "usage": {"completion_tokens": 3}}))
+    await resp.write(b"data: [DONE]\n\n")
+    return resp
+
+
+async def _send(kind: Any, rid: str, deadline_s: float = 3.0) -> Outcome:
+    app = web.Application()
+    app.router.add_post("/v1/completions", _completions)
+    async with TestServer(app) as server, aiohttp.ClientSession() as session:
+        target = Target(str(server.make_url("")), "m")
+        sender = Sender(session, target, LoadShape(stall_s=0.1), time.monotonic())
+        return await sender.send(kind, 1, "hello", deadline_s, rid)
+
+
+@pytest.mark.parametrize(
+    ("kind", "rid", "end", "clear"),
+    [
+        ("stream", "ok", "completed", True),
+        ("stall", "ok", "completed", True),
+        ("disconnect", "ok", "client_disconnect", True),
+        ("stream", "error", "error_event", True),
+        ("stream", "refused", "http_error", True),
+        ("stream", "refused_bare", "http_error", False),
+        ("stream", "cut", "cut", False),
+        ("multi_prompt", "multi", "completed", True),
+    ],
+)
+async def test_each_ending_is_told_apart(kind: Any, rid: str, end: str, clear: bool) -> None:
+    out = await _send(kind, rid)
+    assert (out.end, out.clear) == (end, clear), out.detail
+
+
+async def test_a_request_past_its_deadline_is_hung() -> None:
+    out = await _send("stream", "slow", deadline_s=0.5)
+    assert out.end == "hung"
+    assert bad_ending(out) is not None
+
+
+def _outcome(end: Any, kind: Any = "stream", clear: bool = True, status: int | None = 200) -> Outcome:
+    return Outcome(kind, 0, 1.0, 2.0, 100.0, end, status, clear)
+
+
+def test_only_clear_endings_keep_the_rule() -> None:
+    assert bad_ending(_outcome("completed")) is None
+    assert bad_ending(_outcome("error_event")) is None
+    assert bad_ending(_outcome("http_error", status=503)) is None
+    assert bad_ending(_outcome("http_error", status=429, clear=False)) is not None
+    assert bad_ending(_outcome("cut", clear=False)) is not None
+    assert (
+        bad_ending(_outcome("cut", kind="stall", clear=False)) is None
+    )  # the send timeout cut a stalled reader
+    late = Outcome("stream", 0, 1.0, 120.0, 100.0, "completed", 200)
+    assert bad_ending(late) is not None
+
+
+def _good_end(**changes: Any) -> EndState:
+    end = EndState(
+        gate={"in_flight": 0, "queue_depth": 0, "pending": 0},
+        served_at_end=True,
+        rss=[(t, 1000 << 20) for t in range(0, 600, 10)],
+        exit_code=0,
+    )
+    for key, value in changes.items():
+        setattr(end, key, value)
+    return end
+
+
+def test_a_clean_run_passes() -> None:
+    faults = [FaultRecord(10.0, "kill_engine", "back", "back after 40 s", True)]
+    passed, reasons, figures = verdict([_outcome("completed")] * 5, faults, _good_end(), Limits())
+    assert passed, reasons
+    assert figures["endings"] == {"stream:completed": 5}
+    assert figures["rss_growth"] == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize(
+    ("changes", "says"),
+    [
+        ({"gate": {"in_flight": 2, "queue_depth": 0, "pending": 0}}, "did not return to zero"),
+        ({"gate": {}}, "did not return to zero"),
+        ({"served_at_end": False}, "did not serve"),
+        ({"exit_code": -9}, "exited with -9"),
+        ({"killed_leftovers": True}, "were left"),
+        ({"engine_cores_alive": [123]}, "EngineCore"),
+        ({"shm_orphans": ["/dev/shm/psm_1"]}, "/dev/shm"),
+        ({"rss": [(t, (1000 + t) << 20) for t in range(0, 600, 10)]}, "resident memory grew"),
+    ],
+)
+def test_each_broken_invariant_is_named(changes: dict[str, Any], says: str) -> None:
+    passed, reasons, _ = verdict([_outcome("completed")], [], _good_end(**changes), Limits())
+    assert not passed
+    assert any(says in r for r in reasons), reasons
+
+
+def test_a_failed_fault_and_a_hung_request_fail_the_run() -> None:
+    faults = [FaultRecord(10.0, "reload_bad_engine", "refused", "NOT refused", False)]
+    hung = Outcome("same_id", 1, 3.0, 100.0, 100.0, "hung", None, False, "no end within 100 s")
+    passed, reasons, figures = verdict([hung], faults, _good_end(), Limits())
+    assert not passed
+    assert figures["faults_failed"] == 1 and figures["bad_endings"] == 1
+    assert any("reload_bad_engine" in r for r in reasons) and any("same_id" in r for r in reasons)
