@@ -77,7 +77,10 @@ class Bench:
 def base_config(args: argparse.Namespace) -> dict[str, Any]:
     """``--config`` with the ``--engine`` and ``--daemon`` overrides laid over it."""
     base = load_base_config(args.config)
-    base["engine"].update(parse_assignments(args.engine or [], "--engine"))
+    engine = parse_assignments(args.engine or [], "--engine")
+    if "model" in engine and Path(str(engine["model"])).exists():  # a local dir, named from where we run
+        engine["model"] = str(Path(str(engine["model"])).resolve())
+    base["engine"].update(engine)
     for key, value in parse_assignments(args.daemon or [], "--daemon").items():
         table, dot, name = key.partition(".")
         if not dot or table == "engine":

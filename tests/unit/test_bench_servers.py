@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import tomllib
 from pathlib import Path
 
+import pytest
+
 from controller.bench.servers import ServerSpec, daemon_config, load_base_config, to_toml
+from controller.bench.targets import base_config
 from controller.config.load import load_config
 from tests.helpers import ROOT
 
@@ -24,3 +28,15 @@ def test_a_daemon_config_written_for_a_server_loads_as_a_valid_config(tmp_path: 
     config = load_config(path)
     assert config.server.port == 18000 and config.admission.limit == 8
     assert [c.name for c in config.admission.classes] == ["interactive", "batch"]
+
+
+def test_an_engine_model_override_is_a_path_from_where_the_bench_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon's config is written elsewhere (the run's log dir), where a relative path means nothing."""
+    (tmp_path / "models" / "tiny").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    args = argparse.Namespace(config=ROOT / "config.toml", engine=["model=models/tiny"], daemon=None)
+    assert base_config(args)["engine"]["model"] == str(tmp_path / "models" / "tiny")
+    args.engine = ["model=org/hub-name"]  # not a local dir: left for vLLM to resolve
+    assert base_config(args)["engine"]["model"] == "org/hub-name"
