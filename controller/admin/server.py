@@ -15,7 +15,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 
-from controller.admin.page import status_page
+from controller.admin.page import favicon, status_page
 
 StateFn = Callable[[], dict[str, Any]]
 HealthFn = Callable[[], tuple[bool, str]]
@@ -86,6 +86,7 @@ def make_admin_app(
     app[RELOAD] = reload_fn
     app[TOKEN] = token
     app.router.add_get("/", status_page)
+    app.router.add_get("/favicon.ico", favicon)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/state", state)
     app.router.add_get("/healthz", healthz)

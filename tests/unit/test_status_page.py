@@ -174,3 +174,27 @@ def test_the_page_reads_real_states_and_skips_absent_fields(
     assert decided["facts"]["decisions"][0][1:] == ["batch_cap", "16 → 8", "kv_high"]
     assert full["restarts"] == 3
     assert full["facts"]["memory"].startswith("kv_cache_memory_bytes 64 MiB")
+
+
+def test_the_diagnosis_shows_its_throughput_table_as_text(
+    states: dict[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    diagnosed = json.loads(json.dumps(states["full"]))
+    diagnosed["diagnosis"] = {
+        "saturated": False,
+        "bottleneck": None,
+        "throughput_by_concurrency": {"2": 1.5, "4": 2.75},
+    }
+    (out,) = _node([diagnosed], tmp_path)
+    assert out["facts"]["diagnosis"] == [
+        ["saturated", "false"],
+        ["bottleneck", "–"],
+        ["throughput by concurrency", "2: 1.50, 4: 2.75"],
+    ]
+
+
+async def test_favicon_answers_no_content(states: dict[str, dict[str, Any]]) -> None:
+    """A browser asks for /favicon.ico beside the page; a 404 would be an error in its console."""
+    async with TestClient(TestServer(_app(states["full"], "s3cret-token"))) as client:
+        response = await client.get("/favicon.ico")
+        assert response.status == 204 and await response.read() == b""
