@@ -46,8 +46,8 @@ class TtftBounds:
         return out
 
     def prefill_s(self, prompt_tokens: int | None) -> float:
-        """The request's own prefill; 0 without an estimator or a known prompt length (the daemon's
-        gate sees a request before vLLM has tokenized it)."""
+        """The request's own prefill; 0 without an estimator or a known prompt length (the daemon
+        counts it from the raw request before vLLM tokenizes: ``engine/frontend/prompts.py``)."""
         if self.prefill is None or not prompt_tokens:
             return 0.0
         return max(0.0, self.prefill.prefill_s(prompt_tokens))

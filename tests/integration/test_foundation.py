@@ -12,10 +12,14 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import pytest_asyncio
+from fastapi import FastAPI
 
+from controller.engine.frontend import prompts, tickets
 from controller.lifecycle.daemon import Daemon
 from tests.assets import vllm_metric_names
 from tests.helpers import admin_url, http_session, running_daemon, stream_completion, url, write_config
@@ -149,3 +153,22 @@ async def test_queued_requests_leave_in_priority_order(daemon: Daemon) -> None:
         assert [p for p, _ in done] == sorted(priorities)
     finally:
         daemon.parts.actuator.set_admission_limit(4)
+
+
+async def test_admission_counts_a_prompt_as_vllm_will_prefill_it(daemon: Daemon) -> None:
+    """The gate's prefill term (under SLO steering) gets the prompt's length before vLLM tokenizes:
+    counted with a copy of the served tokenizer, it matches the prompt tokens vLLM reports."""
+    app: Any = daemon.parts.server.config.app if daemon.parts.server else None
+    while app is not None and not isinstance(app, FastAPI):
+        app = app.app  # the data plane's middlewares wrap vLLM's app
+    assert app is not None
+    servings = [s for s in vars(app.state)["_state"].values() if hasattr(s, "create_completion")]
+    own = tickets.tokenizer_of(servings[0])
+    assert own is not None
+    text = "count these words as the served model's tokenizer splits them, commas and all"
+    counted = await prompts.prompt_tokens(SimpleNamespace(prompt=text), own)
+    async with http_session() as s:
+        body = {"model": "tiny", "prompt": text, "max_tokens": 1}
+        async with s.post(url(daemon, "/v1/completions"), json=body) as r:
+            reported = (await r.json())["usage"]["prompt_tokens"]
+    assert counted is not None and reported - 1 <= counted <= reported  # vLLM's count may add a BOS

@@ -86,7 +86,10 @@ class GovernedEngineClient(EngineClient):
         calls = ticket.calls if ticket else 1
         try:
             # Each prompt is its own generate() call, each with n sequences: count them all now.
-            self._gate.check_admission(ticket.priority if ticket else 0, n * calls, calls=calls)
+            self._gate.check_admission(
+                ticket.priority if ticket else 0, n * calls, calls=calls,
+                prompt_tokens=ticket.prompt_tokens if ticket else None,
+            )  # fmt: skip
         except GateRejected as exc:
             if ticket is not None:
                 ticket.retry_after_s = exc.retry_after_s

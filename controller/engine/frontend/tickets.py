@@ -12,6 +12,8 @@ admission: bad input, prompt too long) gives its pending place back when the req
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import functools
 import logging
 from collections.abc import Callable
@@ -20,11 +22,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from controller.admission.classes import PriorityBounds, PriorityRefused
-from controller.engine.frontend.prompts import generate_calls
+from controller.engine.frontend.prompts import generate_calls, prompt_tokens
 
 ENTRY_POINTS = ("create_chat_completion", "create_completion", "create_responses")
 """Serving methods that take (request, raw_request) and call ``_preflight`` before generating."""
 PRIORITY_HEADER = "x-vllm-priority"
+_UNSET = object()
 
 
 @dataclass
@@ -36,6 +39,8 @@ class Ticket:
     """generate() took a pending place."""
     calls: int = 1
     """generate() calls the request will make (a completion's prompts: ``prompts.generate_calls``)."""
+    prompt_tokens: int | None = None
+    """Tokens its prompts prefill, where the raw request tells (``prompts.prompt_tokens``)."""
     pending: int = 0
     """Pending places it holds in the gate that no generate() call has taken yet."""
     retry_after_s: int | None = None
@@ -68,6 +73,23 @@ def asked_priority(serving: Any, request: Any, raw_request: Any) -> int | str | 
     return int(request.priority) if "priority" in request.model_fields_set else None
 
 
+def tokenizer_of(serving: Any) -> Any:
+    """A copy of the served model's tokenizer, made once per serving object; None without one
+    (``skip_tokenizer_init``) or on a serving object without a renderer. A copy: a fast tokenizer
+    used from two threads at once can fail ("Already borrowed"), and vLLM's renderer encodes in its
+    own worker thread."""
+    own = getattr(serving, "_autopilot_tokenizer", _UNSET)
+    if own is _UNSET:
+        try:
+            source = serving.renderer.tokenizer
+            own = copy.deepcopy(source) if source is not None else None
+        except Exception:  # no renderer, or a tokenizer that cannot be copied: no prefill term
+            own = None
+        with contextlib.suppress(AttributeError):
+            serving._autopilot_tokenizer = own
+    return own
+
+
 def _wrap(serving: Any, method: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(method)
     async def entry(request: Any, raw_request: Any = None, *args: Any, **kwargs: Any) -> Any:
@@ -81,6 +103,7 @@ def _wrap(serving: Any, method: Callable[..., Any]) -> Callable[..., Any]:
             if hasattr(request, "priority"):
                 request.priority = priority  # what vLLM reads when no header names it
             ticket.calls = generate_calls(request)
+            ticket.prompt_tokens = await prompt_tokens(request, tokenizer_of(serving))
         return await method(request, raw_request, *args, **kwargs)
 
     entry.__autopilot_wrapped__ = True  # type: ignore[attr-defined]
