@@ -280,5 +280,6 @@ def our_daemon(config: Path, workdir: Path) -> Iterator[Launched]:
     started and stopped by the bench's one launcher; its log goes to ``workdir``."""
     base = load_base_config(config)
     spec = ServerSpec("daemon", "daemon", engine=base["engine"], control=dict(base.get("control", {})))
-    with launched(spec, base, workdir) as server:
+    # A real model's first build compiles for minutes on a small CPU host (4 on the dev box).
+    with launched(spec, base, workdir, startup_timeout_s=900.0) as server:
         yield server
