@@ -198,3 +198,23 @@ async def test_favicon_answers_no_content(states: dict[str, dict[str, Any]]) -> 
     async with TestClient(TestServer(_app(states["full"], "s3cret-token"))) as client:
         response = await client.get("/favicon.ico")
         assert response.status == 204 and await response.read() == b""
+
+
+def test_the_capacity_panel_shows_what_an_autoscaler_reads(
+    states: dict[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    measured = json.loads(json.dumps(states["full"]))
+    measured["capacity"] = {
+        "saturation": 1.25, "capacity_rps": 3.2, "offered_rps": 4.0, "reason": "ok", "batch": 12,
+        "bound": "tpot", "mean_step_s": 0.034, "step_bound_s": 0.035,
+    }  # fmt: skip
+    older = {k: v for k, v in states["full"].items() if k != "capacity"}
+    out, old = _node([measured, older], tmp_path)
+    assert out["facts"]["capacity"][:4] == [
+        ["saturation", 1.25],
+        ["capacity (good requests/s)", 3.2],
+        ["offered (requests/s)", 4.0],
+        ["batch at capacity", "12 (bound: tpot)"],
+    ]
+    assert out["facts"]["capacity"][-1] == ["reason", "ok"]
+    assert old["facts"]["capacity"] is None  # a daemon without the meter: the panel is hidden
