@@ -2,9 +2,9 @@
 
 A few streams run on the tiny model while the page is open; the page must log no console error and
 throw nothing, draw every series of every chart it shows with samples, and list the loop's decisions
-with their reasons. Chromium is driven through the DevTools protocol over aiohttp's websocket client
-(no selenium, no chromedriver). The screenshot goes to the test's tmp_path (``docs/status-page.png``
-is one of them).
+with their reasons, and show the capacity at the SLO. Chromium is driven through the DevTools protocol
+over aiohttp's websocket client (no selenium, no chromedriver). The screenshot goes to the test's
+tmp_path (``docs/status-page.png`` is one of them).
 
 The policy is ``slo`` with an ``[slo]`` (what config.toml runs) and a low admission limit: once the
 step-cost fit is ready (50 engine steps, a second or two of this load) the policy raises the limit to
@@ -173,7 +173,10 @@ READ_PAGE = """(() => {
   }
   const decisions = [...document.querySelectorAll("#decisions tr")]
     .map(tr => [...tr.cells].map(c => c.textContent));
-  return {charts, decisions, health: document.getElementById("health").textContent,
+  const capacity = document.getElementById("s-capacity").hidden ? null : Object.fromEntries(
+    [...document.querySelectorAll("#capacity tr")]
+      .map(tr => [tr.cells[0].textContent, tr.cells[1].textContent]));
+  return {charts, decisions, capacity, health: document.getElementById("health").textContent,
           error: document.getElementById("error").textContent};
 })()"""
 
@@ -182,6 +185,7 @@ def _complete(drawn: dict[str, Any]) -> bool:
     return (
         bool(drawn["charts"])
         and bool(drawn["decisions"])
+        and (drawn["capacity"] or {}).get("reason") == "ok"
         and all(n >= 2 for series in drawn["charts"].values() for n in series.values())
     )
 
@@ -243,4 +247,7 @@ async def test_status_page_draws_under_load(daemon: Daemon, tmp_path: Path) -> N
     assert drawn["decisions"], "no decision listed"
     _, knob, change, reason = drawn["decisions"][0]
     assert knob and "→" in change and reason.startswith("slo"), drawn["decisions"]
+    # the capacity at the SLO, from the step-cost fit and the load's mix (the autoscaler's signal)
+    assert drawn["capacity"] is not None and drawn["capacity"]["reason"] == "ok", drawn["capacity"]
+    assert float(drawn["capacity"]["saturation"]) > 0, drawn["capacity"]
     assert sum(r["status"] == 200 for r in results) >= STREAMS
