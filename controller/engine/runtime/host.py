@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
+from vllm.utils import func_utils
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from controller.control.actuator import TOKEN_BUDGET_MIN, token_budget_bounds
@@ -39,6 +40,19 @@ RENDERER_GRACE_S = 30.0
 """A retired engine's renderer stays up this long after the swap finished (the app's serving objects
 rebuilt over the new engine): requests that were tokenizing with it still finish their preprocessing
 (else they would get a 500)."""
+
+
+def forget_renderer_memos() -> None:
+    """Empty vLLM's ``supports_kw`` memo, so a retired renderer's tokenizer can be freed.
+
+    vLLM's renderer makes its tokenizer thread-safe with a class made for it (a pool of deep copies),
+    and the app's warmup asks ``supports_kw`` about that class's ``apply_chat_template``: vLLM memoizes
+    the answer per function in a module-level ``lru_cache`` (128 entries), so each rebuild left its
+    tokenizer copies pinned there (~3 MiB of RSS per rebuild on the tiny model, more with a real
+    vocabulary). The live renderer's entries are recomputed on their next use (a signature read)."""
+    clear = getattr(getattr(func_utils, "_supports_kw", None), "cache_clear", None)
+    if clear is not None:  # a vLLM without the memo has nothing to forget
+        clear()
 
 
 class EngineHost:
@@ -218,6 +232,7 @@ class EngineHost:
         if llm in self._retired:  # stop() may have shut it down already
             llm.renderer.shutdown()
             self._retired.remove(llm)
+            forget_renderer_memos()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Shut the engine down and reap its EngineCore process (a build still running shuts its

@@ -1,0 +1,79 @@
+"""An engine rebuild leaves nothing of the retired engine's renderer in the daemon process.
+
+Found in the chaos soak (docs/benchmarks.md section 9): the daemon's RSS rose ~3 MiB at each rebuild
+(tiny model). vLLM's renderer makes its tokenizer thread-safe by giving it a class of its own
+(``maybe_make_thread_pool``: a pool of deep copies), and the app's warmup asks vLLM's ``supports_kw``
+about that class's ``apply_chat_template``, which memoizes per function in a module-level
+``lru_cache``: the retired renderer's tokenizer copies stayed pinned there (up to 128 entries, two per
+renderer). Here the tokenizer and the memo are vLLM's own (the tiny model's tokenizer, no engine); the
+engine builder is a fake; the host is real."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import gc
+import weakref
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from vllm.renderers.hf import resolve_chat_template_kwargs
+from vllm.tokenizers.hf import maybe_make_thread_pool
+from vllm.tokenizers.registry import get_tokenizer
+
+from controller.control.telemetry import TelemetryWindow
+from controller.engine.runtime import host as host_module
+from controller.engine.runtime.host import EngineHost
+from tests.helpers import TINY_MODEL
+
+
+class FakeLLM:
+    errored = False
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.renderer = SimpleNamespace(tokenizer=tokenizer, shutdown=lambda: None)
+        self.output_processor = SimpleNamespace(request_states={}, abort_requests=lambda ids, internal: ids)
+        self.vllm_config = SimpleNamespace(shutdown_timeout=1.0, cache_config=None)
+
+        async def call_utility_async(_name: str, value: int) -> int:
+            return value
+
+        self.engine_core = SimpleNamespace(
+            shutdown=lambda timeout=None: None, call_utility_async=call_utility_async
+        )
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        pass
+
+
+def served_tokenizer() -> tuple[Any, list[weakref.ref[Any]]]:
+    """A renderer's tokenizer as vLLM makes it (HfRenderer: a copy made thread-safe), used once as the
+    app's warmup uses it; with weak references to it, its pool of copies and its class's methods."""
+    tokenizer = maybe_make_thread_pool(copy.copy(get_tokenizer(str(TINY_MODEL))), 3)
+    template = (TINY_MODEL / "chat_template.jinja").read_text()
+    resolve_chat_template_kwargs(tokenizer, template, {"add_generation_prompt": True, "continue_final": 1})
+    cls = type(tokenizer)
+    held = [tokenizer, cls.apply_chat_template, cls.encode]
+    cells = [c.cell_contents for c in cls.__reduce__.__closure__ or ()]  # (og_tokenizer, copies)
+    held += [c for c in cells if hasattr(c, "encode")]
+    return tokenizer, [weakref.ref(x) for x in held]
+
+
+async def test_a_retired_renderers_tokenizer_is_freed_once_its_grace_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(host_module, "RENDERER_GRACE_S", 0.05)
+    tokenizer, refs = served_tokenizer()
+    assert len(refs) == 4
+    old, new = FakeLLM(tokenizer), FakeLLM(None)
+    del tokenizer
+    host = EngineHost(argparse.Namespace(max_num_seqs=4), TelemetryWindow(), builder=lambda _args: new)
+    host._llm = old  # type: ignore[assignment]
+    await host.restart({"kv_cache_memory_bytes": 1 << 20})  # the crash path: old engine first
+    assert host.llm is new
+    del old
+    await asyncio.sleep(0.3)  # the grace ends: the host lets the retired engine go
+    gc.collect()
+    assert [r() is None for r in refs] == [True] * len(refs)
