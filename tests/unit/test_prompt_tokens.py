@@ -142,3 +142,17 @@ async def test_a_long_prompt_is_refused_by_its_predicted_ttft_and_a_short_one_wa
     own = serving._autopilot_tokenizer  # type: ignore[attr-defined]
     assert own is not serving.renderer.tokenizer and own.calls == 2  # a copy encodes, not vLLM's own
     assert serving.renderer.tokenizer.calls == 0
+
+
+def test_vllms_thread_safe_tokenizer_is_used_as_it_is() -> None:
+    """vLLM wraps the served tokenizer in a pool of copies (thread-safe): counting uses it, no copy of
+    the pool; any other tokenizer is copied once (test above)."""
+    transformers = pytest.importorskip("transformers")
+    from vllm.tokenizers.hf import ThreadSafeHFTokenizerMixin, maybe_make_thread_pool
+
+    if not TINY_MODEL.is_dir():
+        pytest.skip("models/tiny is built by `make model`")
+    tok = maybe_make_thread_pool(transformers.AutoTokenizer.from_pretrained(str(TINY_MODEL)))
+    assert isinstance(tok, ThreadSafeHFTokenizerMixin)
+    serving = SimpleNamespace(renderer=SimpleNamespace(tokenizer=tok))
+    assert tickets.tokenizer_of(serving) is tok

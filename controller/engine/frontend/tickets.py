@@ -21,6 +21,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm.tokenizers.hf import ThreadSafeHFTokenizerMixin
+
 from controller.admission.classes import PriorityBounds, PriorityRefused
 from controller.engine.frontend.prompts import generate_calls, prompt_tokens
 
@@ -74,15 +76,16 @@ def asked_priority(serving: Any, request: Any, raw_request: Any) -> int | str | 
 
 
 def tokenizer_of(serving: Any) -> Any:
-    """A copy of the served model's tokenizer, made once per serving object; None without one
-    (``skip_tokenizer_init``) or on a serving object without a renderer. A copy: a fast tokenizer
-    used from two threads at once can fail ("Already borrowed"), and vLLM's renderer encodes in its
-    own worker thread."""
+    """The served model's tokenizer for counting prompts, once per serving object; None without one
+    (``skip_tokenizer_init``) or on a serving object without a renderer. vLLM's renderer encodes in
+    its own worker thread, and a fast tokenizer used from two threads at once can fail ("Already
+    borrowed"): vLLM's thread-safe wrapper (a pool of copies) is used as it is, any other is copied."""
     own = getattr(serving, "_autopilot_tokenizer", _UNSET)
     if own is _UNSET:
         try:
             source = serving.renderer.tokenizer
-            own = copy.deepcopy(source) if source is not None else None
+            safe = source is None or isinstance(source, ThreadSafeHFTokenizerMixin)
+            own = source if safe else copy.deepcopy(source)
         except Exception:  # no renderer, or a tokenizer that cannot be copied: no prefill term
             own = None
         with contextlib.suppress(AttributeError):
