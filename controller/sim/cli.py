@@ -37,7 +37,9 @@ def add_simulate_parser(sub: Any) -> None:
     p.add_argument("--time-scale", type=float, default=1.0, help="replay K times faster")
     p.add_argument("--token-scale", type=float, default=1.0, help="multiply prompt and output lengths")
     p.add_argument(
-        "--profile", required=True, help="a shipped profile name (cpu-tiny, h200-8b) or a .toml path"
+        "--profile",
+        required=True,
+        help="a shipped profile name (cpu-tiny, cpu-smollm2, h200-8b) or a .toml path",
     )
     p.add_argument(
         "--policy", default=None, help="policy name or module:Class (default: --config's, else static)"

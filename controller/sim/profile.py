@@ -217,7 +217,7 @@ def available_profiles() -> list[str]:
 
 
 def load_profile(name_or_path: str | Path) -> Profile:
-    """A shipped profile by name (``cpu-tiny``, ``h200-8b``) or a TOML file by path."""
+    """A shipped profile by name (``cpu-tiny``, ``cpu-smollm2``, ``h200-8b``) or a TOML file by path."""
     path = Path(name_or_path)
     if path.suffix == ".toml" or path.exists():
         try:
