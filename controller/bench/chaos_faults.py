@@ -157,7 +157,8 @@ class Injector:
 
     def _hup(self, content: bytes | dict[str, Any]) -> None:
         self._path.write_bytes(content if isinstance(content, bytes) else to_toml(content).encode())
-        self.server.proc.send_signal(signal.SIGHUP) if self.server.proc else None
+        if self.server.proc is not None:
+            self.server.proc.send_signal(signal.SIGHUP)
 
     def _next_variant(self) -> dict[str, Any]:
         """The good config with ``[admission] aging_s`` moved: live, harmless, visible in /state."""
