@@ -61,7 +61,7 @@ class AdmissionGate(Refusals):
         self.aging_s = aging_s
         self._clock = clock
         self._events: GateEvents = events or NoEvents()
-        self._ttft, self._configured = NO_BOUNDS, list(classes)  # as configured, before set_ttft's cut
+        self.ttft, self._configured = NO_BOUNDS, list(classes)  # set_ttft's bounds; as configured
         self._order: list[ClassQueue] = [ClassQueue(c) for c in classes]
         self._in_flight: Counter[str] = Counter()
         self._in_flight_total = 0
@@ -88,7 +88,7 @@ class AdmissionGate(Refusals):
         longer exists are dropped."""
         old = {q.spec.name: q for q in self._order}
         self._configured = list(classes)
-        self._order = [ClassQueue(c) for c in self._ttft.bounded(classes)]
+        self._order = [ClassQueue(c) for c in self.ttft.bounded(classes)]
         for q in self._order:
             if q.spec.name in old:
                 q.pending = old[q.spec.name].pending
@@ -107,7 +107,7 @@ class AdmissionGate(Refusals):
 
     def set_ttft(self, ttft: TtftBounds) -> None:
         """SLO steering (``ttft.py``): deadlines cut to the TTFT bounds, refusal by predicted TTFT."""
-        self._ttft = ttft
+        self.ttft = ttft
         self.configure(self._configured, self.aging_s, self.max_queue)
 
     @property
@@ -152,7 +152,7 @@ class AdmissionGate(Refusals):
         self._expire_pending()
         position, own = self._position(q, n)
         if position > 0:
-            self._check_wait(q, position, own, n, self._ttft.prefill_s(prompt_tokens))
+            self._check_wait(q, position, own, n, self.ttft.prefill_s(prompt_tokens))
         q.pending.extend([self._clock()] * calls)
 
     def _position(self, q: ClassQueue, n: int) -> tuple[int, int]:

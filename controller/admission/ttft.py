@@ -45,6 +45,11 @@ class TtftBounds:
             out.append(c)
         return out
 
+    @property
+    def uses_prompt_length(self) -> bool:
+        """Whether a request's prompt length changes its check (only with a prefill estimator)."""
+        return self.prefill is not None
+
     def prefill_s(self, prompt_tokens: int | None) -> float:
         """The request's own prefill; 0 without an estimator or a known prompt length (the daemon
         counts it from the raw request before vLLM tokenizes: ``engine/frontend/prompts.py``)."""

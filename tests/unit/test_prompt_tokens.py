@@ -92,6 +92,10 @@ class Serving:
     client: GovernedEngineClient
     renderer: Any = field(default_factory=lambda: SimpleNamespace(tokenizer=WordTokenizer()))
 
+    @property
+    def engine_client(self) -> GovernedEngineClient:
+        return self.client
+
     @staticmethod
     def _get_priority(request: Any, raw_request: Any) -> int:
         return 0
@@ -156,3 +160,28 @@ def test_vllms_thread_safe_tokenizer_is_used_as_it_is() -> None:
     assert isinstance(tok, ThreadSafeHFTokenizerMixin)
     serving = SimpleNamespace(renderer=SimpleNamespace(tokenizer=tok))
     assert tickets.tokenizer_of(serving) is tok
+
+
+async def test_without_slo_steering_no_prompt_is_tokenized() -> None:
+    """The prefill term is SLO steering's alone: under any other policy counting would be wasted work
+    on every request's way in."""
+    gate = AdmissionGate(1, 100, (PriorityClass("interactive", max_priority=0),))
+    llm = SimpleNamespace(check_admission=lambda n, rid: None)
+    serving = Serving(GovernedEngineClient(FakeHost(llm), gate, lambda: None))  # type: ignore[arg-type]
+    assert tickets.capture_priorities(SimpleNamespace(_state={"serving": serving})) == 1
+    plain, steered = tickets.Ticket(), tickets.Ticket()
+    token = tickets.current.set(plain)
+    try:
+        assert (
+            await serving.create_completion(SimpleNamespace(prompt="a b c", model_fields_set=set()))
+            == "started"
+        )
+        gate.set_ttft(TtftBounds({"interactive": 2.0}, SlowPrefill()))
+        tickets.current.set(steered)
+        assert (
+            await serving.create_completion(SimpleNamespace(prompt="a b c", model_fields_set=set()))
+            == "started"
+        )
+    finally:
+        tickets.current.reset(token)
+    assert (plain.prompt_tokens, steered.prompt_tokens) == (None, 3)

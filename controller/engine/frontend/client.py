@@ -78,6 +78,12 @@ class GovernedEngineClient(EngineClient):
     def dead_error(self) -> BaseException:
         return self._host.llm.dead_error
 
+    @property
+    def counts_prompts(self) -> bool:
+        """Whether admission wants each request's prompt length (SLO steering's prefill term): the
+        ticket tokenizes the prompt only then."""
+        return self._gate.ttft.uses_prompt_length
+
     # -- the governed path ----------------------------------------------------------------------
     def check_admission(self, n: int = 1, request_id: str | None = None) -> None:
         """vLLM calls this without the priority: the request's ticket carries it (tickets.py)."""

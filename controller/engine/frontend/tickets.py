@@ -106,7 +106,8 @@ def _wrap(serving: Any, method: Callable[..., Any]) -> Callable[..., Any]:
             if hasattr(request, "priority"):
                 request.priority = priority  # what vLLM reads when no header names it
             ticket.calls = generate_calls(request)
-            ticket.prompt_tokens = await prompt_tokens(request, tokenizer_of(serving))
+            if getattr(getattr(serving, "engine_client", None), "counts_prompts", True):
+                ticket.prompt_tokens = await prompt_tokens(request, tokenizer_of(serving))
         return await method(request, raw_request, *args, **kwargs)
 
     entry.__autopilot_wrapped__ = True  # type: ignore[attr-defined]
