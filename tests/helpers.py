@@ -21,6 +21,7 @@ import time
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -249,6 +250,33 @@ class Recorder:
 
     def timed_out(self, cls: str, wait_s: float) -> None:
         self.events.timed_out.append((cls, wait_s))
+
+
+class FakeBuiltEngine:
+    """What the engine host holds of a built ``AsyncLLM``, for host tests with a fake builder: a
+    renderer (with ``tokenizer``, recording its shutdown), an output processor, the config and an
+    EngineCore client that answers the scheduler utilities."""
+
+    errored = False
+
+    def __init__(self, tokenizer: Any = None) -> None:
+        self.renderer_shut = False
+        self.renderer = SimpleNamespace(tokenizer=tokenizer, shutdown=self._shut_renderer)
+        self.output_processor = SimpleNamespace(request_states={}, abort_requests=lambda ids, internal: ids)
+        self.vllm_config = SimpleNamespace(shutdown_timeout=1.0, cache_config=None)
+
+        async def call_utility_async(_name: str, value: int) -> int:
+            return value
+
+        self.engine_core = SimpleNamespace(
+            shutdown=lambda timeout=None: None, call_utility_async=call_utility_async
+        )
+
+    def _shut_renderer(self) -> None:
+        self.renderer_shut = True
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        pass
 
 
 class FakeHost:

@@ -15,7 +15,6 @@ import asyncio
 import copy
 import gc
 import weakref
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -26,26 +25,7 @@ from vllm.tokenizers.registry import get_tokenizer
 from controller.control.telemetry import TelemetryWindow
 from controller.engine.runtime import host as host_module
 from controller.engine.runtime.host import EngineHost
-from tests.helpers import TINY_MODEL
-
-
-class FakeLLM:
-    errored = False
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.renderer = SimpleNamespace(tokenizer=tokenizer, shutdown=lambda: None)
-        self.output_processor = SimpleNamespace(request_states={}, abort_requests=lambda ids, internal: ids)
-        self.vllm_config = SimpleNamespace(shutdown_timeout=1.0, cache_config=None)
-
-        async def call_utility_async(_name: str, value: int) -> int:
-            return value
-
-        self.engine_core = SimpleNamespace(
-            shutdown=lambda timeout=None: None, call_utility_async=call_utility_async
-        )
-
-    def shutdown(self, timeout: float | None = None) -> None:
-        pass
+from tests.helpers import TINY_MODEL, FakeBuiltEngine
 
 
 def served_tokenizer() -> tuple[Any, list[weakref.ref[Any]]]:
@@ -67,7 +47,7 @@ async def test_a_retired_renderers_tokenizer_is_freed_once_its_grace_ends(
     monkeypatch.setattr(host_module, "RENDERER_GRACE_S", 0.05)
     tokenizer, refs = served_tokenizer()
     assert len(refs) == 4
-    old, new = FakeLLM(tokenizer), FakeLLM(None)
+    old, new = FakeBuiltEngine(tokenizer), FakeBuiltEngine()
     del tokenizer
     host = EngineHost(argparse.Namespace(max_num_seqs=4), TelemetryWindow(), builder=lambda _args: new)
     host._llm = old  # type: ignore[assignment]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import threading
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -18,37 +17,14 @@ import pytest
 from controller.control.telemetry import TelemetryWindow
 from controller.engine.runtime import host as host_module
 from controller.engine.runtime.host import EngineHost
-
-
-class FakeLLM:
-    errored = False
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.renderer_shut = False
-        self.renderer = SimpleNamespace(shutdown=self._shut_renderer)
-        self.output_processor = SimpleNamespace(request_states={}, abort_requests=lambda ids, internal: ids)
-        self.vllm_config = SimpleNamespace(shutdown_timeout=1.0, cache_config=None)
-
-        async def call_utility_async(_name: str, value: int) -> int:
-            return value
-
-        self.engine_core = SimpleNamespace(
-            shutdown=lambda timeout=None: None, call_utility_async=call_utility_async
-        )
-
-    def _shut_renderer(self) -> None:
-        self.renderer_shut = True
-
-    def shutdown(self, timeout: float | None = None) -> None:
-        pass
+from tests.helpers import FakeBuiltEngine
 
 
 async def test_the_renderer_grace_starts_when_the_swap_finishes_not_when_the_old_engine_retires(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(host_module, "RENDERER_GRACE_S", 0.1)
-    old, new, build_may_end = FakeLLM("old"), FakeLLM("new"), threading.Event()
+    old, new, build_may_end = FakeBuiltEngine(), FakeBuiltEngine(), threading.Event()
 
     def slow_build(_args: argparse.Namespace) -> Any:
         build_may_end.wait(10.0)  # a GPU build: many times the grace
