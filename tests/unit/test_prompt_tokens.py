@@ -108,6 +108,23 @@ class Serving:
         return "started"
 
 
+def served(gate: AdmissionGate) -> Serving:
+    """A serving object over the governed client of ``gate``, its entry point wrapped as the daemon does."""
+    llm = SimpleNamespace(check_admission=lambda n, rid: None)
+    serving = Serving(GovernedEngineClient(FakeHost(llm), gate, lambda: None))  # type: ignore[arg-type]
+    assert tickets.capture_priorities(SimpleNamespace(_state={"serving": serving})) == 1
+    return serving
+
+
+async def complete(serving: Serving, ticket: tickets.Ticket, prompt: str) -> str:
+    """One completion of ``prompt`` under ``ticket``, as the data plane's middleware gives it."""
+    token = tickets.current.set(ticket)
+    try:
+        return await serving.create_completion(SimpleNamespace(prompt=prompt, model_fields_set=set()))
+    finally:
+        tickets.current.reset(token)
+
+
 class SlowPrefill:
     def prefill_s(self, prompt_tokens: int) -> float:
         return 0.1 * prompt_tokens
@@ -124,22 +141,12 @@ async def test_a_long_prompt_is_refused_by_its_predicted_ttft_and_a_short_one_wa
         clock.advance(0.5)
     held = await gate.acquire(0, from_pending=False)  # the one slot is busy: a new request queues
     gate.set_ttft(TtftBounds({"interactive": 2.0}, SlowPrefill()))
-    llm = SimpleNamespace(check_admission=lambda n, rid: None)
-    serving = Serving(GovernedEngineClient(FakeHost(llm), gate, lambda: None))  # type: ignore[arg-type]
-    assert tickets.capture_priorities(SimpleNamespace(_state={"serving": serving})) == 1
+    serving = served(gate)
     long, short = tickets.Ticket(), tickets.Ticket()
-    token = tickets.current.set(long)
-    try:
-        with pytest.raises(GateRefusal) as refused:
-            await serving.create_completion(SimpleNamespace(prompt="w " * 40, model_fields_set=set()))
-        assert "expected wait 0.5s + prefill 4.00s" in str(refused.value.message)
-        tickets.current.set(short)
-        assert (
-            await serving.create_completion(SimpleNamespace(prompt="w w", model_fields_set=set()))
-            == "started"
-        )
-    finally:
-        tickets.current.reset(token)
+    with pytest.raises(GateRefusal) as refused:
+        await complete(serving, long, "w " * 40)
+    assert "expected wait 0.5s + prefill 4.00s" in str(refused.value.message)
+    assert await complete(serving, short, "w w") == "started"
     assert (long.prompt_tokens, short.prompt_tokens) == (40, 2)
     assert gate.stats().pending == 1
     gate.release(held)
@@ -166,22 +173,9 @@ async def test_without_slo_steering_no_prompt_is_tokenized() -> None:
     """The prefill term is SLO steering's alone: under any other policy counting would be wasted work
     on every request's way in."""
     gate = AdmissionGate(1, 100, (PriorityClass("interactive", max_priority=0),))
-    llm = SimpleNamespace(check_admission=lambda n, rid: None)
-    serving = Serving(GovernedEngineClient(FakeHost(llm), gate, lambda: None))  # type: ignore[arg-type]
-    assert tickets.capture_priorities(SimpleNamespace(_state={"serving": serving})) == 1
+    serving = served(gate)
     plain, steered = tickets.Ticket(), tickets.Ticket()
-    token = tickets.current.set(plain)
-    try:
-        assert (
-            await serving.create_completion(SimpleNamespace(prompt="a b c", model_fields_set=set()))
-            == "started"
-        )
-        gate.set_ttft(TtftBounds({"interactive": 2.0}, SlowPrefill()))
-        tickets.current.set(steered)
-        assert (
-            await serving.create_completion(SimpleNamespace(prompt="a b c", model_fields_set=set()))
-            == "started"
-        )
-    finally:
-        tickets.current.reset(token)
+    assert await complete(serving, plain, "a b c") == "started"
+    gate.set_ttft(TtftBounds({"interactive": 2.0}, SlowPrefill()))
+    assert await complete(serving, steered, "a b c") == "started"
     assert (plain.prompt_tokens, steered.prompt_tokens) == (None, 3)
