@@ -20,11 +20,10 @@ from controller.bench.workload import (
     parse_priority_mix,
     poisson,
     poisson_arrivals,
-    read_azure_trace,
     sharegpt_lengths,
     sharegpt_pairs,
     stall,
-    trace_window,
+    trace_load,
     with_lengths,
 )
 
@@ -34,6 +33,15 @@ WORKLOAD_HELP = (
     "at once, lengths --prompt-tokens/--output-tokens; with --concurrency: a closed loop); stall (--requests "
     "N decoding streams, then one --long-prompt-tokens prompt: the longest decode gap its prefill causes)"
 )
+
+
+def add_alternate_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--alternate``/``--phase-s``/``--total-s``: a load that changes phase between traces."""
+    p.add_argument("--alternate", action="append", default=[], metavar="TRACE:SCALE[:START]",
+                   help="another trace (replayed SCALE x faster, from START s of trace time) whose windows "
+                        "alternate with --trace's, --phase-s each, for --total-s; repeatable")  # fmt: skip
+    p.add_argument("--phase-s", type=float, default=600.0, help="phase length of --alternate (seconds)")
+    p.add_argument("--total-s", type=float, default=2400.0, help="length of the --alternate load (seconds)")
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -65,6 +73,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
         "--time-scale", type=float, default=1.0, help="replay the trace K times faster (default 1)"
     )
     g.add_argument("--token-scale", type=float, default=1.0, help="multiply trace lengths by K (default 1)")
+    add_alternate_args(g)
     g.add_argument(
         "--sharegpt", action="store_true",
         help="prompt/output lengths of ShareGPT conversations (pip install 'vllm-autopilot[sharegpt]'), "
@@ -121,9 +130,11 @@ def build_specs(args: argparse.Namespace, tokenizer: Tokenizer, max_model_len: i
     elif args.workload == "stall":
         specs = stall(args.requests, args.prompt_tokens, args.output_tokens, args.long_prompt_tokens)
     elif args.trace is not None:
-        rows = read_azure_trace(args.trace)
-        specs = trace_window(rows, start_s=args.start, duration_s=args.duration,
-                             time_scale=args.time_scale, token_scale=args.token_scale)  # fmt: skip
+        specs, _ = trace_load(
+            args.trace, start_s=args.start, duration_s=args.duration, time_scale=args.time_scale,
+            token_scale=args.token_scale, alternates=args.alternate,
+            phase_s=args.phase_s, total_s=args.total_s,
+        )  # fmt: skip
     else:
         if args.rate is None or args.duration is None:
             raise WorkloadError(f"{chosen[0]} needs --rate R and --duration S")

@@ -127,6 +127,50 @@ def trace_window(
     ]
 
 
+def trace_load(
+    path: Path,
+    *,
+    start_s: float,
+    duration_s: float | None,
+    time_scale: float,
+    token_scale: float,
+    alternates: Sequence[str] = (),
+    phase_s: float = 600.0,
+    total_s: float = 2400.0,
+) -> tuple[list[RequestSpec], str]:
+    """The window of trace ``path``, or with ``alternates`` (``TRACE:SCALE[:START]`` each) its windows in
+    turn with theirs (see ``alternate``); with a description of the load for reports."""
+
+    def window(trace: Path, scale: float, start: float, duration: float | None) -> list[RequestSpec]:
+        return trace_window(read_azure_trace(trace), start_s=start, duration_s=duration,
+                            time_scale=scale, token_scale=token_scale)  # fmt: skip
+
+    base = window(path, time_scale, start_s, duration_s)
+    desc = f"{path.name} at {time_scale:g}x"
+    if not alternates:
+        return base, desc
+    loads = [base]
+    for item in alternates:
+        other, scale, start = parse_alternate(item)
+        loads.append(window(other, scale, start, None))
+    desc += "".join(f", {a}" for a in alternates) + f" alternating every {phase_s:g} s for {total_s:g} s"
+    return alternate(loads, phase_s, total_s), desc
+
+
+def parse_alternate(item: str) -> tuple[Path, float, float]:
+    """``TRACE:SCALE`` or ``TRACE:SCALE:START`` -> (path, time scale, window start in trace seconds)."""
+    parts = item.rsplit(":", 2)
+    for numbers in (parts[-2:], parts[-1:]):
+        try:
+            values = [float(v) for v in numbers]
+        except ValueError:
+            continue
+        path = item[: len(item) - len(":".join(numbers)) - 1]
+        if path and len(numbers) <= len(parts) - 1:
+            return Path(path), values[0], values[1] if len(values) == 2 else 0.0
+    raise WorkloadError(f"--alternate {item!r}: write TRACE:SCALE or TRACE:SCALE:START, e.g. code.csv:2:600")
+
+
 def poisson_arrivals(rate: float, duration_s: float, rng: random.Random) -> list[float]:
     """Arrival times of a Poisson process of ``rate`` per second over ``[0, duration_s)``."""
     if rate <= 0 or duration_s <= 0:

@@ -19,6 +19,8 @@ from controller.sim.profile import ProfileError
 
 
 def add_simulate_parser(sub: Any) -> None:
+    from controller.bench.options import add_alternate_args
+
     p = sub.add_parser(
         "simulate",
         help="replay a trace through the virtual-time engine twin under a policy",
@@ -52,11 +54,7 @@ def add_simulate_parser(sub: Any) -> None:
                    help="TTFT SLO, seconds: goodput's, and [slo] if --config has none")  # fmt: skip
     p.add_argument("--slo-tpot", type=float, required=True,
                    help="TPOT SLO, seconds: goodput's, and [slo] if --config has none")  # fmt: skip
-    p.add_argument("--alternate", action="append", default=[], metavar="TRACE:SCALE",
-                   help="another trace (replayed SCALE x faster) whose windows alternate with --trace's, "
-                        "--phase-s each, for --total-s; repeatable")  # fmt: skip
-    p.add_argument("--phase-s", type=float, default=600.0, help="phase length of --alternate (seconds)")
-    p.add_argument("--total-s", type=float, default=2400.0, help="length of the --alternate load (seconds)")
+    add_alternate_args(p)
     p.add_argument("--grid", nargs="+", metavar="AXIS=V1,V2",
                    help="run --policy, vLLM's defaults and every static point of limit=.. budget=.. "
                         "deadline=.. (all three axes); write grid.json and grid.md, with ratios")  # fmt: skip
@@ -200,26 +198,13 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 def _specs(args: argparse.Namespace) -> list[Any]:
     """The window of ``--trace``, or with ``--alternate`` its windows in turn with the other traces'."""
-    from controller.bench.workload import alternate, read_azure_trace, trace_window
+    from controller.bench.workload import trace_load
 
-    def window(path: Path, scale: float, start: float, duration: float | None) -> list[Any]:
-        rows = read_azure_trace(path)
-        return trace_window(rows, start_s=start, duration_s=duration, time_scale=scale,
-                            token_scale=args.token_scale)  # fmt: skip
-
-    base = window(args.trace, args.time_scale, args.start, args.duration)
-    args.workload_desc = f"{args.trace.name} at {args.time_scale:g}x"
-    if not args.alternate:
-        return base
-    loads = [base]
-    for item in args.alternate:
-        path, sep, scale = item.rpartition(":")
-        if not sep:
-            raise ValueError(f"--alternate {item!r}: write TRACE:SCALE, e.g. code.csv:2")
-        loads.append(window(Path(path), float(scale), 0.0, None))
-    args.workload_desc += "".join(f", {a}" for a in args.alternate)
-    args.workload_desc += f" alternating every {args.phase_s:g} s for {args.total_s:g} s"
-    return alternate(loads, args.phase_s, args.total_s)
+    specs, args.workload_desc = trace_load(
+        args.trace, start_s=args.start, duration_s=args.duration, time_scale=args.time_scale,
+        token_scale=args.token_scale, alternates=args.alternate, phase_s=args.phase_s, total_s=args.total_s,
+    )  # fmt: skip
+    return specs
 
 
 def format_summary(s: dict[str, Any]) -> str:

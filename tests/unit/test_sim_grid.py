@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from controller.bench.workload import RequestSpec, WorkloadError, alternate
+from controller.bench.workload import RequestSpec, WorkloadError, alternate, parse_alternate, trace_load
 from controller.config.load import AdmissionConfig, ControlConfig
 from controller.sim.grid import parse_grid, runs
 
@@ -27,6 +29,27 @@ def test_phases_alternate_and_each_load_plays_on_from_where_it_stopped() -> None
     assert [s.index for s in out] == list(range(len(out)))
     with pytest.raises(WorkloadError):
         alternate([a, []], 10.0, 40.0)
+
+
+def test_an_alternate_trace_names_its_scale_and_optionally_its_start(tmp_path: Path) -> None:
+    assert parse_alternate("code.csv:2") == (Path("code.csv"), 2.0, 0.0)
+    assert parse_alternate("traces/code.csv:0.5:600") == (Path("traces/code.csv"), 0.5, 600.0)
+    assert parse_alternate("/a:b/code.csv:3") == (Path("/a:b/code.csv"), 3.0, 0.0)
+    with pytest.raises(WorkloadError, match="TRACE:SCALE or TRACE:SCALE:START"):
+        parse_alternate("code.csv")
+    conv, code = tmp_path / "conv.csv", tmp_path / "code.csv"
+    rows = "TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
+        f"2023-11-16 18:00:{s:02d}.000000,{{n}},10\n" for s in range(0, 40, 2)
+    )
+    conv.write_text(rows.replace("{n}", "100"))
+    code.write_text(rows.replace("{n}", "2000"))
+    specs, desc = trace_load(conv, start_s=10.0, duration_s=None, time_scale=2.0, token_scale=0.5,
+                             alternates=[f"{code}:1:20"], phase_s=4.0, total_s=8.0)  # fmt: skip
+    # conv from 10 s at 2x: one request a second; code from 20 s at 1x: one every 2 s
+    assert [(s.arrival_s, s.prompt_tokens) for s in specs] == [
+        (0.0, 50), (1.0, 50), (2.0, 50), (3.0, 50), (4.0, 1000), (6.0, 1000)
+    ]  # fmt: skip
+    assert desc.endswith("alternating every 4 s for 8 s")
 
 
 def test_the_grid_needs_every_axis_and_runs_policy_defaults_then_points() -> None:
