@@ -29,10 +29,12 @@ class SloPolicy(Policy):
        (``cost.reason``).
     2. token budget ``T = D + floor((tau - a - c*D - d*k*D) / b)``: the largest whose step, a full
        prefill chunk with the decoding batch it joins, is predicted within ``tau``; never below
-       ``D + min_prefill_tokens`` (vLLM serves the running requests first, in order: a budget below the
-       batch starves the later decodes), nor below the new cap plus ``min_prefill_tokens``.
-    3. batch cap ``min(N_tpot, N_kv)``: ``N_tpot = floor((tau - a - b*min_prefill_tokens) / (c + d*k))``,
-       the largest batch whose decode step (with a minimal prefill chunk) is within ``tau``;
+       ``D + R`` (vLLM serves the running requests first, in order: a budget below the batch starves
+       the later decodes), nor below the new cap plus ``R``. The prefill reserve ``R`` is
+       ``min_prefill_tokens``, or fewer where they would take more than half of ``tau - a``
+       (``floor((tau - a) / 2b)``, at least 1: a CPU, where a token of prefill costs milliseconds).
+    3. batch cap ``min(N_tpot, N_kv)``: ``N_tpot = floor((tau - a - b*R) / (c + d*k))``,
+       the largest batch whose decode step (with the prefill reserve) is within ``tau``;
        ``N_kv = floor(kv_target * D / kv_usage)``, what the cache holds without preemption. The KV of
        one sequence is estimated from the observation as its mean share of the cache,
        ``kv_usage / D`` (the latest step's usage over the latest running count), so no cache size is
@@ -139,15 +141,26 @@ class SloPolicy(Policy):
     def _cap(self, obs: Observation, cost: CostEstimate, tau: float, k: float) -> tuple[int, str]:
         """The largest batch whose decode step is within ``tau`` and that KV holds."""
         per_seq = cost.c_s_per_decode_seq + cost.d_s_per_kv_token * k
-        room = tau - cost.a_s - cost.b_s_per_prefill_token * self.min_prefill_tokens
+        reserve = self._reserve(cost, tau)
+        room = tau - cost.a_s - cost.b_s_per_prefill_token * reserve
         n = self.max_num_seqs if per_seq <= 0 else max(0, math.floor(room / per_seq))
-        cap, why = n, f"cap {n}: decode step {_ms(cost.a_s + per_seq * n)} <= {_ms(tau)}"
+        step = _ms(cost.a_s + per_seq * n + cost.b_s_per_prefill_token * reserve)
+        cap, why = n, f"cap {n}: decode step with {reserve} prefill tokens {step} <= {_ms(tau)}"
         d = obs.running
         if d >= self.kv_min_running and obs.kv_usage > 0:
             n = math.floor(self.kv_target * d / obs.kv_usage)
             if n < cap:
                 cap, why = n, f"cap {n}: KV {obs.kv_usage:.2f} at {d} running > {self.kv_target:g}"
         return max(self.min_cap, min(self.max_num_seqs, cap)), why
+
+    def _reserve(self, cost: CostEstimate, tau: float) -> int:
+        """Prefill tokens every step keeps room for: ``min_prefill_tokens``, or on hardware where they
+        would take most of the step (a CPU: 8 ms a token) as many as fill half of what ``tau`` leaves
+        above the step's base, at least one, so that prompts progress and the step stays within ``tau``."""
+        b = cost.b_s_per_prefill_token
+        if b <= 0:
+            return self.min_prefill_tokens
+        return max(1, min(self.min_prefill_tokens, math.floor(0.5 * (tau - cost.a_s) / b)))
 
     def _concurrency(self, cost: CostEstimate, k: float, cap: int) -> tuple[int, str]:
         """What the engine runs within the SLO: the cap, or fewer where the mean step (its decodes
@@ -173,7 +186,7 @@ class SloPolicy(Policy):
         decode_s = cost.a_s + (cost.c_s_per_decode_seq + cost.d_s_per_kv_token * k) * d
         b = cost.b_s_per_prefill_token
         chunk = obs.max_num_batched_tokens if b <= 0 else math.floor((tau - decode_s) / b)
-        floor = max(d, min(cap, self.max_num_seqs)) + self.min_prefill_tokens
+        floor = max(d, min(cap, self.max_num_seqs)) + self._reserve(cost, tau)
         budget = max(floor, d + chunk)
         predicted = decode_s + b * (budget - d)
         return budget, f"budget {budget}: step {_ms(predicted)} at {d} decodes, bound {_ms(tau)}"

@@ -74,14 +74,18 @@ def policies() -> list[str]:
     return sorted(n for n in BUILT_INS if n != "static")
 
 
-def best_setting(args: argparse.Namespace) -> dict[str, Any]:
+def best_setting(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """The best swept [engine] setting and the server it was found for: ``--best-from`` a sweep's
+    result (its ``--server``, our daemon unless it swept plain vllm serve), else ``--best`` on our
+    daemon."""
     if args.best_from is not None:
         path = args.best_from / "sweep.json" if args.best_from.is_dir() else args.best_from
-        rec = json.loads(path.read_text()).get("recommendation")
+        result = json.loads(path.read_text())
+        rec = result.get("recommendation")
         if not rec:
             raise ValueError(f"--best-from {path}: no recommendation (no setting met the SLO?)")
-        return dict(rec["setting"])
-    return parse_assignments(args.best or [], "--best")
+        return dict(rec["setting"]), str(result.get("server", "daemon"))
+    return parse_assignments(args.best or [], "--best"), "daemon"
 
 
 def policy_params(items: Sequence[str]) -> dict[str, dict[str, Any]]:
@@ -134,10 +138,12 @@ def _expand(
             for n in names
         ]
     if item == "best":
-        setting = best_setting(args)
+        setting, server = best_setting(args)
         if not setting:
             return []  # nothing swept: the comparison goes on without it
         label = "best:" + ",".join(f"{k}={v}" for k, v in setting.items())
+        if server == "vllm-serve":
+            return [ServerSpec(f"best:{VLLM_SERVE}:{label[5:]}", "vllm-serve", {**engine, **setting})]
         limit = {"limit": setting["max_num_seqs"]} if "max_num_seqs" in setting else {}
         return [ServerSpec(label, "daemon", {**engine, **setting}, {"policy": "static", "params": {}},
                            {**admission, **limit})]  # fmt: skip

@@ -164,7 +164,7 @@ def main(args: argparse.Namespace) -> int:
     )  # fmt: skip
     (args.out / TABLE).write_text(text + "\n")
     (args.out / RESULT).write_text(
-        json.dumps({"recommendation": rec, "runs": list(summaries)}, indent=2) + "\n"
+        json.dumps({"server": args.server, "recommendation": rec, "runs": list(summaries)}, indent=2) + "\n"
     )
     report = render(args.out, [run_dir(args.out, s.name) for s in specs], title="bench sweep", table=text)
     print("\n" + text + f"\nreport: {report}")

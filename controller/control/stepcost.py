@@ -19,8 +19,10 @@ The numerics, and why:
   so it stays positive definite, never singular).
 * **Outliers.** Once warmed up, a step whose time is off the prediction by more than
   ``max(outlier_ratio, exp(outlier_sigmas * recent log spread))`` (a GC pause, a step that waited) is
-  counted and skipped. After ``max_rejects`` in a row the engine has changed, not the step: the fit
-  takes it and reopens its covariance to learn again.
+  counted and skipped. ``max_rejects`` of them among the last ``window`` steps say the model is wrong,
+  not the steps (the engine changed, or a kind of step recurs that the fit has not learnt, such as
+  the first long prefills on a CPU where they take seconds): the fit takes them in and reopens its
+  covariance to learn again.
 * **Non-negative coefficients.** A negative cost is meaningless (and it extrapolates badly); a fit
   that goes negative is projected onto the non-negative coefficients nearest in the covariance's
   metric (fixing a term at 0 and conditioning the others on it).
@@ -45,8 +47,9 @@ from policies.cost import TERMS, CostEstimate
 SCALES = np.array([1.0, 1024.0, 64.0, 65536.0])
 """A typical step's features (1, prefill tokens, decode sequences, KV tokens): the fit works in
 coefficients times these, seconds each term adds to such a step."""
-NO_PRIOR_VAR = 1.0
-"""Covariance without a seed: a term may add up to about a second to a typical step (knows nothing)."""
+NO_PRIOR_VAR = 100.0
+"""Covariance without a seed: a term may add up to about ten seconds to a typical step (knows nothing:
+a 1024-token prefill of a 135M model takes 8 s on a 2-core CPU, 0.1 s for an 8B model on an H200)."""
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,8 @@ class FitSettings:
     outlier_sigmas: float = 5.0
     """... or this many times the recent RMS of log(measured / predicted), if that is wider."""
     max_rejects: int = 20
-    """Outliers in a row after which the engine is taken to have changed: the next one is taken in."""
+    """Outliers among the last ``window`` steps after which the model is taken to be wrong: the next
+    steps are taken in."""
     cap_samples: float = 2.0
     """The covariance never grows past the uncertainty of this many typical steps."""
     min_step_s: float = 1e-5
@@ -112,7 +116,9 @@ class StepCostModel:
             theta = np.array(prior.coefficients, dtype=float) * SCALES
             spread = np.maximum(theta, 0.1 * float(theta.sum()) or 1e-3)  # a 0 term is not certain
             self._theta, self._p = theta, np.diag(spread**2 / prior.prior_samples)
-        self.samples = self.rejected = self._rejects_in_row = 0
+        self.samples = self.rejected = 0
+        self._verdicts: deque[bool] = deque(maxlen=self.settings.window)
+        """Whether each of the last steps judged was an outlier."""
         self._last_t: float | None = None
         self._y_ref: float | None = None
         """Typical step time (moving mean): sets the covariance cap."""
@@ -142,11 +148,12 @@ class StepCostModel:
         y = np.array([s.step_s for s in kept])
         pred = x @ self._theta
         keep = []
+        relearn = False  # once the model is found wrong, this batch's predictions are stale
         for yi, pi in zip(y, pred, strict=True):
-            relearn = self._rejects_in_row > self.settings.max_rejects  # this batch's predictions are stale
+            relearn = relearn or self._is_wrong()
             keep.append(relearn or not self._is_outlier(float(yi), float(pi)))
-        if self._rejects_in_row > self.settings.max_rejects:
-            self._rejects_in_row = 0
+        if relearn:
+            self._verdicts.clear()
         if not any(keep):
             return
         self._learn(x[keep], y[keep])
@@ -172,16 +179,21 @@ class StepCostModel:
             return False
         log_ratio = abs(math.log(y / pred))
         limit = max(math.log(s.outlier_ratio), s.outlier_sigmas * math.sqrt(self._log_var))
-        if log_ratio <= limit:
-            self._rejects_in_row = 0
-            return False
-        self._rejects_in_row += 1
-        if self._rejects_in_row <= s.max_rejects:
+        outlier = log_ratio > limit
+        self._verdicts.append(outlier)
+        if outlier:
             self.rejected += 1
-            return True
-        # Not an outlier: the engine changed. What the fit knew is no evidence now: learn it anew.
+        return outlier
+
+    def _is_wrong(self) -> bool:
+        """``max_rejects`` outliers among the last ``window`` steps: the engine has changed,
+        or a kind of step recurs that the fit has never learnt (long prefills after a start of short
+        ones, on hardware where they take seconds), not a pause now and then. What the fit knew is no
+        evidence now: it reopens its covariance and learns anew."""
+        if sum(self._verdicts) < self.settings.max_rejects:
+            return False
         self._p, self._y_ref, self._log_var, self._spread_n = np.eye(4) * NO_PRIOR_VAR, None, 0.0, 0
-        return False
+        return True
 
     def _learn(self, x: np.ndarray, y: np.ndarray) -> None:
         """``info = forgetting^m * P^-1 + sum_i forgetting^(m-i) * r_i r_i^T`` over the rows ``r = x / y``

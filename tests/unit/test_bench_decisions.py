@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -75,6 +77,17 @@ def test_compare_daemon_and_vllm_serve_with_the_same_engine() -> None:
     assert daemon.kind == "daemon" and daemon.admission["limit"] == 256  # = max_num_seqs: nothing queues
     assert daemon.control == {"policy": "static", "params": {}}
     assert serve.kind == "vllm-serve" and serve.engine == _bench().engine  # tuned settings kept
+
+
+def test_the_best_of_a_vllm_serve_sweep_runs_as_vllm_serve(tmp_path: Path) -> None:
+    rec = {"setting": {"max_num_seqs": 4, "max_num_batched_tokens": 64}, "goodput_rps": 0.3}
+    (tmp_path / "sweep.json").write_text(json.dumps({"server": "vllm-serve", "recommendation": rec}))
+    (best,) = compare.servers(_bench(), _args(targets="best", best_from=tmp_path))
+    assert best.name == "best:vllm-serve:max_num_seqs=4,max_num_batched_tokens=64"
+    assert best.kind == "vllm-serve" and best.engine["max_num_batched_tokens"] == 64
+    (tmp_path / "sweep.json").write_text(json.dumps({"recommendation": rec}))  # a daemon sweep's
+    (best,) = compare.servers(_bench(), _args(targets="best", best_from=tmp_path))
+    assert best.kind == "daemon" and best.admission["limit"] == 4
 
 
 def test_compare_target_errors() -> None:

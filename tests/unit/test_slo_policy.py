@@ -69,7 +69,25 @@ def test_without_kv_pressure_the_decode_step_sizes_the_cap() -> None:
         loaded(kv_usage=0.01, batch_cap=128), 1.0
     )
     assert wide.batch_cap == 271
-    assert "cap 271: decode step 43 ms <= 45 ms" in wide.reason
+    assert "cap 271: decode step with 64 prefill tokens 45 ms <= 45 ms" in wide.reason
+
+
+def test_where_prefill_costs_milliseconds_a_token_the_reserve_shrinks_to_fit_the_step() -> None:
+    """SmolLM2 in float32 on a 2-core CPU (the cpu-smollm2 profile): 64 prefill tokens would take
+    513 ms, twice the whole 225 ms step bound; the reserve is what fills half of tau - a."""
+    cpu = cost(a_s=0.0738, b_s_per_prefill_token=0.008, c_s_per_decode_seq=0.0075,
+               d_s_per_kv_token=1.2e-5, kv_tokens_per_seq=60.0, prefill_per_decode=None)  # fmt: skip
+    slow = SloTargets(SloBound(5.0, 0.25), (("interactive", SloBound(5.0, 0.25)),))
+    p = SloPolicy(max_num_seqs=64, initial_limit=8, slo=slow)
+    d = p.decide(loaded(cost=cpu, running=2, in_flight=2, kv_usage=0.01, batch_cap=64,
+                        max_num_seqs=64, admission_limit=8), 100.0)  # fmt: skip
+    # tau = 225 ms; reserve floor(0.5 * (225 - 73.8) / 8) = 9 tokens;
+    # cap floor((225 - 73.8 - 72) ms / (7.5 + 0.72) ms) = 9
+    assert d.batch_cap == 9
+    assert "cap 9: decode step with 9 prefill tokens 220 ms <= 225 ms" in d.reason
+    # budget: decodes 73.8 + 2 * 8.22 = 90.2 ms; chunk floor((225 - 90.2) / 8) = 16 -> 2 + 16,
+    # at least the cap plus the reserve: 9 + 9
+    assert d.token_budget == 18
 
 
 def test_the_budget_never_falls_below_the_batch_it_serves() -> None:

@@ -174,6 +174,18 @@ def test_a_lasting_change_is_learnt_after_max_rejects() -> None:
     assert max(rel_errors(model, slower)) < 1e-4
 
 
+def test_slow_prefills_after_a_start_without_them_are_learnt_not_rejected() -> None:
+    """SmolLM2 in float32 on a 2-core CPU: a prefill token costs 8 ms, so a 500-token chunk takes 4 s
+    where the decode steps the load started with take 0.1 s. Those steps recur, one in four: they are
+    the cost of prefill the fit has not learnt yet, not pauses to skip."""
+    cpu = (0.074, 0.008, 0.0075, 1.2e-5)
+    model = StepCostModel()
+    feed(model, make_steps(300, cpu, seed=10, prefill=False))
+    feed(model, make_steps(1000, cpu, seed=11, t0=3.0, noise=0.05))
+    assert model.coefficients[1] == pytest.approx(cpu[1], rel=0.05)
+    assert model.rejected <= model.settings.max_rejects
+
+
 def test_coefficients_never_go_negative() -> None:
     no_kv = (0.003, 8e-6, 5e-5, 0.0)  # the KV term is 0: noise alone would fit it below 0
     model = StepCostModel()
