@@ -27,8 +27,10 @@ The numerics, and why:
   that goes negative is projected onto the non-negative coefficients nearest in the covariance's
   metric (fixing a term at 0 and conditioning the others on it).
 
-``ready`` needs ``min_samples`` steps taken in and the last within ``max_age_s``: a policy holds its
-knobs otherwise, and says the estimate's ``reason``.
+``ready`` needs ``min_samples`` steps taken in (one, with a seed: a profile fitted on this hardware is
+trusted from the start, and a slow engine, 5 steps a second on a CPU, would hold every knob for ten
+seconds otherwise) and the last within ``max_age_s``: a policy holds its knobs otherwise, and says the
+estimate's ``reason``.
 """
 
 from __future__ import annotations
@@ -240,6 +242,11 @@ class StepCostModel:
 
     # -- reading ----------------------------------------------------------------------------------
     @property
+    def min_samples(self) -> int:
+        """Steps taken in before the fit is trusted: ``min_samples``, one with a seed."""
+        return 1 if self.prior is not None else self.settings.min_samples
+
+    @property
     def coefficients(self) -> tuple[float, float, float, float]:
         a, b, c, d = (float(v) for v in self._theta / SCALES)
         return a, b, c, d
@@ -253,8 +260,8 @@ class StepCostModel:
         age = None if self._last_t is None else max(0.0, now_mono - self._last_t)
         rel, r2 = self._quality()
         s = self.settings
-        if self.samples < s.min_samples:
-            reason = f"cost model: {self.samples} samples < {s.min_samples}"
+        if self.samples < self.min_samples:
+            reason = f"cost model: {self.samples} samples < {self.min_samples}"
         elif age is not None and age > s.max_age_s:
             reason = f"cost model: last sample {age:.0f} s ago > {s.max_age_s:g} s"
         else:
@@ -316,7 +323,7 @@ class CostReader:
 
     def prefill_s(self, prompt_tokens: int) -> float:
         """The gate's prefill term (``admission/ttft.PrefillEstimator``): one step of the prompt alone,
-        ``a + b * prompt_tokens``; 0 until the fit has ``min_samples`` steps (no guess refuses anyone)."""
-        if self.model.samples < self.model.settings.min_samples:
+        ``a + b * prompt_tokens``; 0 until the fit is trusted (no guess refuses anyone)."""
+        if self.model.samples < self.model.min_samples:
             return 0.0
         return max(0.0, self.model.predict_step(prompt_tokens, 0, 0))

@@ -220,8 +220,11 @@ class SimEngine:
 
     # -- one step ---------------------------------------------------------------------------------
     def plan(self) -> StepPlan:
-        """``Scheduler.schedule``: running requests first, preempting on KV shortage, then admissions."""
-        budget = self.token_budget
+        """``Scheduler.schedule``: running requests first, preempting on KV shortage, then admissions.
+        The token budget bounds a step that carries a decode; one of prefill alone stalls no stream and
+        takes up to ``max_num_batched_tokens`` (``engine/runtime/scheduler.py``)."""
+        decoding = any(r.num_computed_tokens >= r.prompt_tokens for r in self.running)
+        budget = self.token_budget if decoding else self.max_num_batched_tokens
         scheduled: dict[SimRequest, int] = {}
         preempted = 0
         i = 0

@@ -1,13 +1,16 @@
 """The token budget moves inside the running engine, and the engine's per-step figures come out of it
 (the tiny model on the CPU, one daemon for the module).
 
-A prompt of P tokens is prefilled in one step under a budget above P, and in ceil(P / 64) chunks of at
-most 64 tokens under a budget of 64; the prefill tokens the EngineCore reports add up to P either way,
-and every step took a positive time. The control loop ticks once at start, then only when told.
+A prompt of P tokens is prefilled in one step under a budget above P, and under a budget of 64 too
+when nothing else runs (a step of prefill alone stalls no stream); beside a decoding stream it is
+prefilled in ceil(P / 63) chunks of at most 63 tokens (64 less the stream's decode). The prefill
+tokens the EngineCore reports add up to P each time, and every step took a positive time. The control
+loop ticks once at start, then only when told.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import AsyncIterator
@@ -37,9 +40,9 @@ async def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> 
         yield d
 
 
-async def complete(s: aiohttp.ClientSession, d: Daemon, prompt: str) -> int:
-    """One short completion; its prompt's length in tokens."""
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 3, "ignore_eos": True}
+async def complete(s: aiohttp.ClientSession, d: Daemon, prompt: str, max_tokens: int = 3) -> int:
+    """One completion (short unless told); its prompt's length in tokens."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
     async with s.post(url(d, "/v1/completions"), json=body) as r:
         assert r.status == 200, await r.text()
         return int((await r.json())["usage"]["prompt_tokens"])
@@ -66,9 +69,16 @@ async def test_the_budget_moves_in_the_engine_and_chunks_a_long_prompt(daemon: D
         assert await actuator.set_token_budget(1) == 16  # the engine's own clamp, read back
         assert await actuator.set_token_budget(10**6) == CEILING
         assert await actuator.set_token_budget(64) == 64
+        tokens, alone = await prefill_of(daemon, s, " ".join(["engine"] * 600))
+        # nothing decodes beside it, so no stream stalls: the step takes the prompt whole
+        assert [st.prefill_tokens for st in alone if st.prefill_tokens] == [tokens]
+
+        stream = asyncio.create_task(complete(s, daemon, "a stream to decode beside", max_tokens=1500))
+        await asyncio.sleep(1.0)  # its prefill is done in milliseconds: it decodes now
         tokens, chunked = await prefill_of(daemon, s, " ".join(["engine"] * 600))
+        stream.cancel()
         prefills = [st.prefill_tokens for st in chunked if st.prefill_tokens]
-        assert len(prefills) == math.ceil(tokens / 64) and max(prefills) == 64, prefills
+        assert len(prefills) == math.ceil(tokens / 63) and max(prefills) == 63, prefills  # 1 for the decode
         assert sum(prefills) == tokens
 
         async with s.get(admin_url(daemon, "/state")) as r:

@@ -22,22 +22,37 @@ LIMITS = EngineLimits(
 def test_a_lower_budget_splits_a_prompt_into_more_steps_and_each_step_is_recorded() -> None:
     e = SimEngine(LIMITS, COST)
     assert e.set_token_budget(100) == 100
-    e.add(SimRequest(1, 250, 2, 0, arrival_t=0.0))
+    e.add(SimRequest(1, 10, 20, 0, arrival_t=0.0))
     scheduled = []
     for t in range(1, 6):
         plan = e.plan()
         scheduled.append(sum(n for _, n in plan.scheduled))
         e.finish_step(plan, float(t), step_s=0.5 if t == 1 else None)
-    assert scheduled == [100, 100, 50, 1, 0]  # three prefill chunks, one decode, done
+        if t == 1:
+            e.add(SimRequest(2, 250, 2, 0, arrival_t=1.0))
+    # the first prompt alone, then the second in chunks beside the first one's decodes, then two decodes
+    assert scheduled == [10, 100, 100, 53, 2]
     steps = e.drain_steps()
-    assert steps[0] == EngineStep(1.0, 100, 0, 100, 0.5)  # the driver's draw when it gives one
-    assert [(s.prefill_tokens, s.decode_seqs, s.kv_tokens) for s in steps[1:4]] == [
-        (100, 0, 200),
-        (50, 0, 250),
-        (0, 1, 251),
+    assert steps[0] == EngineStep(1.0, 10, 0, 10, 0.5)  # the driver's draw when it gives one
+    assert [(s.prefill_tokens, s.decode_seqs, s.kv_tokens) for s in steps[1:5]] == [
+        (99, 1, 11 + 99),
+        (99, 1, 12 + 198),
+        (52, 1, 13 + 250),
+        (0, 2, 14 + 251),
     ]
-    assert steps[1].step_s == COST.step_s(100, 0, 200)  # else the cost model's mean
-    assert len(steps) == 4 and e.drain_steps() == []  # the empty last step is not one
+    assert steps[1].step_s == COST.step_s(99, 1, 110)  # else the cost model's mean
+    assert len(steps) == 5 and e.drain_steps() == []
+
+
+def test_a_step_of_prefill_alone_takes_up_to_max_num_batched_tokens() -> None:
+    """No stream decodes, so none stalls: the budget does not chunk the prompt (the engine's rule,
+    controller/engine/runtime/scheduler.py)."""
+    e = SimEngine(LIMITS, COST)
+    e.set_token_budget(100)
+    e.add(SimRequest(1, 250, 2, 0, arrival_t=0.0))
+    e.add(SimRequest(2, 300, 2, 0, arrival_t=0.0))
+    plan = e.plan()
+    assert [n for _, n in plan.scheduled] == [250, 262]  # 512 in all: the ceiling
 
 
 def test_the_budget_is_clamped_like_the_engines() -> None:

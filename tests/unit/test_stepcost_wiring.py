@@ -69,4 +69,7 @@ def test_the_observer_carries_the_estimate_at_the_observation_time() -> None:
     cost = observer.observe().cost
     assert cost is not None and cost.samples == 1 and cost.age_s == pytest.approx(1.0)
     assert cost == CostReader(model, clock).current()
-    assert cost.reason == "cost model: 1 samples < 50"
+    assert cost.ready and cost.reason == "ready"  # a seeded fit is trusted from its first step
+    unseeded = StepCostModel()
+    unseeded.update([EngineStep(99.0, 0, 4, 400, 0.0033)])
+    assert unseeded.estimate(100.0).reason == "cost model: 1 samples < 50"

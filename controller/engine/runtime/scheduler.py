@@ -14,7 +14,10 @@ which vLLM imports inside the EngineCore process through ``scheduler_cls``, does
   between two engine steps (never inside ``schedule()``, so a budget never changes mid-step).
 
 Lowering the cap never preempts: requests already running finish; only new admissions wait. Lowering
-the budget never preempts either: a running prefill gets smaller chunks. What else reads
+the budget never preempts either: a running prefill gets smaller chunks. The budget bounds a step that
+carries a decode, whose stream it would stall; a step in which no running request decodes (prefill
+alone) takes up to ``max_num_batched_tokens``, so a small budget costs a prompt no extra steps when
+nothing waits for it (``controller/sim/engine.py`` plans steps the same way). What else reads
 ``max_num_scheduled_tokens`` in vLLM 0.32, and why a lower value keeps its invariants:
 
 * ``schedule()`` starts ``token_budget`` from it and asserts the step's total stays within it (the
@@ -54,6 +57,7 @@ class _LiveKnobsMixin:
     num_spec_tokens: int
     scheduler_config: Any
     requests: dict[str, Any]
+    running: list[Any]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -79,7 +83,15 @@ class _LiveKnobsMixin:
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         t_start = self.step_meter.clock()
-        output = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        budget = self.max_num_scheduled_tokens
+        if not any(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running):
+            # No running request decodes: a step of prefill alone stalls no stream, so it may take
+            # the whole max_num_batched_tokens (vLLM reads the budget only inside schedule()).
+            self.max_num_scheduled_tokens = max(budget, int(self.scheduler_config.max_num_batched_tokens))
+        try:
+            output = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            self.max_num_scheduled_tokens = budget
         self.step_meter.scheduled(output, self.requests, t_start)
         return output
 
