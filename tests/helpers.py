@@ -154,12 +154,17 @@ def http_session(**kwargs: Any) -> aiohttp.ClientSession:
 
 
 async def stream_completion(
-    session: aiohttp.ClientSession, base_url: str, max_tokens: int, priority: int = 0, prompt: str = ""
+    session: aiohttp.ClientSession,
+    base_url: str,
+    max_tokens: int,
+    priority: int = 0,
+    prompt: str = "",
+    model: str = "tiny",
 ) -> dict[str, Any]:
     """One streamed /v1/completions request: status, generated tokens (from the usage chunk; a chunk
     may carry several tokens), content chunks, TTFT and when it ended."""
     body = {
-        "model": "tiny",
+        "model": model,
         "prompt": prompt or "the engine serves requests",
         "max_tokens": max_tokens,
         "ignore_eos": True,
