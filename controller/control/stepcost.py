@@ -118,7 +118,7 @@ class StepCostModel:
             theta = np.array(prior.coefficients, dtype=float) * SCALES
             spread = np.maximum(theta, 0.1 * float(theta.sum()) or 1e-3)  # a 0 term is not certain
             self._theta, self._p = theta, np.diag(spread**2 / prior.prior_samples)
-        self.samples = self.rejected = 0
+        self.samples = self.rejected = self.last_decode_seqs = 0
         self._verdicts: deque[bool] = deque(maxlen=self.settings.window)
         """Whether each of the last steps judged was an outlier."""
         self._last_t: float | None = None
@@ -146,6 +146,7 @@ class StepCostModel:
         if not kept:
             return
         self._track_batch(kept)
+        self.last_decode_seqs = kept[-1].decode_seqs
         x = np.array([[1.0, s.prefill_tokens, s.decode_seqs, s.kv_tokens] for s in kept]) / SCALES
         y = np.array([s.step_s for s in kept])
         pred = x @ self._theta
@@ -313,17 +314,28 @@ def _nonnegative(theta: np.ndarray, p: np.ndarray) -> np.ndarray:
 
 
 class CostReader:
-    """The model as the observer and the admin views read it: its estimate at the clock's now."""
+    """The model as the observer and the admin views read it: its estimate at the clock's now.
+    ``budget``: the engine's token budget in force, for the gate's prefill term."""
 
-    def __init__(self, model: StepCostModel, clock: Callable[[], float]) -> None:
-        self.model, self._clock = model, clock
+    def __init__(
+        self, model: StepCostModel, clock: Callable[[], float], budget: Callable[[], int] | None = None
+    ) -> None:
+        self.model, self._clock, self._budget = model, clock, budget
 
     def current(self) -> CostEstimate:
         return self.model.estimate(self._clock())
 
     def prefill_s(self, prompt_tokens: int) -> float:
         """The gate's prefill term (``admission/ttft.PrefillEstimator``): one step of the prompt alone,
-        ``a + b * prompt_tokens``; 0 until the fit is trusted (no guess refuses anyone)."""
+        ``a + b * P``; while ``D`` streams decode (the latest step's), the engine gives the prompt
+        chunks of ``T - D`` tokens of the budget ``T`` beside them, each step paying ``a + c * D``:
+        ``ceil(P / (T - D)) * (a + c * D) + b * P``. 0 until the fit is trusted (no guess refuses
+        anyone)."""
         if self.model.samples < self.model.min_samples:
             return 0.0
-        return max(0.0, self.model.predict_step(prompt_tokens, 0, 0))
+        d = self.model.last_decode_seqs
+        if self._budget is None or d <= 0:
+            return max(0.0, self.model.predict_step(prompt_tokens, 0, 0))
+        a, b, c, _ = self.model.coefficients
+        steps = math.ceil(prompt_tokens / max(1, self._budget() - d))
+        return max(0.0, steps * (a + c * d) + b * prompt_tokens)

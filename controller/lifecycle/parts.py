@@ -145,7 +145,7 @@ def build_parts(
         diagnoser, loop, AsyncIOScheduler(), Notifier(), tasks,
     )  # fmt: skip
     guard.on_engine_args = parts.adopt_engine
-    parts.cost = CostReader(cost_model, monotonic)
+    parts.cost = CostReader(cost_model, monotonic, lambda: host.token_budget)
     gate.set_ttft(ttft_for(policy, config.slo, a.classes, parts.cost))  # SLO steering's TTFT bounds
     metrics.live.read_cost(parts.cost)
     parts.capacity = capacity

@@ -146,7 +146,7 @@ class Simulation:
         self.capacity.configure(self.control.slo, policy)
         subscribers = [self._record_changes, self.capacity.on_tick]
         self.loop = ControlLoop(policy, normalizer, self.observe, self, subscribers, 50, steps)
-        prefill = CostReader(self.cost, self.clock)
+        prefill = CostReader(self.cost, self.clock, lambda: self.engine.token_budget)
         self.gate.set_ttft(ttft_for(policy, self.control.slo, a.classes, prefill))
         self._rng = random.Random(seed)
         self.jitter = jitter

@@ -13,7 +13,7 @@ from controller.admission.gate import AdmissionGate, GateRejected
 from controller.admission.ttft import NO_BOUNDS, TtftBounds
 from controller.clock import FakeClock
 from controller.control.build import ttft_for
-from controller.control.stepcost import CostReader, StepCostModel
+from controller.control.stepcost import CostPrior, CostReader, StepCostModel
 from controller.control.steps import EngineStep
 from policies.base import build_policy
 from policies.slo import SloBound, SloTargets
@@ -103,6 +103,23 @@ def test_the_cost_models_prefill_term_waits_for_its_samples() -> None:
     steps = [EngineStep(i * 0.01, p, 4, 4000, 0.002 + 1e-5 * p) for i, p in enumerate([100, 200, 400] * 30)]
     model.update(steps)
     assert reader.prefill_s(1000) == pytest.approx(0.002 + 1e-5 * 1000, rel=0.05)
+
+
+def test_beside_decoding_streams_a_prompt_is_predicted_in_budget_sized_chunks() -> None:
+    """The engine gives a prompt ``T - D`` tokens a step beside ``D`` decodes, and each step pays the
+    base and the decodes again: on a CPU (75 ms a step) that, not the prefill, is most of a long
+    prompt's time under a small budget."""
+    model = StepCostModel(prior=CostPrior((0.074, 0.008, 0.0075, 0.0), name="cpu"))
+    budget = [20]
+    reader = CostReader(model, lambda: 0.0, lambda: budget[0])
+    model.update([EngineStep(0.0, 0, 4, 400, 0.104)])  # four streams decode
+    a, b, c, _ = model.coefficients
+    assert reader.prefill_s(100) == pytest.approx(7 * (a + 4 * c) + 100 * b)  # ceil(100 / 16) steps
+    budget[0] = 2048
+    assert reader.prefill_s(100) == pytest.approx(a + 4 * c + 100 * b)  # one chunk
+    model.update([EngineStep(0.1, 100, 0, 100, 0.874)])  # nothing decodes: the prompt alone
+    a, b, c, _ = model.coefficients
+    assert reader.prefill_s(100) == pytest.approx(a + 100 * b)
 
 
 async def test_the_daemon_bounds_its_gate_under_slo_and_a_reload_lifts_it(tmp_path: Path) -> None:
