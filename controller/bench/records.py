@@ -84,6 +84,8 @@ class SeriesPoint:
     """The gate's admission limit (our daemon/twin only)."""
     batch_cap: int | None = None
     """The engine's runtime batch cap (our daemon/twin only)."""
+    token_budget: int | None = None
+    """The engine's per-step token budget in force (our daemon/twin only)."""
     kv_usage: float | None = None
     """KV cache usage, 0..1 (``vllm:kv_cache_usage_perc``)."""
     running: int | None = None

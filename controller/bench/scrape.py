@@ -70,6 +70,7 @@ def state_fields(state: dict[str, Any]) -> dict[str, int | None]:
     return {
         "admission_limit": state.get("admission_limit"),
         "batch_cap": state.get("batch_cap"),
+        "token_budget": state.get("token_budget"),
         "queue_depth": gate.get("queue_depth"),
     }
 

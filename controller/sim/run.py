@@ -271,6 +271,7 @@ class Simulation:
                 t_s=round(t, 6),
                 admission_limit=g.limit,
                 batch_cap=self.engine.batch_cap,
+                token_budget=self.engine.token_budget,
                 kv_usage=round(self.engine.kv.usage, 6),
                 running=len(self.engine.running),
                 waiting=len(self.engine.waiting),

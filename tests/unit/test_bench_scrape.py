@@ -38,6 +38,11 @@ def test_preemptions_count_from_the_first_reading_across_resets() -> None:
 
 
 def test_state_fields() -> None:
-    state = {"admission_limit": 32, "batch_cap": 16, "gate": {"queue_depth": 5}}
-    assert state_fields(state) == {"admission_limit": 32, "batch_cap": 16, "queue_depth": 5}
-    assert state_fields({}) == {"admission_limit": None, "batch_cap": None, "queue_depth": None}
+    state = {"admission_limit": 32, "batch_cap": 16, "token_budget": 96, "gate": {"queue_depth": 5}}
+    assert state_fields(state) == {
+        "admission_limit": 32,
+        "batch_cap": 16,
+        "token_budget": 96,
+        "queue_depth": 5,
+    }
+    assert set(state_fields({}).values()) == {None}
