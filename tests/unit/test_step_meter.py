@@ -36,8 +36,11 @@ class BaseScheduler:
         self.scheduler_config = SimpleNamespace(max_num_batched_tokens=2048, enable_chunked_prefill=True)
         self.max_num_scheduled_tokens, self.max_model_len, self.num_spec_tokens = 2048, 4096, 0
         self.max_num_running_reqs = self.max_num_active_reqs = 8
+        self.running: list[Req] = []
+        self.budgets_seen: list[int] = []
 
     def schedule(self) -> Out:
+        self.budgets_seen.append(self.max_num_scheduled_tokens)
         out = Out(self.plans.pop(0))
         for req_id, n in out.num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += n
@@ -120,3 +123,15 @@ def test_the_live_token_budget_is_clamped_to_what_the_engine_takes() -> None:
     s.scheduler_config.enable_chunked_prefill = False  # a whole prompt must fit: max_model_len,
     assert s.set_token_budget(100) == 2048  # here past the ceiling, so the ceiling
     assert s.set_batch_cap(100) == 8 and s.set_batch_cap(0) == 1
+
+
+def test_the_budget_bounds_a_step_with_a_decode_and_a_prefill_alone_takes_the_ceiling() -> None:
+    stream, prompt = Req(8, 9), Req(600, 64)  # one decodes (past its prompt), one is mid-prefill
+    s = Scheduler(FakeClock(0.0), [{"p": 64}, {"s": 1, "p": 63}], {"s": stream, "p": prompt})
+    s.set_token_budget(64)
+    s.running = [prompt]
+    s.schedule()
+    s.running = [stream, prompt]
+    s.schedule()
+    assert s.budgets_seen == [2048, 64]  # no stream to stall, then one
+    assert s.max_num_scheduled_tokens == 64  # the budget in force is kept
