@@ -114,8 +114,10 @@ class SloPolicy(Policy):
         assert cost is not None and self.slo is not None
         tau = self.margin * self.slo.tightest.tpot_s
         k = cost.kv_tokens_per_seq or 0.0
-        cap, cap_why = self._cap(obs, cost, tau, k)
-        budget, budget_why = self._budget(obs, cost, self.budget_margin * self.slo.tightest.tpot_s, k, cap)
+        reserve = self._reserve(cost, tau)
+        cap, cap_why = self._cap(obs, cost, tau, k, reserve)
+        budget_tau = self.budget_margin * self.slo.tightest.tpot_s
+        budget, budget_why = self._budget(obs, cost, budget_tau, k, cap, reserve)
         runs, runs_why = self._concurrency(cost, k, cap)
         limit, limit_why = self._limit(obs, runs)
         self._terms = {"tau_s": tau, "kv_tokens_per_seq": k, "cap": cap, "budget": budget, "limit": limit}
@@ -138,10 +140,12 @@ class SloPolicy(Policy):
             return f"cost_not_ready[{obs.cost.reason}]"
         return None
 
-    def _cap(self, obs: Observation, cost: CostEstimate, tau: float, k: float) -> tuple[int, str]:
-        """The largest batch whose decode step is within ``tau`` and that KV holds."""
+    def _cap(
+        self, obs: Observation, cost: CostEstimate, tau: float, k: float, reserve: int
+    ) -> tuple[int, str]:
+        """The largest batch whose decode step, with ``reserve`` prefill tokens, is within ``tau``
+        and that KV holds."""
         per_seq = cost.c_s_per_decode_seq + cost.d_s_per_kv_token * k
-        reserve = self._reserve(cost, tau)
         room = tau - cost.a_s - cost.b_s_per_prefill_token * reserve
         n = self.max_num_seqs if per_seq <= 0 else max(0, math.floor(room / per_seq))
         step = _ms(cost.a_s + per_seq * n + cost.b_s_per_prefill_token * reserve)
@@ -179,14 +183,15 @@ class SloPolicy(Policy):
         return n, f"runs {n}: mean step {mean} at {r:.1f} prefill/decode <= {_ms(bound)}"
 
     def _budget(
-        self, obs: Observation, cost: CostEstimate, tau: float, k: float, cap: int
+        self, obs: Observation, cost: CostEstimate, tau: float, k: float, cap: int, reserve: int
     ) -> tuple[int, str]:
-        """The largest budget whose step, with the decoding batch it joins, is within ``tau``."""
+        """The largest budget whose step, with the decoding batch it joins, is within ``tau``; at
+        least the batch (or the cap) plus the cap's prefill ``reserve``."""
         d = obs.running
         decode_s = cost.a_s + (cost.c_s_per_decode_seq + cost.d_s_per_kv_token * k) * d
         b = cost.b_s_per_prefill_token
         chunk = obs.max_num_batched_tokens if b <= 0 else math.floor((tau - decode_s) / b)
-        floor = max(d, min(cap, self.max_num_seqs)) + self._reserve(cost, tau)
+        floor = max(d, min(cap, self.max_num_seqs)) + reserve
         budget = max(floor, d + chunk)
         predicted = decode_s + b * (budget - d)
         return budget, f"budget {budget}: step {_ms(predicted)} at {d} decodes, bound {_ms(tau)}"

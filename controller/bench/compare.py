@@ -141,9 +141,10 @@ def _expand(
         setting, server = best_setting(args)
         if not setting:
             return []  # nothing swept: the comparison goes on without it
-        label = "best:" + ",".join(f"{k}={v}" for k, v in setting.items())
+        named = ",".join(f"{k}={v}" for k, v in setting.items())
         if server == "vllm-serve":
-            return [ServerSpec(f"best:{VLLM_SERVE}:{label[5:]}", "vllm-serve", {**engine, **setting})]
+            return [ServerSpec(f"best:{VLLM_SERVE}:{named}", "vllm-serve", {**engine, **setting})]
+        label = f"best:{named}"
         limit = {"limit": setting["max_num_seqs"]} if "max_num_seqs" in setting else {}
         return [ServerSpec(label, "daemon", {**engine, **setting}, {"policy": "static", "params": {}},
                            {**admission, **limit})]  # fmt: skip

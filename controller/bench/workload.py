@@ -158,16 +158,17 @@ def trace_load(
 
 
 def parse_alternate(item: str) -> tuple[Path, float, float]:
-    """``TRACE:SCALE`` or ``TRACE:SCALE:START`` -> (path, time scale, window start in trace seconds)."""
-    parts = item.rsplit(":", 2)
-    for numbers in (parts[-2:], parts[-1:]):
+    """``TRACE:SCALE`` or ``TRACE:SCALE:START`` -> (path, time scale, window start in trace seconds);
+    a path may itself hold colons."""
+    path, _, last = item.rpartition(":")
+    rest, _, mid = path.rpartition(":")
+    for head, numbers in ((rest, (mid, last)), (path, (last, "0"))):
         try:
-            values = [float(v) for v in numbers]
+            scale, start = (float(v) for v in numbers)
         except ValueError:
             continue
-        path = item[: len(item) - len(":".join(numbers)) - 1]
-        if path and len(numbers) <= len(parts) - 1:
-            return Path(path), values[0], values[1] if len(values) == 2 else 0.0
+        if head:
+            return Path(head), scale, start
     raise WorkloadError(f"--alternate {item!r}: write TRACE:SCALE or TRACE:SCALE:START, e.g. code.csv:2:600")
 
 
