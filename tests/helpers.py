@@ -105,16 +105,21 @@ def wait_healthy(popen: subprocess.Popen[bytes], admin_url: str, timeout_s: floa
 
 
 @contextlib.contextmanager
-def daemon_process(config: Path, admin_url: str) -> Iterator[subprocess.Popen[bytes]]:
+def daemon_process(
+    config: Path, admin_url: str, startup_timeout_s: float = 240.0
+) -> Iterator[subprocess.Popen[bytes]]:
     """Start the daemon on ``config`` in its own process group (log beside the config), yield it once
-    healthy, and kill the group if it is still running at the end."""
+    healthy (SmolLM2's first build compiles for up to ~4 min on the 2-core box: give it more), and
+    kill the group if it is still running at the end."""
     command = [sys.executable, "-m", "controller", "serve", "--config", str(config)]
-    with serve_process(command, config.parent / "daemon.log", admin_url) as popen:
+    with serve_process(command, config.parent / "daemon.log", admin_url, startup_timeout_s) as popen:
         yield popen
 
 
 @contextlib.contextmanager
-def serve_process(command: list[str], log_path: Path, admin_url: str) -> Iterator[subprocess.Popen[bytes]]:
+def serve_process(
+    command: list[str], log_path: Path, admin_url: str, startup_timeout_s: float = 240.0
+) -> Iterator[subprocess.Popen[bytes]]:
     """Run ``command`` (a daemon's serve line) in its own process group, its output in ``log_path``;
     yield it once healthy, and kill the group if it is still running at the end."""
     with open(log_path, "wb") as log:
@@ -126,7 +131,7 @@ def serve_process(command: list[str], log_path: Path, admin_url: str) -> Iterato
             start_new_session=True,
         )
         try:
-            wait_healthy(popen, admin_url)
+            wait_healthy(popen, admin_url, startup_timeout_s)
             yield popen
         finally:
             if popen.poll() is None:

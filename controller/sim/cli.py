@@ -97,6 +97,10 @@ def add_calibrate_parser(bench_sub: Any) -> None:
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV capacity when /metrics lacks it")
     p.add_argument("--max-concurrency", type=int, default=64, help="largest decode batch to measure")
     p.add_argument("--repeats", type=int, default=5, help="measurements of each point (the median is fitted)")
+    p.add_argument("--prefill-prompts", type=prompt_list, default=plan.prefill_prompts,
+                   help="prompt lengths of the prefill points, comma-separated (default 32,...,1536); the "
+                        "fit is linear in prefill tokens, and on a CPU long prompts cost more a token "
+                        "(attention), so measure the lengths the traffic has")  # fmt: skip
     p.add_argument("--frontend-probes", type=int, default=200,
                    help="light-load requests timing the front end's spread (0: no [variance])")  # fmt: skip
     p.add_argument("--load-in-flight", type=in_flight_list, default=plan.load_in_flight,
@@ -246,6 +250,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     }
     plan = CalibrationPlan(
         concurrency=tuple(n for n in CalibrationPlan.concurrency if n <= args.max_concurrency),
+        prefill_prompts=args.prefill_prompts,
         repeats=args.repeats,
         frontend_probes=args.frontend_probes,
         load_in_flight=args.load_in_flight,
@@ -265,6 +270,17 @@ def run_calibrate(args: argparse.Namespace) -> int:
         return 1
     print("\n".join(describe_fit(profile, args.out)))
     return 0
+
+
+def prompt_list(text: str) -> tuple[int, ...]:
+    """``--prefill-prompts``: comma-separated prompt lengths >= 1, at least two (the fit's slope)."""
+    try:
+        values = tuple(sorted({int(v) for v in text.split(",") if v.strip()}))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: write prompt lengths like 16,64,256") from exc
+    if len(values) < 2 or values[0] < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give at least two prompt lengths, each >= 1")
+    return values
 
 
 def in_flight_list(text: str) -> tuple[int, ...]:

@@ -198,7 +198,10 @@ async def measure(
         if plan.load_in_flight and len(samples) >= len(COLUMNS):
             cost = fit(samples)[0]
             for k, target in enumerate(plan.load_in_flight):
-                specs = load_workload(cost, limits, target, plan.load_requests, server.rng, plan.load_phase_s)
+                specs = load_workload(
+                    cost, limits, target, plan.load_requests, server.rng, plan.load_phase_s,
+                    max_prompt=max(plan.prefill_prompts),
+                )  # fmt: skip
                 phases.append(await load_phase(server, specs))
                 ok = len(phases[-1].ttft_s)
                 log(f"load phase {k + 1}: {len(specs)} requests for ~{target} in flight, {ok} answered")
@@ -213,11 +216,14 @@ def load_workload(
     requests: int,
     rng: random.Random,
     seconds: float = 0.0,
+    max_prompt: int = 1024,
 ) -> list[RequestSpec]:
     """Poisson arrivals, at least ``requests`` of them and for at least ``seconds``, at the rate that
     keeps ``in_flight`` requests in flight by Little's law with the fitted model: rate = in_flight /
-    (prefill + mean output * decode step)."""
-    hi = max(17, min(1024, limits.max_model_len // 2))
+    (prefill + mean output * decode step). Prompts stay within ``max_prompt``, the longest prefill
+    point fitted: past it a CPU's prefill costs more a token than the linear fit says (attention),
+    and that error, compounded by the queue, would read as seconds of front-end delay."""
+    hi = max(17, min(1024, max_prompt, limits.max_model_len // 2))
     mean_prompt, mean_out = (hi - 16) / math.log(hi / 16), 68.0
     decode = cost.step_s(0, in_flight, int(in_flight * (mean_prompt + mean_out / 2)))
     latency = cost.frontend_s + cost.step_s(int(mean_prompt), 0, int(mean_prompt)) + mean_out * decode

@@ -11,7 +11,7 @@ import pytest
 
 from controller.bench.workload import RequestSpec
 from controller.sim.calibrate import LOAD_RAMP_S, in_flight_at_send, loaded_delays
-from controller.sim.cli import in_flight_list
+from controller.sim.cli import in_flight_list, prompt_list
 from controller.sim.measure import LoadPhase, load_workload
 from controller.sim.profile import Profile, ProfileError, Variance, dump_profile, load_profile, parse_profile
 from controller.sim.quantiles import LoadTables, QuantileTable, parse_load_tables
@@ -151,6 +151,8 @@ def test_load_workload_rate_follows_the_in_flight_target() -> None:
     assert all(16 <= s.prompt_tokens <= 1024 and 1 <= s.output_tokens <= 128 for s in light + heavy)
     assert all(s.prompt_tokens + s.output_tokens <= LIMITS.max_model_len for s in heavy)
     assert [s.index for s in heavy] == list(range(300))
+    short = load_workload(COST, LIMITS, in_flight=2, requests=300, rng=random.Random(1), max_prompt=256)
+    assert max(s.prompt_tokens for s in short) <= 256 < max(s.prompt_tokens for s in light)
 
 
 def test_the_load_in_flight_option() -> None:
@@ -160,3 +162,10 @@ def test_the_load_in_flight_option() -> None:
         in_flight_list("0,4")
     with pytest.raises(argparse.ArgumentTypeError, match="like 2,6,12,24"):
         in_flight_list("two")
+
+
+def test_the_prefill_prompts_option() -> None:
+    assert prompt_list("256, 16,64,16") == (16, 64, 256)  # sorted, once each
+    for bad, why in (("16", "at least two"), ("0,16", ">= 1"), ("16,x", "prompt lengths like")):
+        with pytest.raises(argparse.ArgumentTypeError, match=why):
+            prompt_list(bad)

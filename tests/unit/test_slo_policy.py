@@ -73,7 +73,7 @@ def test_without_kv_pressure_the_decode_step_sizes_the_cap() -> None:
 
 
 def test_where_prefill_costs_milliseconds_a_token_the_reserve_shrinks_to_fit_the_step() -> None:
-    """SmolLM2 in float32 on a 2-core CPU (the cpu-smollm2 profile): 64 prefill tokens would take
+    """SmolLM2 in float32 on a 2-core CPU (the first cpu-smollm2 fit): 64 prefill tokens would take
     513 ms, twice the whole 225 ms step bound; the reserve is what fills half of tau - a."""
     cpu = cost(a_s=0.0738, b_s_per_prefill_token=0.008, c_s_per_decode_seq=0.0075,
                d_s_per_kv_token=1.2e-5, kv_tokens_per_seq=60.0, prefill_per_decode=None)  # fmt: skip

@@ -1,7 +1,8 @@
 """The data plane's admission path without an engine: the middleware's ticket carries the request's
 priority into ``check_admission`` (which vLLM calls without it), refusals get their class's
-Retry-After, a deadline expiry answers 429, and a request vLLM refuses after admission (4xx) gives
-its pending place back. vLLM's serving object is replaced by a fake with the same entry-point shape."""
+Retry-After, a deadline expiry answers 429 (streamed or not: a stream waits for its slot before its
+200), and a request vLLM refuses after admission (4xx) gives its pending place back. vLLM's serving
+object is replaced by a fake with the same entry-point shape."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from vllm.exceptions import GracefulHTTPError
 
 from controller.admission.classes import PriorityClass
@@ -33,11 +34,20 @@ class FakeLLM:
             yield i
 
 
+class Body(dict[str, Any]):
+    """A request body with vLLM's request models' ``stream`` attribute."""
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.get("stream"))
+
+
 class FakeServing:
-    """vLLM's GenerateBaseServing shape: _get_priority, _preflight, create_completion."""
+    """vLLM's GenerateBaseServing shape: _get_priority, _preflight, create_completion (a stream is
+    returned as its generator, as vLLM's handler does), create_error_response."""
 
     def __init__(self, client: GovernedEngineClient) -> None:
-        self.client = client
+        self.client = self.engine_client = client
 
     @staticmethod
     def _get_priority(request: dict[str, Any], raw_request: Request | None) -> int:
@@ -53,10 +63,32 @@ class FakeServing:
         if request.get("prompt_too_long"):
             return JSONResponse({"error": "prompt too long"}, status_code=400)  # vLLM's render fails
         stream = self.client.generate("p", None, "id", priority=self._get_priority(request, raw_request))
+        if request.get("stream"):
+            return stream
         return {"outputs": [x async for x in stream]}
 
+    @staticmethod
+    def create_error_response(exc: GracefulHTTPError) -> JSONResponse:
+        return JSONResponse({"error": exc.message}, status_code=int(exc.http_status))
 
-def make_app(gate: AdmissionGate) -> httpx.AsyncClient:
+
+class StatusLines:
+    """ASGI: the status of each response as it starts (httpx's test transport returns a response
+    only once it has ended)."""
+
+    def __init__(self, app: Any, started: list[int]) -> None:
+        self.app, self.started = app, started
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async def sending(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                self.started.append(message["status"])
+            await send(message)
+
+        await self.app(scope, receive, sending)
+
+
+def make_app(gate: AdmissionGate, started: list[int] | None = None) -> httpx.AsyncClient:
     app = FastAPI()
     client = GovernedEngineClient(FakeHost(FakeLLM()), gate, lambda: None)  # type: ignore[arg-type]
     app.state.serving = FakeServing(client)
@@ -69,9 +101,17 @@ def make_app(gate: AdmissionGate) -> httpx.AsyncClient:
 
     @app.post("/v1/completions")
     async def completions(raw_request: Request) -> Any:
-        return await app.state.serving.create_completion(await raw_request.json(), raw_request)
+        body = Body(await raw_request.json())
+        result = await app.state.serving.create_completion(body, raw_request)
+        if body.get("drop_stream") and not isinstance(result, JSONResponse):
+            return {"dropped": True}  # the stream never runs, as when its client leaves first
+        if body.stream and not isinstance(result, JSONResponse):
+            return StreamingResponse(f"data: {x}\n\n" async for x in result)
+        return result
 
-    transport = httpx.ASGITransport(app=AdmissionMiddleware(app, gate))
+    transport = httpx.ASGITransport(
+        app=StatusLines(AdmissionMiddleware(app, gate), [] if started is None else started)
+    )
     return httpx.AsyncClient(transport=transport, base_url="http://test")
 
 
@@ -174,3 +214,45 @@ async def test_the_slot_returns_when_the_engine_finishes_not_when_the_client_has
     with pytest.raises(StopAsyncIteration):
         await anext(stream)
     assert gate.stats().completed_total == 1  # released once
+
+
+async def test_a_stream_whose_deadline_passes_in_the_queue_gets_429_not_200() -> None:
+    gate, events = make_gate(interactive_deadline_s=0.05)
+    held = await gate.acquire(0)
+    async with make_app(gate) as http:
+        r = await http.post("/v1/completions", json={"priority": 0, "stream": True})
+    assert r.status_code == 429, r.text
+    assert "past the interactive deadline" in r.json()["error"]
+    assert int(r.headers["retry-after"]) >= 1
+    assert [cls for cls, _ in events.timed_out] == ["interactive"]
+    assert gate.stats().queued == 0 and gate.stats().pending == 0
+    gate.release(held)
+
+
+async def test_a_stream_waits_for_its_slot_before_its_200() -> None:
+    import asyncio
+
+    gate, _ = make_gate()
+    held, started = await gate.acquire(0), []
+    async with make_app(gate, started) as http:
+        answer = asyncio.create_task(http.post("/v1/completions", json={"priority": 0, "stream": True}))
+        for _ in range(50):
+            await asyncio.sleep(0.01)
+            if gate.stats().queued:
+                break
+        assert gate.stats().queued == 1 and started == []  # no status line while it waits
+        gate.release(held)
+        r = await answer
+    assert r.status_code == 200 and started == [200]
+    assert r.text == "data: 0\n\ndata: 1\n\ndata: 2\n\n"
+    assert gate.stats().in_flight == 0 and gate.stats().pending == 0
+    assert gate.stats().completed_total == 2  # the held slot and the stream's, each released once
+
+
+async def test_a_slot_acquired_for_a_stream_that_never_runs_goes_back() -> None:
+    gate, _ = make_gate()
+    async with make_app(gate) as http:
+        for _ in range(3):  # more than the gate's one slot, if they leaked
+            r = await http.post("/v1/completions", json={"stream": True, "drop_stream": True})
+            assert (r.status_code, r.json()) == (200, {"dropped": True})
+    assert gate.stats().in_flight == 0 and gate.stats().pending == 0

@@ -26,7 +26,8 @@ from controller.engine.runtime.host import EngineHost
 
 class GateRefusal(GracefulHTTPError):
     """The gate refused the request (429 overload, 503 draining or engine unavailable). vLLM turns
-    it into that status, or, in a stream whose 200 already went out, into an error event."""
+    it into that status, or, in a stream whose 200 already went out (a retry after an engine
+    failure), into an error event."""
 
 
 def _http_error(exc: GateRejected) -> GateRefusal:
@@ -116,37 +117,64 @@ class GovernedEngineClient(EngineClient):
         """A plain function, so that it claims the request's ticket when vLLM calls it (in the
         handler's context), not when the stream is first iterated."""
         ticket = tickets.current.get()
-        from_pending = ticket is not None and ticket.pending > 0
-        if ticket is not None and from_pending:
-            ticket.claimed = True
-            ticket.pending -= 1
-        return self._generate(prompt, sampling_params, request_id, priority, from_pending, ticket, kwargs)
+        claim = tickets.Claim(priority, ticket is not None and ticket.pending > 0)
+        if ticket is not None:
+            ticket.claims.append(claim)
+            if claim.from_pending:
+                ticket.claimed = True
+                ticket.pending -= 1
+        return self._generate(prompt, sampling_params, request_id, claim, ticket, kwargs)
+
+    async def acquire_ahead(self, ticket: tickets.Ticket) -> GateRefusal | None:
+        """A streamed request's slots, acquired before its response starts (tickets.py): each claim
+        not yet run gets its slot; the gate's refusal (429 past the deadline, 503) is returned, with
+        the pending places of the claims after it given back."""
+        waiting = [c for c in ticket.claims if not c.started and c.slot is None]
+        for k, claim in enumerate(waiting):
+            try:
+                claim.slot = await self._gate.acquire(claim.priority, claim.from_pending, ticket.priority)
+            except BaseException as exc:
+                claim.from_pending = False  # the gate took its pending place either way
+                rest = [c for c in waiting[k + 1 :] if c.from_pending]
+                for c in rest:
+                    c.from_pending = False
+                if rest:
+                    self._gate.cancel_pending(ticket.priority, len(rest))
+                if not isinstance(exc, GateRejected):
+                    raise  # cancelled (the client left): the middleware returns what was acquired
+                ticket.retry_after_s = exc.retry_after_s
+                return _http_error(exc)
+            claim.from_pending = False
+        return None
 
     async def _generate(
         self,
         prompt: Any,
         sampling_params: Any,
         request_id: str,
-        priority: int,
-        from_pending: bool,
+        claim: tickets.Claim,
         ticket: tickets.Ticket | None,
         kwargs: dict[str, Any],
     ) -> AsyncGenerator[Any, None]:
-        """Wait for a slot, then stream from the engine. A request the engine died under before its
-        first output goes back to the gate and runs on the next engine; one that already streamed,
-        or that a restart had to abort, ends with a retryable error (503). A request whose queue
-        deadline passes gets 429 (or, streamed, an error event: its 200 went out already)."""
+        """Wait for a slot (unless one was acquired ahead: a streamed request), then stream from the
+        engine. A request the engine died under before its first output goes back to the gate and
+        runs on the next engine; one that already streamed, or that a restart had to abort, ends
+        with a retryable error (503). A request whose queue deadline passes gets 429."""
+        claim.started = True
+        priority = claim.priority
         while True:
+            slot, claim.slot = claim.slot, None
             try:
                 # The pending place is in the class admission counted it in (the ticket's): on a
                 # route whose entry point is not wrapped that may not be ``priority``'s.
                 admitted_as = ticket.priority if ticket is not None else None
-                slot = await self._gate.acquire(priority, from_pending, admitted_as)
+                if slot is None:
+                    slot = await self._gate.acquire(priority, claim.from_pending, admitted_as)
             except GateRejected as exc:
                 if ticket is not None:
                     ticket.retry_after_s = exc.retry_after_s
                 raise _http_error(exc) from None
-            from_pending = False
+            claim.from_pending = False
             produced = False
             held = True
             key = next(self._keys)  # ours alone: two requests may carry the same X-Request-Id

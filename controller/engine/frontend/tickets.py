@@ -8,6 +8,12 @@ vLLM's own resolution (the ``X-Vllm-Priority`` header, else the body's ``priorit
 asks for more urgent than ``min_priority``, past int64 or not an integer is answered 400 there.
 ``generate()`` claims the ticket; a ticket admitted but never claimed (vLLM answered 4xx after
 admission: bad input, prompt too long) gives its pending place back when the request ends.
+
+A streamed request waits for its gate slot in the entry point, after vLLM's handler has made its
+generators and before it returns the stream: its 200 goes out only once the request runs, so a
+queue deadline that passes is a 429 with Retry-After, as for a request that does not stream, not an
+error event in a stream that already said 200. The slot travels to ``generate()``'s stream in its
+``Claim``; one the stream never took (the client left first) goes back when the request ends.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
 import logging
 from collections.abc import Callable
 from contextvars import ContextVar
@@ -30,6 +37,19 @@ ENTRY_POINTS = ("create_chat_completion", "create_completion", "create_responses
 """Serving methods that take (request, raw_request) and call ``_preflight`` before generating."""
 PRIORITY_HEADER = "x-vllm-priority"
 _UNSET = object()
+
+
+@dataclass
+class Claim:
+    """One ``generate()`` call of a request, as its stream has yet to run it."""
+
+    priority: int
+    from_pending: bool
+    """It takes one of the pending places admission counted for the request."""
+    slot: Any = None
+    """A gate slot acquired for it ahead of its stream (a streamed request), until the stream takes it."""
+    started: bool = False
+    """Its stream has begun: the slot is the stream's to release."""
 
 
 @dataclass
@@ -49,6 +69,8 @@ class Ticket:
     """Set when the gate refused the request: the Retry-After of its answer."""
     bounds: PriorityBounds = field(default_factory=PriorityBounds)
     """[admission] min_priority and default_priority in force when the request arrived."""
+    claims: list[Claim] = field(default_factory=list)
+    """Its ``generate()`` calls so far."""
 
 
 current: ContextVar[Ticket | None] = ContextVar("autopilot_ticket", default=None)
@@ -108,16 +130,29 @@ def _wrap(serving: Any, method: Callable[..., Any]) -> Callable[..., Any]:
             ticket.calls = generate_calls(request)
             if getattr(getattr(serving, "engine_client", None), "counts_prompts", True):
                 ticket.prompt_tokens = await prompt_tokens(request, tokenizer_of(serving))
-        return await method(request, raw_request, *args, **kwargs)
+        result = await method(request, raw_request, *args, **kwargs)
+        if ticket is not None and ticket.claims and inspect.isasyncgen(result):  # a stream, not sent yet
+            refusal = await acquire_ahead(getattr(serving, "engine_client", None), ticket)
+            if refusal is not None:  # nothing was sent: the stream is dropped before its first step
+                return serving.create_error_response(refusal)
+        return result
 
     entry.__autopilot_wrapped__ = True  # type: ignore[attr-defined]
     return entry
 
 
+async def acquire_ahead(client: Any, ticket: Ticket) -> BaseException | None:
+    """Wait for the slots of a streamed request's claims (``client.acquire_ahead``); the refusal, if
+    the gate refused one, or None. A client without the method (not ours) streams as vLLM does."""
+    ahead = getattr(client, "acquire_ahead", None)
+    return None if ahead is None else await ahead(ticket)
+
+
 class QuietRefusals(logging.Filter):
-    """vLLM logs a traceback when a stream ends in an exception. A gate refusal there (a queue
-    deadline passed) is expected under overload, answered with an error event and counted in the
-    metrics: its record is dropped instead of printing a traceback per refused request."""
+    """vLLM logs a traceback when a stream ends in an exception. A gate refusal there (a request
+    retried after an engine failure whose deadline then passed) is expected, answered with an error
+    event and counted in the metrics: its record is dropped instead of printing a traceback per
+    refused request."""
 
     def __init__(self, refusal: type[BaseException]) -> None:
         super().__init__()
