@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+import tomllib
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -37,6 +38,11 @@ if TYPE_CHECKING:
 ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL = ROOT / "models" / "tiny"
 SMOLLM2_MODEL = ROOT / "models" / "smollm2"
+
+
+def shipped_config() -> dict[str, Any]:
+    """The project's default ``config.toml`` as plain tables (the real-model tests serve its engine)."""
+    return tomllib.loads((ROOT / "config.toml").read_text())
 
 
 # -- ports and config files -----------------------------------------------------------------------

@@ -7,7 +7,6 @@ to start on this model (vLLM compiles it), so this module starts it once.
 
 from __future__ import annotations
 
-import tomllib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -15,14 +14,14 @@ import pytest
 import pytest_asyncio
 
 from controller.lifecycle.daemon import Daemon
-from tests.helpers import http_session, running_daemon, write_config
+from tests.helpers import http_session, running_daemon, shipped_config, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def daemon(tmp_path_factory: pytest.TempPathFactory, smollm2_model: Path) -> AsyncIterator[Daemon]:
-    engine = tomllib.loads((Path(__file__).parents[2] / "config.toml").read_text())["engine"]
+    engine = shipped_config()["engine"]
     path = write_config(
         tmp_path_factory.mktemp("chat") / "config.toml",
         engine={**engine, "model": str(smollm2_model)},

@@ -25,7 +25,7 @@ import psutil
 import pytest
 
 from controller.bench.mix import BATCH, INTERACTIVE, Mix, capacity, run_mix, summarize, unloaded_ttft
-from tests.helpers import daemon_process, free_port, http_session, write_config
+from tests.helpers import daemon_process, free_port, http_session, shipped_config, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -75,10 +75,11 @@ def write_daemon_config(path: Path, model: Path, poll_sleep_s: float, limit: int
     """A static-policy daemon of ``model`` (SmolLM2, config.toml's engine table) on free ports with
     this admission ``limit`` (default priority classes); (data-plane URL, control-plane URL)."""
     ports = (free_port(), free_port())
-    engine = {"model": str(model), "dtype": "float32", "max_num_seqs": 64, "served_model_name": [MODEL]}
+    engine = shipped_config()["engine"]
+    assert engine["served_model_name"] == [MODEL]
     write_config(
         path,
-        engine={**engine, "kv_cache_memory_bytes": 256 << 20},
+        engine={**engine, "model": str(model)},
         server={"port": ports[0], "shutdown_timeout_s": 10.0, "engine_poll_sleep_s": poll_sleep_s},
         admin={"port": ports[1]},
         admission={"limit": limit, "max_queue": 128, "aging_s": 5.0},

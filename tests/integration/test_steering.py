@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import tomllib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -22,18 +21,17 @@ import pytest
 import pytest_asyncio
 
 from controller.lifecycle.daemon import Daemon
-from tests.helpers import http_session, running_daemon, stream_completion, write_config
+from tests.helpers import http_session, running_daemon, shipped_config, stream_completion, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
-ROOT = Path(__file__).parents[2]
 STREAMS, TOKENS = 4, 96
 MODEL = "smollm2"
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def daemon(tmp_path_factory: pytest.TempPathFactory, smollm2_model: Path) -> AsyncIterator[Daemon]:
-    shipped = tomllib.loads((ROOT / "config.toml").read_text())
+    shipped = shipped_config()
     assert shipped["control"]["policy"] == "slo" and shipped["control"]["cost_profile"] == "cpu-smollm2"
     path = write_config(
         tmp_path_factory.mktemp("steer") / "config.toml",

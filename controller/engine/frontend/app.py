@@ -63,7 +63,7 @@ class AdmissionMiddleware:
             if ticket.pending:  # vLLM answered without generating them all (4xx)
                 self.gate.cancel_pending(ticket.priority, ticket.pending)
             for claim in ticket.claims:  # a slot acquired ahead for a stream the client left before
-                if not claim.started and claim.slot is not None:
+                if claim.slot is not None:
                     slot, claim.slot = claim.slot, None
                     self.gate.release(slot)
 

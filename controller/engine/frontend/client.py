@@ -121,7 +121,6 @@ class GovernedEngineClient(EngineClient):
         if ticket is not None:
             ticket.claims.append(claim)
             if claim.from_pending:
-                ticket.claimed = True
                 ticket.pending -= 1
         return self._generate(prompt, sampling_params, request_id, claim, ticket, kwargs)
 

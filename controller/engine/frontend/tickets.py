@@ -57,8 +57,6 @@ class Ticket:
     priority: int = 0
     admitted: bool = False
     """Passed check_admission: counted as pending in its class."""
-    claimed: bool = False
-    """generate() took a pending place."""
     calls: int = 1
     """generate() calls the request will make (a completion's prompts: ``prompts.generate_calls``)."""
     prompt_tokens: int | None = None
@@ -131,21 +129,16 @@ def _wrap(serving: Any, method: Callable[..., Any]) -> Callable[..., Any]:
             if getattr(getattr(serving, "engine_client", None), "counts_prompts", True):
                 ticket.prompt_tokens = await prompt_tokens(request, tokenizer_of(serving))
         result = await method(request, raw_request, *args, **kwargs)
-        if ticket is not None and ticket.claims and inspect.isasyncgen(result):  # a stream, not sent yet
-            refusal = await acquire_ahead(getattr(serving, "engine_client", None), ticket)
+        # A stream, not sent yet, over our client (another streams as vLLM does)
+        ahead = getattr(getattr(serving, "engine_client", None), "acquire_ahead", None)
+        if ticket is not None and ticket.claims and inspect.isasyncgen(result) and ahead is not None:
+            refusal = await ahead(ticket)
             if refusal is not None:  # nothing was sent: the stream is dropped before its first step
                 return serving.create_error_response(refusal)
         return result
 
     entry.__autopilot_wrapped__ = True  # type: ignore[attr-defined]
     return entry
-
-
-async def acquire_ahead(client: Any, ticket: Ticket) -> BaseException | None:
-    """Wait for the slots of a streamed request's claims (``client.acquire_ahead``); the refusal, if
-    the gate refused one, or None. A client without the method (not ours) streams as vLLM does."""
-    ahead = getattr(client, "acquire_ahead", None)
-    return None if ahead is None else await ahead(ticket)
 
 
 class QuietRefusals(logging.Filter):
