@@ -100,6 +100,7 @@ def state(d: StatusParts) -> dict[str, Any]:
             "rejected_total": g.rejected_total,
             "completed_total": g.completed_total,
             "completion_rate_per_s": d.gate.completion_rate(),
+            "service_rate_per_s": d.gate.service_rate(),
         },
         "engine_stats": dataclasses.asdict(d.window.snapshot()),
         "decisions": d.loop.recent(),

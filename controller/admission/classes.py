@@ -195,7 +195,8 @@ class NoEvents:
 
 
 class CompletionRate:
-    """Completions per second over the last ``window_s``, on an injected clock.
+    """Completions per second over the last ``window_s``, and how long each held its slot, on an
+    injected clock.
 
     None until two completions are in the window: without a measurement the gate does not refuse on
     expected wait (the queue bound and the deadline still hold).
@@ -204,15 +205,43 @@ class CompletionRate:
     def __init__(self, clock: Clock, window_s: float = 10.0, max_samples: int = 4096) -> None:
         self._clock = clock
         self.window_s = window_s
-        self._times: deque[float] = deque(maxlen=max_samples)
+        self._times: deque[tuple[float, float]] = deque(maxlen=max_samples)  # (completed, held s)
+        self._held_sum = 0.0
 
-    def record(self) -> None:
-        self._times.append(self._clock())
+    def record(self, held_s: float = 0.0) -> None:
+        if len(self._times) == self._times.maxlen:
+            self._held_sum -= self._times[0][1]
+        self._times.append((self._clock(), held_s))
+        self._held_sum += held_s
+
+    def _trim(self) -> float:
+        now = self._clock()
+        while self._times and self._times[0][0] < now - self.window_s:
+            self._held_sum -= self._times.popleft()[1]
+        if not self._times:
+            self._held_sum = 0.0  # no float drift survives an idle window
+        return now
 
     def per_second(self) -> float | None:
-        now = self._clock()
-        while self._times and self._times[0] < now - self.window_s:
-            self._times.popleft()
-        if len(self._times) < 2 or now <= self._times[0]:
+        now = self._trim()
+        if len(self._times) < 2 or now <= self._times[0][0]:
             return None
-        return len(self._times) / (now - self._times[0])
+        return len(self._times) / (now - self._times[0][0])
+
+    def mean_held_s(self) -> float | None:
+        """How long the window's completions held their slot, on average (None below two)."""
+        self._trim()
+        if len(self._times) < 2:
+            return None
+        return self._held_sum / len(self._times)
+
+    def service_per_second(self, in_flight: int) -> float | None:
+        """The rate at which slots free up: the measured completions, or, when more is in flight than
+        that rate can account for, ``in_flight`` over the mean hold (Little's law). At light load the
+        completions follow the arrivals, not the engine's capacity, and a queue that forms behind
+        ``in_flight`` running requests drains at their pace, not at the arrivals' of the last 10 s."""
+        rate = self.per_second()
+        held = self.mean_held_s()
+        if rate is None or held is None or held <= 0 or in_flight <= 0:
+            return rate
+        return max(rate, in_flight / held)

@@ -2,10 +2,12 @@
 class's TTFT bound is refused at once (429 + Retry-After) rather than served late, and a queued one
 whose bound passes gets 429 (``[slo]``, resolved per class; refusals count as misses in goodput).
 
-A request's predicted TTFT is its place in the queue over the measured completion rate plus its own
-prefill, which a ``PrefillEstimator`` predicts (the step-cost model, ``controller/control/stepcost.py``,
-through ``controller/control`` wiring: admission imports nothing of it). The queue deadline a class
-enforces becomes ``min(queue_deadline_s, TTFT bound)``: the same rule as ``config/slo.wait_bounds``.
+A request's predicted TTFT is its expected wait (its place in the queue over the rate at which slots
+free up) plus its own prefill, which a ``PrefillEstimator`` predicts (the step-cost model,
+``controller/control/stepcost.py``, through ``controller/control`` wiring: admission imports nothing
+of it); it must stay within the TTFT bound. The wait alone must stay within the queue deadline, which
+becomes ``min(queue_deadline_s, wait_share * TTFT bound)``: a request granted a slot just at its bound
+would miss it.
 """
 
 from __future__ import annotations

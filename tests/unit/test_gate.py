@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from controller.admission.classes import PriorityClass
+from controller.admission.classes import CompletionRate, PriorityClass
 from controller.admission.gate import AdmissionGate, GateRejected, GateStats, Slot
 from controller.clock import FakeClock
 from tests.helpers import Events, Recorder, settle
@@ -412,3 +412,25 @@ async def test_completion_rate_is_measured_over_the_last_ten_seconds() -> None:
     assert gate.completion_rate() == pytest.approx(2 / 9.0)
     clock.advance(10.0)
     assert gate.completion_rate() is None  # an idle gate has no rate, so it refuses nothing on it
+
+
+def test_the_service_rate_is_what_is_in_flight_over_the_mean_hold_where_that_is_more() -> None:
+    clock = FakeClock(0.0)
+    rate = CompletionRate(clock)
+    for _ in range(10):  # one completion a second, each held 2 s
+        rate.record(held_s=2.0)
+        clock.advance(1.0)
+    assert (rate.per_second(), rate.mean_held_s()) == (pytest.approx(1.0), pytest.approx(2.0))
+    assert rate.service_per_second(4) == pytest.approx(2.0)  # 4 in flight free a slot each 0.5 s
+    assert rate.service_per_second(1) == pytest.approx(1.0)  # never below what was measured
+    assert rate.service_per_second(0) == pytest.approx(1.0)
+    clock.advance(5.0)  # t = 15: completions at 5..9 s remain
+    rate.record(held_s=8.0)
+    assert (rate.per_second(), rate.mean_held_s()) == (pytest.approx(6 / 10), pytest.approx(18 / 6))
+    clock.advance(11.0)
+    assert (rate.per_second(), rate.mean_held_s(), rate.service_per_second(4)) == (None, None, None)
+    zero = CompletionRate(clock)
+    for _ in range(3):  # holds too short to measure tell nothing: the completion rate stands
+        zero.record()
+        clock.advance(1.0)
+    assert zero.service_per_second(4) == pytest.approx(3 / 3.0)

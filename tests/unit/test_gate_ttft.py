@@ -4,6 +4,7 @@ share of each class's TTFT bound, and early refusal by predicted TTFT (expected 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -53,21 +54,46 @@ def test_bounds_cut_the_deadlines_to_the_share_of_the_ttft_bound() -> None:
     assert [c.queue_deadline_s for c in gate.classes] == [5.0, 60.0]
 
 
-async def test_the_own_prefill_counts_in_the_predicted_ttft() -> None:
+async def test_the_wait_meets_the_deadline_and_the_wait_plus_own_prefill_the_ttft_bound() -> None:
+    """A request may wait ``wait_share`` of its bound (the deadline), and its predicted TTFT, the wait
+    plus its own prefill, must stay within the whole bound: the prefill is predicted, not reserved."""
     gate, _ = await gate_at_rate(10.0)
-    gate.set_ttft(TtftBounds({"interactive": 1.0}, Prefill(), wait_share=0.8))
+    gate.set_ttft(TtftBounds({"interactive": 1.0}, Prefill(), wait_share=0.75))
     for _ in range(5):  # positions 1..5: 0.1 .. 0.5 s of wait
-        gate.check_admission(0, prompt_tokens=2000)  # + 0.2 s prefill: at most 0.7 s <= 0.8 s
+        gate.check_admission(0, prompt_tokens=2000)  # + 0.2 s prefill: at most 0.7 s
     gate.check_admission(0)  # position 6: 0.6 s, no prompt length known: no prefill term
     with pytest.raises(GateRejected) as exc:
-        gate.check_admission(0, prompt_tokens=2500)  # position 7: 0.7 s + 0.25 s > 0.8 s
+        gate.check_admission(0, prompt_tokens=3500)  # position 7: 0.7 s + 0.35 s > 1 s
     assert (exc.value.status, exc.value.reason) == (429, "expected_wait")
-    assert (
-        "expected wait 0.7s + prefill 0.25s exceeds the interactive queue deadline of 0.8s"
-        in exc.value.message
-    )
-    gate.check_admission(0, prompt_tokens=500)  # 0.7 s + 0.05 s: within
+    assert "predicted TTFT 0.7s + prefill 0.35s exceeds the interactive TTFT bound of 1s" in exc.value.message
+    gate.check_admission(0, prompt_tokens=2500)  # 0.7 s + 0.25 s: past the 0.75 s deadline, within 1 s
+    with pytest.raises(GateRejected) as exc:
+        gate.check_admission(0)  # position 8: 0.8 s of wait alone is past the 0.75 s deadline
+    assert "expected wait 0.8s exceeds the interactive queue deadline of 0.75s" in exc.value.message
     assert gate.stats().pending == 7
+
+
+async def test_a_queue_behind_long_requests_is_predicted_at_their_pace_not_the_arrivals() -> None:
+    """At light load the completions of the last 10 s follow the arrivals (one each 2 s here), not
+    what the engine can serve: two requests that each hold their slot 1 s free a slot every 0.5 s."""
+    clock = FakeClock()
+    gate = AdmissionGate(2, 100, (dataclasses.replace(ROOMY, queue_deadline_s=1.5),), clock=clock)
+    for _ in range(6):
+        slot = await gate.acquire(0, from_pending=False)
+        clock.advance(1.0)
+        gate.release(slot)
+        clock.advance(1.0)
+    assert gate.completion_rate() == pytest.approx(5 / 9)  # completions at 3, 5, .., 11 s; now 12 s
+    for _ in range(2):
+        await gate.acquire(0, from_pending=False)
+    assert gate.service_rate() == pytest.approx(2.0)  # 2 in flight / 1 s held
+    gate.check_admission(0)  # position 1: 0.5 s (the completion rate alone: 1.8 s > 1.5 s)
+    gate.check_admission(0)  # position 2: 1.0 s
+    gate.check_admission(0)  # position 3: 1.5 s
+    with pytest.raises(GateRejected) as exc:
+        gate.check_admission(0)  # position 4: 2.0 s
+    assert "expected wait 2.0s exceeds" in exc.value.message
+    assert exc.value.retry_after_s == 1  # one request past the deadline drains in 0.5 s
 
 
 async def test_a_queued_request_past_its_share_of_the_bound_gets_429() -> None:
