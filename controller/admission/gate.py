@@ -184,21 +184,17 @@ class AdmissionGate(Refusals):
             self._refuse(q, n, "queue_full", excess, why)
 
     def _check_predicted(self, q: ClassQueue, n: int, position: int, prefill_s: float) -> None:
-        """Refuse when the expected wait passes the class's queue deadline, or (under SLO steering)
-        the predicted TTFT, that wait plus the request's own prefill, passes its TTFT bound."""
+        """Refuse when the expected wait plus the request's own prefill (under SLO steering) passes the
+        class's queue deadline: under SLO steering ``wait_share`` of the TTFT bound, the rest a margin
+        for what the prediction misses (``ttft.py``)."""
         rate, spec = self.service_rate(), q.spec
         if rate is None:
             return  # nothing measured yet: the queue bound and the deadline still hold
         wait, deadline = position / rate, spec.queue_deadline_s
-        if wait > deadline:
-            why = f"expected wait {wait:.1f}s exceeds the {spec.name} queue deadline of {deadline:g}s"
+        if wait + prefill_s > deadline:
+            shown = f"{wait:.1f}s" + (f" + prefill {prefill_s:.2f}s" if prefill_s else "")
+            why = f"expected wait {shown} exceeds the {spec.name} queue deadline of {deadline:g}s"
             self._refuse(q, n, "expected_wait", position - rate * deadline, why)
-        bound = self.ttft.bounds.get(spec.name)
-        if bound is not None and wait + prefill_s > bound:
-            why = f"predicted TTFT {wait:.1f}s + prefill {prefill_s:.2f}s exceeds the {spec.name} TTFT bound"
-            self._refuse(
-                q, n, "expected_wait", position - rate * max(0.0, bound - prefill_s), f"{why} of {bound:g}s"
-            )
 
     def _refuse(self, q: ClassQueue, n: int, reason: str, excess: float, why: str) -> None:
         self.rejected_total += n
