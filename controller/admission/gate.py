@@ -4,9 +4,8 @@ Requests beyond the limit wait here, one queue per priority class (``controller/
 Slots go to the most urgent class first (strict priority, so an interactive request never waits
 behind batch work), except that a class whose oldest waiter has waited ``aging_s`` takes one slot
 per ``aging_s`` ahead of the others (aging: lower classes still progress). A request is refused
-early with 429 when its class queue is full or its expected wait (position / the measured rate at
-which slots free up, ``CompletionRate.service_per_second``) exceeds the class's queue deadline; one
-that outlives the deadline in the queue gets 429 too.
+early with 429 when its class queue is full or its expected wait (position / the rate slots free up
+at, ``classes.CompletionRate``) exceeds its class's queue deadline; past it in the queue, 429 too.
 When the whole gate is full, the least urgent class sheds first. No vLLM import: the engine client in
 ``controller/engine`` adapts the gate's errors to HTTP.
 """
@@ -175,26 +174,17 @@ class AdmissionGate(Refusals):
         if own > spec.max_queue:
             why = f"{own - n} {spec.name} requests already wait (queue limit {spec.max_queue})"
             self._refuse(q, n, "queue_full", own - spec.max_queue, why)
-        self._check_predicted(q, n, position, prefill_s)
+        rate = self.service_rate()  # under SLO steering the deadline is a share of the TTFT bound
+        if rate is not None and position / rate + prefill_s > spec.queue_deadline_s:
+            wait = f"{position / rate:.1f}s" + (f" + prefill {prefill_s:.2f}s" if prefill_s else "")
+            why = f"expected wait {wait} exceeds the {spec.name} queue deadline of {spec.queue_deadline_s:g}s"
+            self._refuse(q, n, "expected_wait", position - rate * spec.queue_deadline_s, why)
         waiting = sum(o.queued + len(o.pending) for o in self._order)
         free_any = max(0, self._limit - self._in_flight_total)
         excess = waiting + n - free_any - self.max_queue
         if excess > 0 and not self._shed_below(q, min(excess, n)):
             why = f"{waiting} requests already wait (gate queue limit {self.max_queue})"
             self._refuse(q, n, "queue_full", excess, why)
-
-    def _check_predicted(self, q: ClassQueue, n: int, position: int, prefill_s: float) -> None:
-        """Refuse when the expected wait plus the request's own prefill (under SLO steering) passes the
-        class's queue deadline: under SLO steering ``wait_share`` of the TTFT bound, the rest a margin
-        for what the prediction misses (``ttft.py``)."""
-        rate, spec = self.service_rate(), q.spec
-        if rate is None:
-            return  # nothing measured yet: the queue bound and the deadline still hold
-        wait, deadline = position / rate, spec.queue_deadline_s
-        if wait + prefill_s > deadline:
-            shown = f"{wait:.1f}s" + (f" + prefill {prefill_s:.2f}s" if prefill_s else "")
-            why = f"expected wait {shown} exceeds the {spec.name} queue deadline of {deadline:g}s"
-            self._refuse(q, n, "expected_wait", position - rate * deadline, why)
 
     def _refuse(self, q: ClassQueue, n: int, reason: str, excess: float, why: str) -> None:
         self.rejected_total += n
@@ -204,18 +194,14 @@ class AdmissionGate(Refusals):
     def _retry_after(self, excess: float) -> int:
         """Seconds until ``excess`` queued requests have completed at the measured rate."""
         rate = self.service_rate()
-        if rate is None:
-            return 1
-        return max(1, min(60, math.ceil(excess / rate)))
+        return 1 if rate is None else max(1, min(60, math.ceil(excess / rate)))
 
     def completion_rate(self) -> float | None:
-        """Completions per second over the last 10 s (None while fewer than two completions are in
-        that window); ``service_rate`` is what expected waits and Retry-After use."""
+        """Completions per second over the last 10 s (None below two); see ``service_rate``."""
         return self._rate.per_second()
 
     def service_rate(self) -> float | None:
-        """Slots freed per second as expected waits and Retry-After read it: the completion rate, or
-        the requests in flight over their mean hold where that is more (``CompletionRate``)."""
+        """Slots freed per second, what expected waits and Retry-After use (``CompletionRate``)."""
         return self._rate.service_per_second(self._in_flight_total)
 
     def retry_after_s(self) -> int:
