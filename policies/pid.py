@@ -48,6 +48,10 @@ class PidPolicy(Policy):
 
     Holds (both knobs None): "stale_stats"; "settling" (above the setpoint while more requests run
     than the cap allows: the previous cut is still taking effect, so neither P nor I acts on it);
+    "cut_dwell" (above the setpoint within one observation window of the last cut in force, as
+    ``applied`` reports it, unless KV usage is read as the "latest" step: a window's max, mean or p99
+    still holds what ran before that cut, and cutting again for it over-cuts; on the real engine the
+    cap then climbed back and cycled between 7 and 22 every ~35 s);
     "no_measurement" (no latency samples in the window; the next measurement starts a fresh dt and
     D); "no_demand" (a raise without requests queued in the gate and with ``running <
     demand_fraction * cap``). Otherwise the decision carries both knobs and the reason says why the
@@ -65,7 +69,8 @@ class PidPolicy(Policy):
     from the ceiling.
 
     States: the cap follower's idle clock; integral ``I`` (None until the first measurement),
-    previous measurement and its time; this tick's ask and whether the previous one was held short.
+    previous measurement and its time; this tick's ask and whether the previous one was held short;
+    when the cap in force last went down.
     """
 
     name = "pid"
@@ -104,6 +109,7 @@ class PidPolicy(Policy):
         self._prev: tuple[float, float] | None = None  # (now_mono, measurement)
         self._ask: tuple[int, int] | None = None  # this tick's (cap in force, cap asked), for applied()
         self._held = 0  # the previous ask took effect only in part: -1 held below it, +1 above
+        self._last_cut_mono: float | None = None  # when the cap in force last went down
         self._terms = {"measurement": math.nan, "error": math.nan, "derivative": math.nan, "output": math.nan}
 
     def decide(self, obs: Observation, now_mono: float) -> Decision:
@@ -111,7 +117,7 @@ class PidPolicy(Policy):
         if self.follower.stale(obs):
             return self._hold("stale_stats", forget=True)
         if self.follower.restore_due(obs, now_mono):
-            self._integral, self._prev = None, None  # bumpless from the ceiling
+            self._integral, self._prev, self._last_cut_mono = None, None, None  # bumpless from the ceiling
             return self.follower.decision(self.max_num_seqs, "idle_restore")
         m = self._measure(obs)
         if m is None:
@@ -123,6 +129,11 @@ class PidPolicy(Policy):
             # admitted before it run to completion). Integrating now would wind the cap down to the floor.
             self._terms = {**self._terms, "measurement": m, "error": e}
             return self._hold("settling", forget=True)
+        if e < 0 and self._cut_unseen(obs, now_mono):
+            # A window statistic still holds the peak from before the last cut: cutting again for it
+            # over-cuts, and the cap then climbs back (a limit cycle of ~35 s on the real engine).
+            self._terms = {**self._terms, "measurement": m, "error": e}
+            return self._hold("cut_dwell", forget=True)
         integral, dt = self._start_integral(obs, e), self._dt(now_mono)
         d = self._derivative(m, dt)
         self._prev = (now_mono, m)
@@ -146,6 +157,15 @@ class PidPolicy(Policy):
         if self._ask is not None and batch_cap != self._ask[0]:
             asked = self._ask[1]
             self._held = (batch_cap > asked) - (batch_cap < asked)
+            if batch_cap < self._ask[0]:
+                self._last_cut_mono = now_mono
+
+    def _cut_unseen(self, obs: Observation, now_mono: float) -> bool:
+        """Less than one observation window since the last cut, on a measurement taken over the
+        window (the window max or mean of KV usage, a p99 latency): it may not show that cut yet."""
+        if self.target == "kv_usage" and self.kv_source == "latest":
+            return False
+        return self._last_cut_mono is not None and now_mono - self._last_cut_mono < obs.window_s
 
     def _measure(self, obs: Observation) -> float | None:
         if self.target == "kv_usage":

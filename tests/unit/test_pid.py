@@ -288,3 +288,40 @@ def test_deadband_holds_the_cap_under_noise_that_moves_it_without() -> None:
     assert without[:8] == [8, 7, 8, 9, 8, 9, 10, 10]
     moves = [b - a for a, b in itertools.pairwise(without) if b != a]
     assert sum((x > 0) != (y > 0) for x, y in itertools.pairwise(moves)) == 23
+
+
+def test_a_cut_in_force_holds_further_cuts_for_one_window() -> None:
+    """The window max still shows the peak from before a cut: within one window of it pid holds,
+    then acts on what the window shows; a raise is never held, and "latest" KV has no dwell."""
+
+    def warmed_on(source: str, field: str) -> PidPolicy:
+        """As ``warmed``, reading KV by ``source``: e = 0.5, I = 0.35 at cap 33."""
+        policy = make(kv_source=source)
+        assert policy.decide(at(0.0, **{field: 0.4}), 0.0) == Decision(35, 33, "steady")
+        return policy
+
+    policy = warmed_on("max", "kv_usage_max")
+    over = {"kv_usage_max": 1.0, "window_s": 3.0, "running": 17}
+    # e = -0.25: I = 0.35 - 0.025 = 0.325, u = 0.25 -> cap 17 (the table's above_setpoint case)
+    assert policy.decide(at(1.0, **over), 1.0) == Decision(19, 17, "above_setpoint")
+    policy.applied(19, 17, 1.0)  # the cut is in force
+    for now in (1.5, 2.0, 3.5):
+        assert policy.decide(at(now, batch_cap=17, **over), now) == Decision(None, None, "cut_dwell")
+    assert policy.terms()["integral"] == pytest.approx(0.325)  # no integration while it dwells
+    # one window after the cut: a fresh dt (the dwell forgot it), so P alone on I: u = -0.075 + 0.325
+    assert policy.decide(at(4.0, batch_cap=17, **over), 4.0) == Decision(19, 17, "steady")
+    assert policy.decide(at(4.5, batch_cap=17, **over), 4.5).reason == "above_setpoint"
+    # below the setpoint the dwell does not apply: a raise goes through at once
+    raised = warmed_on("max", "kv_usage_max")
+    assert raised.decide(at(1.0, **over), 1.0).reason == "above_setpoint"
+    raised.applied(19, 17, 1.0)
+    assert raised.decide(at(1.5, batch_cap=17, kv_usage_max=0.2, queued=1, window_s=3.0), 1.5).reason == (
+        "below_setpoint"
+    )
+    latest = warmed_on("latest", "kv_usage")
+    assert latest.decide(at(1.0, kv_usage=1.0, window_s=3.0), 1.0) == Decision(19, 17, "above_setpoint")
+    latest.applied(19, 17, 1.0)
+    assert (
+        latest.decide(at(1.5, batch_cap=17, running=17, kv_usage=1.0, window_s=3.0), 1.5).reason
+        == "above_setpoint"
+    )
