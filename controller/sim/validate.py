@@ -7,8 +7,13 @@ requests with the profile (static policy, the daemon's admission limit and queue
 and p50/p99 TTFT of both with the ratio twin / real: the twin with the profile's measured front-end and
 step-time spread (``[variance]``, seed 0; its p99 over seeds 0-4 too) and the mean model (constant
 ``frontend_s``, mean steps). ``--calibrate`` first refits the profile against the same config (its own
-daemon start) and validates the refit. ``--real-from`` a previous ``validation.json`` reruns only the
-twin against that run's real figures (no engine, no lock).
+daemon start) and validates the refit. ``--real-from`` previous ``validation.json`` files reruns only
+the twin against their real figures (no engine, no lock).
+
+The real figures are the median of the real runs: ``--repeats`` replays of each scale on the one
+engine, or every run the ``--real-from`` files hold. One replay of a short window is not enough: the
+same window, config and engine build gave TTFT p50 30 % apart on two runs hours apart on a shared CPU
+(docs/benchmarks.md, section 8), so the table also prints each run's figures and their spread.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import random
+import statistics
 import time
 import tomllib
 from pathlib import Path
@@ -61,16 +68,18 @@ def add_parser(bench_sub: Any) -> None:
         "--calibrate", action="store_true", help="refit --profile against --config first (OUT/<name>.toml)"
     )
     p.add_argument(
-        "--real-from", type=Path, default=None, help="a previous validation.json: its real figures, no engine"
+        "--repeats", type=int, default=1, help="real replays of each scale; the real figures are their median"
     )
+    p.add_argument("--real-from", type=Path, nargs="+", default=None,
+                   help="previous validation.json files: their real runs pooled, no engine")  # fmt: skip
     p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.repeats < 1:
+        raise SystemExit(f"bench validate: --repeats {args.repeats}: give 1 or more real replays a scale")
     rows = read_azure_trace(args.trace)
-    previous = {}
-    if args.real_from:
-        previous = {r["time_scale"]: r["real"] for r in json.loads(args.real_from.read_text())}
+    previous = pooled_runs(args.real_from or [])
     profile = load_profile(args.profile)
     admission = daemon_admission(args.config)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -87,12 +96,38 @@ def main(args: argparse.Namespace) -> int:
             window = trace_window(rows, start_s=args.start, duration_s=args.duration, time_scale=ts,
                                   token_scale=args.token_scale)  # fmt: skip
             specs = clamp_lengths(window, 2048)
-            real = previous[ts] if url is None else replay_real(url, specs, args.out / f"real-x{ts:g}")
-            out.append({"time_scale": ts, "real": real, **twin_rows(specs, real, profile, admission)})
+            if url is None:
+                runs = previous[ts]
+            else:
+                keep = args.out / f"real-x{ts:g}"
+                runs = [replay_real(url, specs, keep / f"run{k}" if args.repeats > 1 else keep,
+                                    warm=not out and k == 0)  # the engine's first replay
+                        for k in range(args.repeats)]  # fmt: skip
+            real = median_figures(runs)
+            out.append({"time_scale": ts, "real": real, "real_runs": runs,
+                        **twin_rows(specs, real, profile, admission)})  # fmt: skip
             print(json.dumps(out[-1]), flush=True)
     print_table(out)
     (args.out / "validation.json").write_text(json.dumps(out, indent=2) + "\n")
     return 0
+
+
+def pooled_runs(paths: list[Path]) -> dict[float, list[dict[str, Any]]]:
+    """Every real run of each time scale in ``paths`` (a file's ``real_runs``, or its ``real`` alone
+    where it predates them), in the order given."""
+    runs: dict[float, list[dict[str, Any]]] = {}
+    for path in paths:
+        for row in json.loads(path.read_text()):
+            runs.setdefault(row["time_scale"], []).extend(row.get("real_runs") or [row["real"]])
+    return runs
+
+
+def median_figures(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over ``runs`` (one run: that run's figures)."""
+    if len(runs) == 1:
+        return runs[0]
+    return {k: statistics.median(vals) if (vals := [r[k] for r in runs if r.get(k) is not None]) else None
+            for k in FIGURES}  # fmt: skip
 
 
 def daemon_admission(config: Path) -> AdmissionConfig:
@@ -160,12 +195,14 @@ def token_ids(spec: RequestSpec) -> tuple[list[int], int]:
     return [rng.randrange(10, 1000) for _ in range(spec.prompt_tokens)], spec.prompt_tokens
 
 
-async def replay(url: str, specs: list[RequestSpec]) -> tuple[list[RequestRecord], float]:
-    """Warm the engine up, then send ``specs`` open loop; (records, seconds from start to the last end)."""
+async def replay(url: str, specs: list[RequestSpec], warm: bool) -> tuple[list[RequestRecord], float]:
+    """Warm the engine up (its first replay: about 5 min of prompts on SmolLM2 on a 2-core CPU, which
+    a repeat need not pay again), then send ``specs`` open loop; (records, seconds from start to the
+    last end)."""
     target = Target(url, str((await model_info(url))["id"]))
-    for n, prompt in WARM_UP:
-        warm = [RequestSpec(10_000 + k, 0.0, prompt, 16) for k in range(n)]
-        await run_open_loop(target, warm, token_ids, run_start=time.monotonic(), timeout_s=900,
+    for n, prompt in WARM_UP if warm else ():
+        warm_up = [RequestSpec(10_000 + k, 0.0, prompt, 16) for k in range(n)]
+        await run_open_loop(target, warm_up, token_ids, run_start=time.monotonic(), timeout_s=900,
                             max_connections=MAX_CONNECTIONS)  # fmt: skip
     start = time.monotonic() + 0.5
     records = await run_open_loop(target, specs, token_ids, run_start=start, timeout_s=900,
@@ -173,8 +210,8 @@ async def replay(url: str, specs: list[RequestSpec]) -> tuple[list[RequestRecord
     return records, time.monotonic() - start
 
 
-def replay_real(url: str, specs: list[RequestSpec], keep: Path) -> dict[str, Any]:
-    records, duration = asyncio.run(replay(url, specs))
+def replay_real(url: str, specs: list[RequestSpec], keep: Path, warm: bool) -> dict[str, Any]:
+    records, duration = asyncio.run(replay(url, specs, warm))
     keep.mkdir(parents=True, exist_ok=True)
     write_jsonl(keep / "records.jsonl", records)
     end = max(duration, max((r.arrival_s + (r.e2e_s or 0)) for r in records))
@@ -196,3 +233,12 @@ def print_table(out: list[dict[str, Any]]) -> None:
     for row in out:
         p99 = [round(v * 1e3, 1) for v in row["twin_p99_over_seeds"]]
         print(f"time scale {row['time_scale']:g}: twin p99 TTFT over seeds 0-{SEEDS - 1}: {p99} ms")
+        runs = row["real_runs"]
+        if len(runs) > 1:
+            for key, scale in scales:
+                vals = [r[key] * scale for r in runs]
+                spread = max(vals) / min(vals) - 1 if min(vals) > 0 else math.inf
+                print(
+                    f"time scale {row['time_scale']:g}: real {key} over {len(runs)} runs (median is 'real'): "
+                    f"{', '.join(f'{v:.1f}' for v in vals)}; max / min - 1 = {spread:.0%}"
+                )

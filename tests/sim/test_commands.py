@@ -61,6 +61,31 @@ def test_validate_from_real_figures_reruns_only_the_twin(tmp_path: Path) -> None
     assert row["twin_mean_model"]["requests"] == row["twin"]["requests"] > 0
 
 
+@needs_traces
+def test_validate_takes_the_median_of_every_real_run_it_is_given(tmp_path: Path) -> None:
+    """An older file holds one ``real``, a newer one ``real_runs``: the three are pooled, and each
+    figure is their median (so one slow run does not move the figure the twin is held to)."""
+
+    def fig(ttft_p50: float, tok_s: float) -> dict[str, float]:
+        return {"requests": 10, "ok": 10, "throughput_tok_s": tok_s, "ttft_p50": ttft_p50,
+                "ttft_p99": 3 * ttft_p50, "tpot_p50": 0.004, "duration_s": 20.0}  # fmt: skip
+
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    old.write_text(json.dumps([{"time_scale": 4.0, "real": fig(0.171, 2.4)}]))
+    runs = [fig(0.225, 2.5), fig(0.190, 2.3)]
+    new.write_text(json.dumps([{"time_scale": 4.0, "real": runs[0], "real_runs": runs}]))
+    out = tmp_path / "v"
+    code = main([
+        "bench", "validate", "--trace", str(TRACES / "azure_llm_2023_conv.csv"), "--duration", "20",
+        "--time-scale", "4", "--real-from", str(old), str(new), "--out", str(out),
+    ])  # fmt: skip
+    assert code == 0
+    (row,) = json.loads((out / "validation.json").read_text())
+    assert [r["ttft_p50"] for r in row["real_runs"]] == [0.171, 0.225, 0.190]
+    assert row["real"] == fig(0.190, 2.4) | {"ttft_p99": pytest.approx(0.570)}
+    assert row["twin_over_real"]["ttft_p50"] == pytest.approx(row["twin"]["ttft_p50"] / 0.190)
+
+
 def test_calibrate_needs_a_server_or_a_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "calibrate", "--out", str(tmp_path / "p.toml")]) == 2
     assert "give --url URL" in capsys.readouterr().err

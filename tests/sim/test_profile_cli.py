@@ -30,6 +30,11 @@ def test_shipped_profiles_load_and_cite_their_sources() -> None:
     assert any(s.startswith("https://") for s in h200.sources)
     cpu = load_profile("cpu-tiny")
     assert cpu.fit["r2"] > 0 and cpu.cost.a_s > 0
+    # the two SmolLM2 fits belong to two CPUs: AVX-512 prefills about 5x faster than AVX2
+    avx2, avx512 = load_profile("cpu-smollm2"), load_profile("cpu-smollm2-avx512")
+    assert "AVX2" in avx2.hardware and "AVX-512" in avx512.hardware
+    assert avx512.cost.b_s_per_prefill_token * 4 < avx2.cost.b_s_per_prefill_token
+    assert avx512.fit["r2"] > 0.99 and len(avx512.variance.as_dict()) == 3  # all three tables
 
 
 def test_profile_errors_name_the_problem() -> None:
