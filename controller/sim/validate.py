@@ -124,8 +124,6 @@ def pooled_runs(paths: list[Path]) -> dict[float, list[dict[str, Any]]]:
 
 def median_figures(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Each figure's median over ``runs`` (one run: that run's figures)."""
-    if len(runs) == 1:
-        return runs[0]
     return {k: statistics.median(vals) if (vals := [r[k] for r in runs if r.get(k) is not None]) else None
             for k in FIGURES}  # fmt: skip
 
