@@ -21,11 +21,14 @@ front-end delays of all requests in arrival order, then one multiplier per step:
 
 so the step table changes a step's spread, not the cost model's mean step. With a
 ``[variance.frontend_loaded]`` table, a request that finds ``n >= 1`` requests in flight when it
-arrives (arrived at the server and not finished, those still in their own front end included) draws
-``F_n^-1(u_i)`` from the table of that load instead: the front end's queueing and CPU share under
-load, measured by ``bench calibrate``. The request's TTFT is counted from ``arrival_i``, as a client
-counts it; a request whose front end is slow may enter the engine after one that arrived later, as
-on a real server.
+arrives (arrived at the server and not finished, those still in their own front end included, those
+parked in the gate's queues not) draws ``F_n^-1(u_i)`` from the table of that load instead: the front
+end's queueing and CPU share under load, measured by ``bench calibrate`` with every request in the
+engine. A request waiting in the gate is an awaited future: it streams nothing and takes no CPU, so
+it does not load the front end (counted, a gate holding 30 requests in front of 4 slots would charge
+every arrival the front-end delay of 34 streams). The request's TTFT is counted from ``arrival_i``,
+as a client counts it; a request whose front end is slow may enter the engine after one that arrived
+later, as on a real server.
 """
 
 from __future__ import annotations
@@ -294,11 +297,13 @@ class Simulation:
         return [self._rng.random() for _ in arrivals]
 
     def _front_end_s(self, u: float | None) -> float:
-        """A front-end delay for a request arriving now, with ``self._in_flight`` others in flight."""
+        """A front-end delay for a request arriving now, with ``self._in_flight`` others in flight
+        less those parked in the gate's queues (module docstring)."""
         if u is None:
             return self.profile.cost.frontend_s
-        if self._front_loaded is not None and self._in_flight >= 1:
-            return self._front_loaded.table_for(self._in_flight).sample(u)
+        busy = self._in_flight - sum(self.gate.queued_by_class().values())
+        if self._front_loaded is not None and busy >= 1:
+            return self._front_loaded.table_for(busy).sample(u)
         if self._front_table is not None:
             return self._front_table.sample(u)
         return self.profile.cost.frontend_s

@@ -99,6 +99,23 @@ def test_requests_still_in_their_front_end_count_as_in_flight() -> None:
     assert result[1] > BUSY_S > result[0]
 
 
+def test_requests_parked_in_the_gate_do_not_load_the_front_end() -> None:
+    # 0 and 1 decode about a second each; 2 arrives while 0 runs and 1 waits in the gate (limit 1):
+    # two requests in flight, one busy in the front end and engine, one an awaited future
+    specs = [RequestSpec(0, 0.0, 100, 200), RequestSpec(1, 0.1, 100, 200), RequestSpec(2, 0.3, 100, 4)]
+    slow_s = 5.0
+    loaded = LoadTables((1, 2), (flat(BUSY_S), flat(slow_s)))
+    profile = dataclasses.replace(PROFILE, variance=Variance(frontend=flat(IDLE_S), frontend_loaded=loaded))
+    gated_run = simulate(specs, "static", {"admission_limit": 1}, profile=profile)
+    gated = {r.index: r.ttft_s for r in gated_run.records}
+    # 2 draws the one-busy table: it enters the gate at 0.3 s + BUSY_S and is served after 0 and 1,
+    # about 2 s later
+    assert gated[2] is not None and gated[2] < slow_s
+    # with the gate open (limit at max_num_seqs) both others are in the engine: 2 draws the two-busy table
+    open_gate = {r.index: r.ttft_s for r in simulate(specs, "static", profile=profile).records}
+    assert open_gate[2] is not None and open_gate[2] > slow_s
+
+
 def test_load_tables_keep_runs_deterministic_per_seed() -> None:
     loaded = LoadTables((1, 4), (QuantileTable((0.002, 0.01, 0.04), 100), QuantileTable((0.01, 0.1), 100)))
     profile = dataclasses.replace(PROFILE, variance=Variance(frontend=flat(IDLE_S), frontend_loaded=loaded))
