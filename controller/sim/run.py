@@ -21,14 +21,11 @@ front-end delays of all requests in arrival order, then one multiplier per step:
 
 so the step table changes a step's spread, not the cost model's mean step. With a
 ``[variance.frontend_loaded]`` table, a request that finds ``n >= 1`` requests in flight when it
-arrives (arrived at the server and not finished, those still in their own front end included, those
-parked in the gate's queues not) draws ``F_n^-1(u_i)`` from the table of that load instead: the front
-end's queueing and CPU share under load, measured by ``bench calibrate`` with every request in the
-engine. A request waiting in the gate is an awaited future: it streams nothing and takes no CPU, so
-it does not load the front end (counted, a gate holding 30 requests in front of 4 slots would charge
-every arrival the front-end delay of 34 streams). The request's TTFT is counted from ``arrival_i``,
-as a client counts it; a request whose front end is slow may enter the engine after one that arrived
-later, as on a real server.
+arrives (arrived and not finished, those in their own front end included, those waiting in the
+gate's queues not: an awaited future streams nothing) draws ``F_n^-1(u_i)`` from the table of that
+load instead: the front end's queueing and CPU share, measured by ``bench calibrate`` with every
+request in the engine. TTFT is counted from ``arrival_i``, as a client counts it; a request whose
+front end is slow may enter the engine after one that arrived later, as on a real server.
 """
 
 from __future__ import annotations
