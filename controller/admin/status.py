@@ -101,6 +101,7 @@ def state(d: StatusParts) -> dict[str, Any]:
             "completed_total": g.completed_total,
             "completion_rate_per_s": d.gate.completion_rate(),
             "service_rate_per_s": d.gate.service_rate(),
+            "after_slot_s": d.gate.after_slot.seconds(),
         },
         "engine_stats": dataclasses.asdict(d.window.snapshot()),
         "decisions": d.loop.recent(),

@@ -1,11 +1,13 @@
 """Queue deadlines that stand still while the gate is paused.
 
-A waiter's deadline is its enqueue time plus its class's ``queue_deadline_s``, plus the time the
-gate has been paused since it arrived (engine restarts), up to ``max_pause_s`` (``[guard]
-max_restart_wait_s``): a request queued through a short restart is kept, as the guard promises, but
-one never waits without bound through failed rebuilds. Its total wait is at most
-``queue_deadline_s + max_pause_s``. Each waiter has one timer on the event loop; a fake clock in
-tests moves deadlines without waiting (the gate's ``expire_overdue`` then refuses the overdue ones).
+A waiter's deadline is its enqueue time (under a TTFT bound, when it reached the server) plus its
+class's queue deadline (under a TTFT bound, cut by the measured time from a slot to the first token:
+``ttft.AfterSlot``), plus the time the gate has been paused since it arrived (engine restarts), up to
+``max_pause_s`` (``[guard] max_restart_wait_s``): a request queued through a short restart is kept,
+as the guard promises, but one never waits without bound through failed rebuilds. Its total wait is
+at most ``queue_deadline_s + max_pause_s``. Each waiter has one timer on the event loop; a fake clock
+in tests moves deadlines without waiting (the gate's ``expire_overdue`` then refuses the overdue
+ones). ``Pausing`` is the gate's pause, resume and drain.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import asyncio
 import math
 from collections.abc import Callable
 
+from controller.admission.classes import PriorityClass
 from controller.admission.queues import Waiter
 from controller.clock import Clock
 
@@ -23,10 +26,17 @@ class Deadlines:
     deadline."""
 
     def __init__(
-        self, clock: Clock, on_expire: Callable[[Waiter], None], max_pause_s: float = math.inf
+        self,
+        clock: Clock,
+        on_expire: Callable[[Waiter], None],
+        max_pause_s: float = math.inf,
+        queue_deadline_s: Callable[[PriorityClass], float] = lambda spec: spec.queue_deadline_s,
     ) -> None:
         self._clock = clock
         self._on_expire = on_expire
+        self.queue_deadline_s = queue_deadline_s
+        """A class's queue deadline now (the gate's: shorter under SLO steering as the measured time
+        from a slot to the first token grows, ``ttft.TtftBounds.deadline_s``)."""
         self.max_pause_s = max_pause_s
         """Paused seconds that stop a waiter's clock at most (the rest of a pause counts)."""
         self.paused = False
@@ -51,7 +61,8 @@ class Deadlines:
 
     def deadline(self, w: Waiter) -> float:
         paused = min(self.paused_s() - w.paused_at_enqueue_s, self.max_pause_s)
-        return w.enqueued_mono + w.queue.spec.queue_deadline_s + paused
+        start = w.enqueued_mono if w.deadline_from_mono is None else w.deadline_from_mono
+        return start + self.queue_deadline_s(w.queue.spec) + paused
 
     def arm(self, w: Waiter) -> None:
         delay = max(0.0, self.deadline(w) - self._clock())
@@ -67,3 +78,40 @@ class Deadlines:
             self.arm(w)  # the loop's clock ran ahead of ours
         else:
             self._on_expire(w)
+
+
+class Pausing:
+    """Mixed into ``AdmissionGate``: an engine restart holds every new slot while the deadlines
+    stand still, and a drain waits for the slots in flight to come back."""
+
+    _deadlines: Deadlines
+    _in_flight_total: int
+
+    def _wake(self) -> None:
+        raise NotImplementedError
+
+    def set_restart_wait(self, seconds: float) -> None:
+        """[guard] max_restart_wait_s."""
+        self._deadlines.max_pause_s = seconds
+
+    def pause(self) -> None:
+        """Hold every new slot: requests wait in the queue (not refused, their deadlines stopped)
+        until ``resume``."""
+        self._deadlines.pause()
+
+    def resume(self) -> None:
+        self._deadlines.resume()
+        self._wake()
+
+    @property
+    def paused(self) -> bool:
+        """Slots are held (an engine restart)."""
+        return self._deadlines.paused
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until nothing is in flight; False when the deadline passed first."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._in_flight_total > 0 and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        return self._in_flight_total == 0

@@ -21,17 +21,17 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 from controller.admission.classes import DEFAULT_CLASSES, CompletionRate, GateEvents, NoEvents, PriorityClass
-from controller.admission.deadlines import Deadlines
+from controller.admission.deadlines import Deadlines, Pausing
 from controller.admission.queues import ClassQueue, GateRejected, GateStats, Slot, Waiter
 from controller.admission.refusals import Refusals
 from controller.admission.shedding import shed_order
-from controller.admission.ttft import NO_BOUNDS, TtftBounds
+from controller.admission.ttft import NO_BOUNDS, AfterSlot, TtftBounds
 from controller.clock import Clock, monotonic
 
 __all__ = ["AdmissionGate", "GateRejected", "GateStats", "Slot"]
 
 
-class AdmissionGate(Refusals):
+class AdmissionGate(Refusals, Pausing):
     """A runtime-adjustable concurrency limit with per-class strict-priority queues.
 
     ``check_admission`` runs before a response starts (vLLM calls it from its handlers); it counts
@@ -67,7 +67,8 @@ class AdmissionGate(Refusals):
         self._in_flight_total = 0
         self._seq = itertools.count()
         self._rate = CompletionRate(clock)
-        self._deadlines = Deadlines(clock, self._expire, max_restart_wait_s)
+        self.after_slot = AfterSlot(clock, lambda: self.ttft)  # the client tells it each first token
+        self._deadlines = Deadlines(clock, self._expire, max_restart_wait_s, self.after_slot.queue_deadline_s)
         self.admitted_total = self.rejected_total = self.completed_total = self.timed_out_total = 0
 
     # -- limit and classes ------------------------------------------------------------------------
@@ -139,12 +140,18 @@ class AdmissionGate(Refusals):
             q.expire_pending(self._clock() - self.PENDING_TTL_S)
 
     def check_admission(
-        self, priority: int = 0, n: int = 1, calls: int = 1, prompt_tokens: int | None = None
+        self,
+        priority: int = 0,
+        n: int = 1,
+        calls: int = 1,
+        prompt_tokens: int | None = None,
+        arrived_mono: float | None = None,
     ) -> None:
         """Refuse now (raise ``GateRejected``) or count the request as pending in its class: ``n``
         is what it will generate (prompts x sequences each), ``calls`` the ``acquire`` calls that
         follow (one per prompt), each holding a pending place until it reaches the gate;
-        ``prompt_tokens`` (where known) adds its own prefill to its predicted wait (``set_ttft``)."""
+        ``prompt_tokens`` (where known) adds its own prefill to its predicted wait, and under TTFT
+        bounds the time since it ``arrived_mono`` counts too (``set_ttft``, ``ttft.AfterSlot``)."""
         q = self._queue_of(priority)
         if self._refuse_new is not None:
             self._events.rejected(q.spec.name, self._refuse_new.reason)
@@ -152,7 +159,7 @@ class AdmissionGate(Refusals):
         self._expire_pending()
         position, own = self._position(q, n)
         if position > 0:
-            self._check_wait(q, position, own, n, self.ttft.prefill_s(prompt_tokens))
+            self._check_wait(q, position, own, n, self.after_slot.own_s(prompt_tokens, arrived_mono))
         q.pending.extend([self._clock()] * calls)
 
     def _position(self, q: ClassQueue, n: int) -> tuple[int, int]:
@@ -168,7 +175,7 @@ class AdmissionGate(Refusals):
 
     def _check_wait(self, q: ClassQueue, position: int, own: int, n: int, prefill_s: float) -> None:
         """``position`` requests (this one included) would wait ahead of a slot for it, ``own`` of
-        them of its class; ``prefill_s`` its own prefill after the wait."""
+        them of its class; ``prefill_s`` what it needs after the wait (``AfterSlot.own_s``)."""
         spec = q.spec
         own = min(position, own)
         if own > spec.max_queue:
@@ -176,7 +183,9 @@ class AdmissionGate(Refusals):
             self._refuse(q, n, "queue_full", own - spec.max_queue, why)
         rate = self.service_rate()  # under SLO steering the deadline is a share of the TTFT bound
         if rate is not None and position / rate + prefill_s > spec.queue_deadline_s:
-            wait = f"{position / rate:.1f}s" + (f" + prefill {prefill_s:.2f}s" if prefill_s else "")
+            wait = f"{position / rate:.1f}s" + (
+                f" + {prefill_s:.2f}s to its first token" if prefill_s else ""
+            )
             why = f"expected wait {wait} exceeds the {spec.name} queue deadline of {spec.queue_deadline_s:g}s"
             self._refuse(q, n, "expected_wait", position - rate * spec.queue_deadline_s, why)
         waiting = sum(o.queued + len(o.pending) for o in self._order)
@@ -226,10 +235,15 @@ class AdmissionGate(Refusals):
             q.pending.pop()
 
     async def acquire(
-        self, priority: int = 0, from_pending: bool = True, admitted_as: int | None = None
+        self,
+        priority: int = 0,
+        from_pending: bool = True,
+        admitted_as: int | None = None,
+        arrived_mono: float | None = None,
     ) -> Slot:
         """Wait for a slot in strict class order; raise ``GateRejected`` past the class deadline.
-        ``admitted_as``: the priority its pending place was counted under, where that differs."""
+        ``admitted_as``: the priority its pending place was counted under, where that differs;
+        ``arrived_mono``: when the request reached the server (a TTFT bound counts from then)."""
         q = self._queue_of(priority)
         pending = self._queue_of(priority if admitted_as is None else admitted_as).pending
         if from_pending and pending:
@@ -239,10 +253,9 @@ class AdmissionGate(Refusals):
         urgent_waiting = any(o.queued for o in self._order[: self._order.index(q) + 1])
         if not self._deadlines.paused and not urgent_waiting and self._free_for(q) > 0:
             return self._grant(q, self._clock())
-        loop = asyncio.get_running_loop()
-        w = Waiter(
-            priority, next(self._seq), self._clock(), loop.create_future(), q, self._deadlines.paused_s()
-        )
+        now, loop = self._clock(), asyncio.get_running_loop()
+        w = Waiter(priority, next(self._seq), now, loop.create_future(), q, self._deadlines.paused_s())
+        w.deadline_from_mono = self.after_slot.deadline_from(q.spec, now, arrived_mono)
         heapq.heappush(q.heap, (priority, w.seq, w))
         q.queued += 1
         self._deadlines.arm(w)
@@ -321,8 +334,8 @@ class AdmissionGate(Refusals):
         return best
 
     @asynccontextmanager
-    async def slot(self, priority: int = 0) -> AsyncIterator[Slot]:
-        granted = await self.acquire(priority)
+    async def slot(self, priority: int = 0, arrived_mono: float | None = None) -> AsyncIterator[Slot]:
+        granted = await self.acquire(priority, arrived_mono=arrived_mono)
         try:
             yield granted
         finally:
@@ -339,9 +352,9 @@ class AdmissionGate(Refusals):
         return len(overdue)
 
     def _expire(self, w: Waiter) -> None:
-        spec, wait = w.queue.spec, self._clock() - w.enqueued_mono
+        spec, wait, deadline = w.queue.spec, self._clock() - w.enqueued_mono, self._deadlines.queue_deadline_s
         ahead = sum(o.queued for o in self._order[: self._order.index(w.queue) + 1])
-        why = f"waited {wait:.1f}s for a slot: past the {spec.name} deadline of {spec.queue_deadline_s:g}s"
+        why = f"waited {wait:.1f}s for a slot: past the {spec.name} deadline of {deadline(spec):.3g}s"
         if self._deadlines.paused:  # no engine served meanwhile: not an overload, a 503
             why += f" and max_restart_wait_s = {self._deadlines.max_pause_s:g}s of engine restart"
             self._drop(w, GateRejected(f"{why}; retry later", 503, self.retry_after_s(), "restart_wait"))
@@ -350,32 +363,9 @@ class AdmissionGate(Refusals):
         self.timed_out_total += 1
         self._events.timed_out(spec.name, wait)
 
-    # -- pause (refusals: refusals.py) --------------------------------------------------------------
+    # -- refusals (refusals.py) and pauses (deadlines.Pausing) --------------------------------------
     def _live_waiters(self) -> list[Waiter]:
         return [w for q in self._order for w in q.live()]
-
-    def set_restart_wait(self, seconds: float) -> None:
-        """[guard] max_restart_wait_s (deadlines.py)."""
-        self._deadlines.max_pause_s = seconds
-
-    def pause(self) -> None:
-        """Hold every new slot: requests wait in the queue (not refused, their deadlines stopped)
-        until ``resume``."""
-        self._deadlines.pause()
-
-    def resume(self) -> None:
-        self._deadlines.resume()
-        self._wake()
-
-    paused = property(lambda self: self._deadlines.paused, doc="Slots are held (an engine restart).")
-
-    async def wait_idle(self, timeout_s: float) -> bool:
-        """Wait until nothing is in flight; False when the deadline passed first."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while self._in_flight_total > 0 and loop.time() < deadline:
-            await asyncio.sleep(0.05)
-        return self._in_flight_total == 0
 
     def queued_by_class(self) -> dict[str, int]:
         """Requests waiting now, per class (every class present, most urgent first)."""

@@ -68,6 +68,9 @@ class Waiter:
     queue: ClassQueue
     paused_at_enqueue_s: float = 0.0
     """The gate's paused seconds when this request queued (paused time does not count)."""
+    deadline_from_mono: float | None = None
+    """What its queue deadline counts from: when it queued, or under a TTFT bound when it reached
+    the server (None: when it queued)."""
     timer: asyncio.TimerHandle | None = None
 
 

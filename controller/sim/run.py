@@ -1,9 +1,9 @@
 """A simulation: the real gate, telemetry window, policy, normalize stage and control loop around the
 twin's engine, all on one virtual clock.
 
-Only the engine is simulated. Each request of the workload is an asyncio task that does what our
-engine client does (``controller/engine/frontend/client.py``): ``check_admission`` (refused -> 429), waits in
-``AdmissionGate.slot`` for a slot, hands the request to the engine and waits for it to finish. The
+Only the engine is simulated. Each request is an asyncio task that does what our engine client
+(``engine/frontend/client.py``) does: ``check_admission`` (refused -> 429), ``AdmissionGate.slot``,
+the engine, and ``first_token`` (told at the request's end: the twin's outputs do not stream). The
 driver advances the virtual clock from event to event (an engine step ends, a request arrives, a
 control tick is due, a time-series sample is due) and lets the tasks run after each event, so a slot
 released by a finished request goes to the next waiter before the next step is planned, as it does
@@ -197,21 +197,20 @@ class Simulation:
             self._in_flight -= 1
 
     async def _request(self, spec: RequestSpec) -> None:
-        t0 = spec.arrival_s  # the task starts its front-end delay later: the front end's share of the TTFT
+        t0 = spec.arrival_s  # then the front-end delay: TTFT's share the gate counts (the daemon's ticket)
         limits = self.profile.engine
         if spec.prompt_tokens + spec.output_tokens > limits.max_model_len:
             msg = f"prompt + max_tokens = {spec.prompt_tokens + spec.output_tokens} > max_model_len"
             self._fail(spec, t0, "failed", 400, msg)
             return
         try:
-            self.gate.check_admission(spec.priority, prompt_tokens=spec.prompt_tokens)
+            self.gate.check_admission(spec.priority, prompt_tokens=spec.prompt_tokens, arrived_mono=t0)
         except GateRejected as exc:
             self._fail(spec, t0, "refused", exc.status, exc.message)
             return
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[SimRequest] = loop.create_future()
+        done: asyncio.Future[SimRequest] = asyncio.get_running_loop().create_future()
         try:
-            async with self.gate.slot(spec.priority):
+            async with self.gate.slot(spec.priority, t0) as slot:
                 req = SimRequest(
                     spec.index, spec.prompt_tokens, spec.output_tokens, spec.priority, self.clock()
                 )
@@ -222,6 +221,7 @@ class Simulation:
             self._fail(spec, t0, "refused", exc.status, exc.message)
             return
         assert req.first_token_t is not None and req.finish_t is not None
+        self.gate.after_slot.first_token(req.first_token_t - slot.granted_mono, spec.prompt_tokens)
         ttft, e2e = req.first_token_t - t0, req.finish_t - t0
         self._records[spec.index] = RequestRecord(
             index=spec.index,

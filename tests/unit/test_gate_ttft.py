@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import AsyncIterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -16,8 +19,10 @@ from controller.clock import FakeClock
 from controller.control.build import ttft_for
 from controller.control.stepcost import CostPrior, CostReader, StepCostModel
 from controller.control.steps import EngineStep
+from controller.engine.frontend.client import GovernedEngineClient
 from policies.base import build_policy
 from policies.slo import SloBound, SloTargets
+from tests.helpers import FakeHost
 
 ROOMY = PriorityClass("interactive", max_priority=0, max_queue=100, queue_deadline_s=5.0)
 BATCH = PriorityClass("batch", min_priority=1, max_queue=100, queue_deadline_s=60.0)
@@ -64,7 +69,7 @@ async def test_the_own_prefill_counts_in_the_predicted_ttft() -> None:
         gate.check_admission(0, prompt_tokens=2500)  # position 7: 0.7 s + 0.25 s > 0.8 s
     assert (exc.value.status, exc.value.reason) == (429, "expected_wait")
     assert (
-        "expected wait 0.7s + prefill 0.25s exceeds the interactive queue deadline of 0.8s"
+        "expected wait 0.7s + 0.25s to its first token exceeds the interactive queue deadline of 0.8s"
         in exc.value.message
     )
     gate.check_admission(0, prompt_tokens=500)  # 0.7 s + 0.05 s: within
@@ -161,3 +166,95 @@ async def test_the_daemon_bounds_its_gate_under_slo_and_a_reload_lifts_it(tmp_pa
     write_config(path, **ports, control={"policy": "static"}, slo=slo)
     assert (await Reloader(parts)._reload())["ok"]
     assert {c.name: c.queue_deadline_s for c in parts.gate.classes} == {"interactive": 5.0, "batch": 60.0}
+
+
+def test_the_time_after_the_slot_is_measured_beyond_the_prefill_and_under_bounds_only() -> None:
+    clock = FakeClock()
+    gate = AdmissionGate(4, 100, (ROOMY,), clock=clock)
+    gate.after_slot.first_token(1.0, 1000)  # no TTFT bounds (no SLO steering): not a sample
+    gate.set_ttft(TtftBounds({"interactive": 2.0}, Prefill(), wait_share=0.8))
+    for k in range(19):  # 0.1 s of prefill each, then 0.10 .. 0.28 s more
+        gate.after_slot.first_token(0.2 + 0.01 * k, 1000)
+    assert gate.after_slot.seconds() == 0.0  # 19 samples: too few to tell
+    gate.after_slot.first_token(0.5, 1000)  # 0.4 s beyond
+    assert gate.after_slot.seconds() == pytest.approx(0.27)  # p90 of 20 by nearest rank: the 18th
+    assert gate.after_slot.own_s(1000) == pytest.approx(0.1 + 0.27)
+    clock.advance(31.0)
+    assert gate.after_slot.seconds() == 0.0  # the 30 s window forgot them
+    gate.set_ttft(NO_BOUNDS)
+    assert gate.after_slot.own_s(1000) == 0.0  # no estimator, no bound: nothing after the wait
+
+
+async def test_the_time_after_the_slot_joins_the_prediction_and_cuts_the_queue_deadline() -> None:
+    """Requests measured to need 0.3 s from their slot to their first token beyond their prefill:
+    the gate refuses one whose wait plus that misses the deadline, and never grants a slot to one
+    that waited past its 1 s bound less 0.3 s (its first token would come after the bound)."""
+    gate, clock = await gate_at_rate(10.0)
+    gate.set_ttft(TtftBounds({"interactive": 1.0}, Prefill(), wait_share=0.8))
+    for _ in range(20):
+        gate.after_slot.first_token(0.3, None)
+    for _ in range(3):  # positions 1..3: 0.1 .. 0.3 s of wait + 0.1 s prefill + 0.3 s: at most 0.7 s
+        gate.check_admission(0, prompt_tokens=1000)
+    with pytest.raises(GateRejected) as exc:
+        gate.check_admission(0, prompt_tokens=1500)  # position 4: 0.4 + 0.15 + 0.3 s > 0.8 s
+    assert "expected wait 0.4s + 0.45s to its first token exceeds" in exc.value.message
+    assert gate.classes[0].queue_deadline_s == 0.8  # the share of the bound, as configured
+    assert gate.after_slot.queue_deadline_s(gate.classes[0]) == pytest.approx(0.7)
+    waiter = asyncio.ensure_future(gate.acquire(0))
+    await asyncio.sleep(0)
+    clock.advance(0.75)  # within 0.8 s, past 1.0 - 0.3 s
+    assert gate.expire_overdue() == 1
+    with pytest.raises(GateRejected) as exc:
+        await waiter
+    assert exc.value.reason == "deadline" and "deadline of 0.7s" in exc.value.message
+
+
+class Outputs:
+    """An engine whose every request yields ``outputs``."""
+
+    def __init__(self, *outputs: Any) -> None:
+        self.outputs = outputs
+
+    async def generate(self, prompt: Any, params: Any, request_id: str, **kwargs: Any) -> AsyncIterator[Any]:
+        for out in self.outputs:
+            yield out
+
+
+async def test_the_engine_client_tells_the_gate_each_first_token_from_vllms_own_figure() -> None:
+    gate = AdmissionGate(4, 100, (ROOMY,))
+    gate.set_ttft(TtftBounds({"interactive": 5.0}))
+    first = SimpleNamespace(finished=False, metrics=SimpleNamespace(first_token_latency=0.25))
+    for engine in (
+        Outputs(first, SimpleNamespace(finished=True, metrics=None)),  # streamed: vLLM's figure
+        Outputs(SimpleNamespace(finished=True, metrics=None)),  # one output at its end: no first token
+        Outputs(SimpleNamespace(finished=False, metrics=None), SimpleNamespace(finished=True)),  # timed here
+    ):
+        client = GovernedEngineClient(FakeHost(engine), gate, lambda: None)  # type: ignore[arg-type]
+        async for _ in client.generate("hi", None, "r"):
+            pass
+    samples = [s for _, s in gate.after_slot._samples]
+    assert len(samples) == 2 and samples[0] == 0.25 and 0.0 <= samples[1] < 0.25
+
+
+async def test_under_a_ttft_bound_the_time_since_the_request_reached_the_server_counts() -> None:
+    """The front end's parsing and tokenizing before the gate is part of the client's TTFT: the
+    prediction adds it, and a queued request's deadline counts from the arrival, not the enqueue."""
+    gate, clock = await gate_at_rate(10.0)
+    gate.set_ttft(TtftBounds({"interactive": 1.0}, wait_share=0.8))
+    arrived = clock() - 0.65
+    gate.check_admission(0, arrived_mono=arrived)  # position 1: 0.65 s spent + 0.1 s wait <= 0.8 s
+    with pytest.raises(GateRejected) as exc:
+        gate.check_admission(0, arrived_mono=arrived)  # position 2: 0.65 s + 0.2 s > 0.8 s
+    assert "expected wait 0.2s + 0.65s to its first token" in exc.value.message
+    waiter = asyncio.ensure_future(gate.acquire(0, arrived_mono=arrived))
+    await asyncio.sleep(0)
+    clock.advance(0.2)  # 0.2 s in the queue, 0.85 s since it arrived: past 0.8 s
+    assert gate.expire_overdue() == 1
+    with pytest.raises(GateRejected):
+        await waiter
+    gate.set_ttft(NO_BOUNDS)  # without a bound a queue deadline is the time in the queue alone
+    waiter = asyncio.ensure_future(gate.acquire(0, arrived_mono=clock() - 10.0))
+    await asyncio.sleep(0)
+    clock.advance(4.0)
+    assert gate.expire_overdue() == 0
+    waiter.cancel()

@@ -145,7 +145,7 @@ async def test_a_long_prompt_is_refused_by_its_predicted_ttft_and_a_short_one_wa
     long, short = tickets.Ticket(), tickets.Ticket()
     with pytest.raises(GateRefusal) as refused:
         await complete(serving, long, "w " * 40)
-    assert "expected wait 0.5s + prefill 4.00s" in str(refused.value.message)
+    assert "expected wait 0.5s + 4.00s to its first token" in str(refused.value.message)
     assert await complete(serving, short, "w w") == "started"
     assert (long.prompt_tokens, short.prompt_tokens) == (40, 2)
     assert gate.stats().pending == 1

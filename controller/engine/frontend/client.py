@@ -18,7 +18,8 @@ from vllm.engine.protocol import EngineClient
 from vllm.exceptions import GracefulHTTPError, RetryableRequestError
 from vllm.v1.engine.exceptions import EngineDeadError
 
-from controller.admission.gate import AdmissionGate, GateRejected
+from controller.admission.gate import AdmissionGate, GateRejected, Slot
+from controller.clock import monotonic
 from controller.engine.frontend import tickets
 from controller.engine.frontend.pump import EngineStream
 from controller.engine.runtime.host import EngineHost
@@ -96,6 +97,7 @@ class GovernedEngineClient(EngineClient):
             self._gate.check_admission(
                 ticket.priority if ticket else 0, n * calls, calls=calls,
                 prompt_tokens=ticket.prompt_tokens if ticket else None,
+                arrived_mono=ticket.arrived_mono if ticket else None,
             )  # fmt: skip
         except GateRejected as exc:
             if ticket is not None:
@@ -131,7 +133,9 @@ class GovernedEngineClient(EngineClient):
         waiting = [c for c in ticket.claims if not c.started and c.slot is None]
         for k, claim in enumerate(waiting):
             try:
-                claim.slot = await self._gate.acquire(claim.priority, claim.from_pending, ticket.priority)
+                claim.slot = await self._gate.acquire(
+                    claim.priority, claim.from_pending, ticket.priority, ticket.arrived_mono
+                )
             except BaseException as exc:
                 claim.from_pending = False  # the gate took its pending place either way
                 rest = [c for c in waiting[k + 1 :] if c.from_pending]
@@ -168,7 +172,8 @@ class GovernedEngineClient(EngineClient):
                 # route whose entry point is not wrapped that may not be ``priority``'s.
                 admitted_as = ticket.priority if ticket is not None else None
                 if slot is None:
-                    slot = await self._gate.acquire(priority, claim.from_pending, admitted_as)
+                    arrived = ticket.arrived_mono if ticket is not None else None
+                    slot = await self._gate.acquire(priority, claim.from_pending, admitted_as, arrived)
             except GateRejected as exc:
                 if ticket is not None:
                     ticket.retry_after_s = exc.retry_after_s
@@ -195,6 +200,8 @@ class GovernedEngineClient(EngineClient):
                 # the request in the engine, not whenever the garbage collector gets to it.
                 async with contextlib.aclosing(EngineStream(stream, engine_done).outputs()) as outputs:
                     async for output in outputs:
+                        if not produced:
+                            self._first_token(output, slot, ticket)
                         produced = True
                         if getattr(output, "finished", False):
                             engine_done()
@@ -214,6 +221,17 @@ class GovernedEngineClient(EngineClient):
             if reason is not None:
                 raise RetryableRequestError(f"request aborted: {reason}; retry it")
             return
+
+    def _first_token(self, output: Any, slot: Slot, ticket: tickets.Ticket | None) -> None:
+        """Tell the gate how long the request took from its slot to its first token: vLLM's own
+        figure (``RequestOutput.metrics.first_token_latency``, from the request's arrival in the
+        engine client, just after the slot), else the time now unless this first output is already
+        the last (a request that does not stream gets one output, at its end)."""
+        latency = getattr(getattr(output, "metrics", None), "first_token_latency", None)
+        if not latency and getattr(output, "finished", False):
+            return
+        seconds = latency or monotonic() - slot.granted_mono
+        self._gate.after_slot.first_token(seconds, ticket.prompt_tokens if ticket else None)
 
     # -- plain delegation -----------------------------------------------------------------------
     def encode(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]

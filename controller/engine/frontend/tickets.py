@@ -31,6 +31,7 @@ from typing import Any
 from vllm.tokenizers.hf import ThreadSafeHFTokenizerMixin
 
 from controller.admission.classes import PriorityBounds, PriorityRefused
+from controller.clock import monotonic
 from controller.engine.frontend.prompts import generate_calls, prompt_tokens
 
 ENTRY_POINTS = ("create_chat_completion", "create_completion", "create_responses")
@@ -69,6 +70,9 @@ class Ticket:
     """[admission] min_priority and default_priority in force when the request arrived."""
     claims: list[Claim] = field(default_factory=list)
     """Its ``generate()`` calls so far."""
+    arrived_mono: float = field(default_factory=monotonic)
+    """When the request reached the server (the middleware made its ticket): a TTFT bound counts
+    from here, the front end's work before the gate included."""
 
 
 current: ContextVar[Ticket | None] = ContextVar("autopilot_ticket", default=None)
