@@ -19,7 +19,8 @@ from vllm.v1.engine.exceptions import EngineDeadError
 
 from controller.admission.classes import PriorityClass
 from controller.admission.gate import AdmissionGate, GateRejected
-from controller.clock import FakeClock
+from controller.admission.ttft import TtftBounds
+from controller.clock import FakeClock, monotonic
 from controller.control.telemetry import TelemetryWindow
 from controller.engine.frontend import tickets
 from controller.engine.frontend.app import AdmissionMiddleware
@@ -336,6 +337,44 @@ async def test_an_attempt_the_engine_died_under_leaves_no_abort_mark_for_its_ret
     llm.streams[-1].outputs.put_nowait(SimpleNamespace(finished=True))
     assert [o.finished for o in await asyncio.wait_for(task, 1.0)] == [True]
     assert (gate.stats().in_flight, host.in_flight, host.aborted) == (0, {}, {})
+
+
+async def test_under_a_ttft_bound_a_request_the_engine_died_under_still_waits_for_the_next_engine() -> None:
+    """A TTFT bound counts from a request's arrival, but not past an engine crash: one that the
+    engine died under before its first output queues again for the next engine (the guard's
+    promise), even when its bound has passed meanwhile, instead of getting 429."""
+    llm = ControlledLLM()
+    gate = AdmissionGate(1, 100, (PriorityClass("all", max_queue=100, queue_deadline_s=5.0),))
+    gate.set_ttft(TtftBounds({"all": 1.0}, wait_share=0.8))
+    client = GovernedEngineClient(engine_host(llm), gate, lambda: None)
+    ticket = tickets.Ticket(arrived_mono=monotonic() - 10.0)  # its bound passed long ago
+    token = tickets.current.set(ticket)
+    try:
+        task = asyncio.create_task(_outputs(client))
+    finally:
+        tickets.current.reset(token)
+    await asyncio.sleep(0)  # a free slot: granted at once, no queue, no deadline
+    other = asyncio.create_task(gate.acquire(0, from_pending=False))  # queues behind it
+    await asyncio.sleep(0)
+    llm.streams[-1].outputs.put_nowait(EngineDeadError())  # died before its first output
+    await asyncio.sleep(0.01)  # the other request took the slot; the retry queues behind it
+    gate.release(await other)
+    await asyncio.sleep(0.01)
+    assert len(llm.streams) == 2
+    llm.streams[-1].outputs.put_nowait(SimpleNamespace(finished=True))
+    assert [o.finished for o in await asyncio.wait_for(task, 1.0)] == [True]
+    with pytest.raises(GracefulHTTPError):  # a first attempt that queues past its bound: 429
+        token = tickets.current.set(tickets.Ticket(arrived_mono=monotonic() - 10.0))
+        try:
+            blocker = await gate.acquire(0, from_pending=False)
+            await asyncio.wait_for(_outputs(client), 1.0)
+        finally:
+            tickets.current.reset(token)
+    gate.release(blocker)
+
+
+async def _outputs(client: GovernedEngineClient) -> list[Any]:
+    return [o async for o in client.generate("p", None, "r")]
 
 
 async def test_pending_places_return_on_a_route_whose_entry_point_is_not_wrapped() -> None:

@@ -165,6 +165,9 @@ class GovernedEngineClient(EngineClient):
         with a retryable error (503). A request whose queue deadline passes gets 429."""
         claim.started = True
         priority = claim.priority
+        # A TTFT bound counts from the request's arrival on its first attempt; one that the engine
+        # died under waits for the next engine from when it queues again, as the guard promises.
+        arrived = ticket.arrived_mono if ticket is not None else None
         while True:
             slot, claim.slot = claim.slot, None
             try:
@@ -172,7 +175,6 @@ class GovernedEngineClient(EngineClient):
                 # route whose entry point is not wrapped that may not be ``priority``'s.
                 admitted_as = ticket.priority if ticket is not None else None
                 if slot is None:
-                    arrived = ticket.arrived_mono if ticket is not None else None
                     slot = await self._gate.acquire(priority, claim.from_pending, admitted_as, arrived)
             except GateRejected as exc:
                 if ticket is not None:
@@ -208,6 +210,7 @@ class GovernedEngineClient(EngineClient):
                         yield output
             except EngineDeadError:
                 self._on_engine_dead()
+                arrived = None
                 if produced:
                     raise RetryableRequestError("the engine failed during this request; retry it") from None
                 continue  # nothing sent yet: wait for the next engine
