@@ -36,7 +36,7 @@ class Deadlines:
         self._on_expire = on_expire
         self.queue_deadline_s = queue_deadline_s
         """A class's queue deadline now (the gate's: shorter under SLO steering as the measured time
-        from a slot to the first token grows, ``ttft.TtftBounds.deadline_s``)."""
+        from a slot to the first token grows, ``ttft.AfterSlot.queue_deadline_s``)."""
         self.max_pause_s = max_pause_s
         """Paused seconds that stop a waiter's clock at most (the rest of a pause counts)."""
         self.paused = False

@@ -352,9 +352,12 @@ class AdmissionGate(Refusals, Pausing):
         return len(overdue)
 
     def _expire(self, w: Waiter) -> None:
-        spec, wait, deadline = w.queue.spec, self._clock() - w.enqueued_mono, self._deadlines.queue_deadline_s
+        spec, now, deadline = w.queue.spec, self._clock(), self._deadlines.queue_deadline_s(w.queue.spec)
+        wait = now - w.enqueued_mono
         ahead = sum(o.queued for o in self._order[: self._order.index(w.queue) + 1])
-        why = f"waited {wait:.1f}s for a slot: past the {spec.name} deadline of {deadline(spec):.3g}s"
+        why = f"waited {wait:.1f}s for a slot: past the {spec.name} deadline of {deadline:.3g}s"
+        if w.deadline_from_mono is not None and w.deadline_from_mono < w.enqueued_mono:
+            why += f" since it reached the server {now - w.deadline_from_mono:.1f}s ago (its TTFT bound)"
         if self._deadlines.paused:  # no engine served meanwhile: not an overload, a 503
             why += f" and max_restart_wait_s = {self._deadlines.max_pause_s:g}s of engine restart"
             self._drop(w, GateRejected(f"{why}; retry later", 503, self.retry_after_s(), "restart_wait"))

@@ -250,8 +250,9 @@ async def test_under_a_ttft_bound_the_time_since_the_request_reached_the_server_
     await asyncio.sleep(0)
     clock.advance(0.2)  # 0.2 s in the queue, 0.85 s since it arrived: past 0.8 s
     assert gate.expire_overdue() == 1
-    with pytest.raises(GateRejected):
+    with pytest.raises(GateRejected) as exc:
         await waiter
+    assert "deadline of 0.8s since it reached the server" in exc.value.message
     gate.set_ttft(NO_BOUNDS)  # without a bound a queue deadline is the time in the queue alone
     waiter = asyncio.ensure_future(gate.acquire(0, arrived_mono=clock() - 10.0))
     await asyncio.sleep(0)
