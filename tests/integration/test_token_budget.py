@@ -49,10 +49,12 @@ async def complete(s: aiohttp.ClientSession, d: Daemon, prompt: str, max_tokens:
 
 
 async def prefill_of(d: Daemon, s: aiohttp.ClientSession, prompt: str) -> tuple[int, list[EngineStep]]:
-    await d.parts.host.drain_steps()  # what earlier requests left
     t0 = time.monotonic()
+    await d.parts.host.drain_steps()  # what earlier requests left
     tokens = await complete(s, d, prompt)
     steps = await d.parts.host.drain_steps()
+    # t0 before the first drain: a stream decoding beside ends steps between the EngineCore's answer
+    # to that drain and this coroutine resuming, and the second drain returns them.
     assert steps and all(t0 <= st.t_mono <= time.monotonic() and st.step_s > 0 for st in steps), steps
     return tokens, steps
 
