@@ -90,6 +90,9 @@ class AfterSlot:
         self.window_s, self.quantile, self.min_samples = window_s, quantile, min_samples
         self._samples: deque[tuple[float, float]] = deque(maxlen=4096)
         """(when recorded, seconds beyond the predicted prefill, at least 0)."""
+        self._quantile: float | None = None
+        """``seconds()`` of the window as it is; None once a sample came or went (every admission
+        check and every waiter's deadline reads it, so it is not sorted again each time)."""
 
     def first_token(self, after_slot_s: float, prompt_tokens: int | None) -> None:
         """A request reached its first token ``after_slot_s`` after its slot (the engine client
@@ -97,15 +100,19 @@ class AfterSlot:
         ttft = self._bounds()
         if ttft.bounds:
             self._samples.append((self._clock(), max(0.0, after_slot_s - ttft.prefill_s(prompt_tokens))))
+            self._quantile = None
 
     def seconds(self) -> float:
         """The window's ``quantile`` of the samples; 0 below ``min_samples`` (too few to tell)."""
         horizon = self._clock() - self.window_s
         while self._samples and self._samples[0][0] < horizon:
             self._samples.popleft()
-        if len(self._samples) < self.min_samples:
-            return 0.0
-        return percentile([s for _, s in self._samples], self.quantile, "nearest_rank") or 0.0
+            self._quantile = None
+        if self._quantile is None:
+            enough = len(self._samples) >= self.min_samples
+            values = [s for _, s in self._samples]
+            self._quantile = (percentile(values, self.quantile, "nearest_rank") or 0.0) if enough else 0.0
+        return self._quantile
 
     def own_s(self, prompt_tokens: int | None, arrived_mono: float | None = None) -> float:
         """What a request's TTFT holds besides its wait in the queue: its prefill, and under a bound
