@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from dataclasses import field
 from typing import Any
 
@@ -32,6 +33,25 @@ def check_value(table: str, f: dataclasses.Field[Any], value: Any) -> list[str]:
     if not ok or isinstance(value, bool):
         return [f"{where}: must be {want.__name__}. {f.metadata['doc']}"]
     lo, hi = f.metadata["lo"], f.metadata["hi"]
+    if isinstance(value, float) and not math.isfinite(value):  # NaN is neither below nor above a bound
+        return [f"{where}: not a finite number; use a value in [{lo}, {hi}]. {f.metadata['doc']}"]
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         return [f"{where}: out of range; use a value in [{lo}, {hi}]. {f.metadata['doc']}"]
+    return []
+
+
+def non_finite_errors(table: str, values: dict[str, Any]) -> list[str]:
+    """Every NaN or infinity in a free-form table (``[engine]``, ``[server]``'s vLLM options,
+    ``[control.params]``), nested tables and lists included, named by its key: TOML accepts ``nan``
+    and ``inf``, no setting means either, and a NaN passes any range check written ``value < lo``."""
+    return [e for key, value in values.items() for e in _non_finite(f"[{table}] {key}", value)]
+
+
+def _non_finite(where: str, value: Any) -> list[str]:
+    if isinstance(value, float) and not math.isfinite(value):
+        return [f"{where} = {value!r}: not a finite number; write a number (TOML's nan and inf set nothing)"]
+    if isinstance(value, dict):
+        return [e for k, v in value.items() for e in _non_finite(f"{where}.{k}", v)]
+    if isinstance(value, list):
+        return [e for i, v in enumerate(value) for e in _non_finite(f"{where}[{i}]", v)]
     return []

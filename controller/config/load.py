@@ -25,6 +25,7 @@ from controller.admission.classes import (
 )
 from controller.config.fields import check_value as _check_value
 from controller.config.fields import doc_field as _f
+from controller.config.fields import non_finite_errors
 from controller.config.fields import suggest as _suggest
 from controller.config.secrets import is_loopback, redact
 from controller.config.slo import SloTargets, cost_profile_errors, describe_slo, parse_slo
@@ -290,6 +291,9 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
     if not isinstance(restart_on_reload, bool):
         errors.append(f"[engine] restart_on_reload = {restart_on_reload!r}: must be true or false")
     tables = {name: _build_table(name, _table(data, name), errors) for name in _TABLES}
+    errors.extend(non_finite_errors("engine", engine))
+    errors.extend(non_finite_errors("server", tables["server"].vllm))
+    errors.extend(non_finite_errors("control.params", tables["control"].params))
     slo = parse_slo(data.get("slo"), tables["admission"].classes, errors)
     errors.extend(cost_profile_errors(tables["control"].cost_profile))
     # Lazy: engine.runtime.args imports vLLM (seconds), which only loading a config file needs.

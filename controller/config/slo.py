@@ -15,6 +15,7 @@ file keeps 5 s / 60 s deadlines beside a 2.5 s bound. A deadline below the bound
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,6 +47,8 @@ def parse_slo(raw: Any, classes: Sequence[PriorityClass], errors: list[str]) -> 
         lo, hi, doc = KEYS[key]
         if isinstance(value, bool) or not isinstance(value, int | float):
             errors.append(f"[slo] {key} = {value!r}: must be a number of seconds ({doc})")
+        elif not math.isfinite(value):
+            errors.append(f"[slo] {key} = {value!r}: not a finite number; use one in [{lo}, {hi}] ({doc})")
         elif not lo <= value <= hi:
             errors.append(f"[slo] {key} = {value!r}: out of range; use a value in [{lo}, {hi}] ({doc})")
         else:
