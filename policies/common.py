@@ -19,9 +19,9 @@ KV_SOURCES = ("mean", "latest", "max")
 
 
 def check_float(name: str, value: object, lo: float, hi: float = math.inf, *, lo_open: bool = False) -> float:
-    """A number in [lo, hi] (or (lo, hi] with ``lo_open``); TOML integers are accepted."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
-        raise PolicyError(f"{name} = {value!r}: must be a number")
+    """A finite number in [lo, hi] (or (lo, hi] with ``lo_open``); TOML integers are accepted."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise PolicyError(f"{name} = {value!r}: must be a number, and finite")
     if value > hi or value < lo or (lo_open and value == lo):
         low = f"> {lo}" if lo_open else f">= {lo}"
         high = "" if hi == math.inf else f" and <= {hi}"

@@ -4,6 +4,10 @@ online step-cost model (``Observation.cost``) and ``[slo]`` (``policies/slo.SloT
 Every knob is sized from a predicted step, ``step(P, D, K) = a + b*P + c*D + d*K`` (P prefill tokens,
 D decoding sequences, K KV tokens they read), planned to ``margin * tpot`` with ``tpot`` the tightest
 class's TPOT bound (the cap and the budget are shared by every class).
+
+Without ``[slo]`` the objective is throughput at the knee: the smallest batch past which more
+concurrency adds less than ``knee_share`` of the engine's throughput (the seed's rule, "more
+concurrency, no more throughput"), with KV preemption avoided and the whole per-step token budget.
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ class SloPolicy(Policy):
     (the decoding batch the next step serves) and ``k`` the KV tokens one of them reads
     (``cost.kv_tokens_per_seq``):
 
-    1. no ``[slo]``, stale stats, or ``cost`` None / not ready -> hold every knob, and say why
-       (``cost.reason``).
+    1. stale stats, or ``cost`` None / not ready -> hold every knob, and say why (``cost.reason``).
+       No ``[slo]``: the knee objective below.
     2. token budget ``T = D + floor((tau - a - c*D - d*k*D) / b)``: the largest whose step, a full
        prefill chunk with the decoding batch it joins, is predicted within ``tau``; never below
        ``D + R`` (vLLM serves the running requests first, in order: a budget below the batch starves
@@ -47,13 +51,22 @@ class SloPolicy(Policy):
        the gate with the limit reached and at most ``h / 2`` waiting -> ``limit + h`` ("gate_queue");
        otherwise the limit holds. Always within ``[min_limit, cap + h]``.
 
+    The knee objective (no ``[slo]``): a batch of ``N`` decodes ``N / step(N)`` tokens a step-second,
+    ``step(N) = a + s*N`` with ``s = c + d*k + b*r`` (``r = cost.prefill_per_decode``: the prefill each
+    decoded token brings, 0 before it is measured). That rises towards ``1 / s`` and reaches the share
+    ``1 - g`` of it (``g = knee_share``) at ``N_knee = ceil(a * (1 - g) / (g * s))``; past it a tenth
+    more concurrency adds less than ``g`` / 10 throughput while every stream's TPOT grows. Cap
+    ``min(N_knee, N_kv)`` (``N_kv`` as in 3), budget ``max_num_batched_tokens`` (throughput: no step
+    bound to keep), limit as in 4 with ``runs`` the cap. The gate refuses by queue bounds and
+    deadlines alone (no TTFT bound).
+
     Bands against churn: a budget or cap move smaller than ``band`` of the value in force is dropped, and
     a knob reverses its last direction only ``reverse_after_s`` after its last move (the normalize
     stage's rate limit still applies: the budget at most doubles or halves per tick).
 
     Parameters (defaults): ``margin`` 0.9; ``kv_target`` 0.9; ``kv_min_running`` 4;
     ``min_prefill_tokens`` 64; ``headroom`` 0.1; ``min_headroom`` 2; ``min_limit`` 1; ``min_cap`` 1;
-    ``band`` 0.1; ``reverse_after_s`` 30.0; ``stale_after_s`` 5.0. ``slo`` is passed by the builder from
+    ``band`` 0.1; ``reverse_after_s`` 30.0; ``stale_after_s`` 5.0; ``knee_share`` 0.05. ``slo`` is passed by the builder from
     ``[slo]`` (not a ``[control.params]`` key).
 
     States: per knob the direction and time of its last move.
@@ -63,7 +76,7 @@ class SloPolicy(Policy):
     takes_slo = True
     param_names = tuple(
         "margin mean_margin budget_margin ttft_wait_share kv_target kv_min_running min_prefill_tokens "
-        "headroom min_headroom min_limit min_cap band reverse_after_s stale_after_s".split()
+        "headroom min_headroom min_limit min_cap band reverse_after_s stale_after_s knee_share".split()
     )
 
     def __init__(
@@ -86,6 +99,7 @@ class SloPolicy(Policy):
         band: float = 0.1,
         reverse_after_s: float = 30.0,
         stale_after_s: float = 5.0,
+        knee_share: float = 0.05,
     ) -> None:
         self.max_num_seqs, self.slo = max_num_seqs, slo
         self.margin = check_float("margin", margin, 0.0, 10.0, lo_open=True)
@@ -102,6 +116,7 @@ class SloPolicy(Policy):
         self.band = check_float("band", band, 0.0, 1.0)
         self.reverse_after_s = check_float("reverse_after_s", reverse_after_s, 0.0)
         self.stale_after_s = check_float("stale_after_s", stale_after_s, 0.0, lo_open=True)
+        self.knee_share = check_float("knee_share", knee_share, 0.0, 0.5, lo_open=True)
         self._last: dict[str, tuple[int, float]] = {}
         """knob -> (direction of its last move, +1 / -1, and when)."""
         self._terms: dict[str, float] = {}
@@ -111,7 +126,9 @@ class SloPolicy(Policy):
         if hold is not None:
             return Decision(None, None, hold)
         cost = obs.cost
-        assert cost is not None and self.slo is not None
+        assert cost is not None
+        if self.slo is None:
+            return self._knee(obs, cost, now_mono)
         tau = self.margin * self.slo.tightest.tpot_s
         k = cost.kv_tokens_per_seq or 0.0
         reserve = self._reserve(cost, tau)
@@ -132,13 +149,45 @@ class SloPolicy(Policy):
     def _hold_reason(self, obs: Observation) -> str | None:
         if is_stale(obs, self.stale_after_s):
             return "stale_stats"
-        if self.slo is None:
-            return "no_slo[the slo policy needs an [slo] table with ttft_s and tpot_s]"
         if obs.cost is None:
             return "cost_not_ready[no step-cost model]"
         if not obs.cost.ready:
             return f"cost_not_ready[{obs.cost.reason}]"
         return None
+
+    @property
+    def objective(self) -> str:
+        """What the policy steers to: the ``[slo]`` bounds, or without them the throughput knee."""
+        if self.slo is None:
+            return f"knee: the batch past which more concurrency adds < {self.knee_share:g} of throughput"
+        return "slo: the most requests a second within [slo]"
+
+    def _knee(self, obs: Observation, cost: CostEstimate, now_mono: float) -> Decision:
+        """No ``[slo]``: the throughput knee's cap (within the KV), the whole budget, the limit above."""
+        k = cost.kv_tokens_per_seq or 0.0
+        r = cost.prefill_per_decode or 0.0
+        per_seq = cost.c_s_per_decode_seq + cost.d_s_per_kv_token * k + cost.b_s_per_prefill_token * r
+        g = self.knee_share
+        if per_seq <= 0 or cost.a_s <= 0:
+            n, why = self.max_num_seqs, f"cap {self.max_num_seqs}: knee, no per-sequence cost measured"
+        else:
+            n = math.ceil(round(cost.a_s * (1 - g) / (g * per_seq), 6))  # 102.00000000001 is 102
+            why = f"cap {n}: knee, {1 - g:.0%} of peak at step {_ms(cost.a_s)} + {per_seq * 1e3:.2f} ms/seq"
+        d = obs.running
+        if d >= self.kv_min_running and obs.kv_usage > 0:
+            n_kv = math.floor(self.kv_target * d / obs.kv_usage)
+            if n_kv < n:
+                n, why = n_kv, f"cap {n_kv}: KV {obs.kv_usage:.2f} at {d} running > {self.kv_target:g}"
+        cap = max(self.min_cap, min(self.max_num_seqs, n))
+        budget = obs.max_num_batched_tokens
+        limit, limit_why = self._limit(obs, cap)
+        self._terms = {"kv_tokens_per_seq": k, "cap": cap, "budget": budget, "limit": limit}
+        return Decision(
+            self._banded("admission_limit", obs.admission_limit, limit, now_mono, self.band),
+            self._banded("batch_cap", obs.batch_cap, cap, now_mono, self.band),
+            f"knee[{why}; budget {budget}: max_num_batched_tokens, no [slo]; {limit_why}]",
+            token_budget=self._banded("token_budget", obs.token_budget, budget, now_mono, self.band),
+        )
 
     def _cap(
         self, obs: Observation, cost: CostEstimate, tau: float, k: float, reserve: int
@@ -221,7 +270,8 @@ class SloPolicy(Policy):
         return want
 
     def params(self) -> dict[str, Any]:
-        return {**super().params(), "slo": None if self.slo is None else self.slo.as_dict()}
+        slo = None if self.slo is None else self.slo.as_dict()
+        return {**super().params(), "slo": slo, "objective": self.objective}
 
     def terms(self) -> dict[str, float]:
         """The step bound, the KV per sequence and the three sizes of the last tick."""

@@ -118,10 +118,39 @@ def test_it_holds_every_knob_until_the_model_is_ready(estimate: CostEstimate | N
     assert (d.admission_limit, d.batch_cap, d.token_budget, d.reason) == (None, None, None, reason)
 
 
-def test_without_an_slo_it_holds_and_says_so() -> None:
+def test_without_an_slo_it_runs_the_batch_at_the_throughput_knee() -> None:
+    knee = SloPolicy(max_num_seqs=256, initial_limit=50, knee_share=0.2)
+    d = knee.decide(loaded(kv_usage=0.01), 0.0)
+    # per sequence 0.1 + 400 * 0.0001 + 2 * 0.03 = 0.2 ms; knee ceil(5.1 * 0.8 / (0.2 * 0.2)) = 102:
+    # 80 % of the peak 1 / 0.2 ms, and past it a tenth more concurrency adds under 2 % throughput
+    assert d.batch_cap == 102
+    assert d.token_budget == 8192  # max_num_batched_tokens: no step bound to keep
+    assert d.admission_limit == 102 + 11  # limit: ceil(0.1 * 102) above what runs
+    assert d.reason == (
+        "knee[cap 102: knee, 80% of peak at step 5 ms + 0.20 ms/seq; "
+        "budget 8192: max_num_batched_tokens, no [slo]; limit 113: 11 above]"
+    )
+    assert knee.params()["slo"] is None
+    assert knee.params()["objective"].startswith("knee: ")
+
+
+def test_without_an_slo_the_kv_cache_bounds_the_knee() -> None:
     d = SloPolicy(max_num_seqs=256, initial_limit=50).decide(loaded(), 0.0)
+    # knee ceil(5.1 * 0.95 / (0.05 * 0.2)) = 485; KV floor(0.9 * 20 / 0.1) = 180
+    assert d.batch_cap == 180
+    assert "cap 180: KV 0.10 at 20 running > 0.9" in d.reason
+
+
+def test_without_an_slo_it_holds_until_the_model_is_ready() -> None:
+    d = SloPolicy(max_num_seqs=256, initial_limit=50).decide(loaded(cost=None), 0.0)
     assert (d.admission_limit, d.batch_cap, d.token_budget) == (None, None, None)
-    assert d.reason.startswith("no_slo[")
+    assert d.reason == "cost_not_ready[no step-cost model]"
+
+
+@pytest.mark.parametrize("share", [0, 0.6, float("nan"), float("inf")])
+def test_the_knee_share_is_a_share_of_throughput(share: float) -> None:
+    with pytest.raises(PolicyError, match="knee_share"):
+        SloPolicy(max_num_seqs=8, initial_limit=8, knee_share=share)
 
 
 def test_small_moves_and_quick_reversals_are_held() -> None:
