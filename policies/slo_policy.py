@@ -66,8 +66,8 @@ class SloPolicy(Policy):
 
     Parameters (defaults): ``margin`` 0.9; ``kv_target`` 0.9; ``kv_min_running`` 4;
     ``min_prefill_tokens`` 64; ``headroom`` 0.1; ``min_headroom`` 2; ``min_limit`` 1; ``min_cap`` 1;
-    ``band`` 0.1; ``reverse_after_s`` 30.0; ``stale_after_s`` 5.0; ``knee_share`` 0.05. ``slo`` is passed by the builder from
-    ``[slo]`` (not a ``[control.params]`` key).
+    ``band`` 0.1; ``reverse_after_s`` 30.0; ``stale_after_s`` 5.0; ``knee_share`` 0.05. ``slo`` is
+    passed by the builder from ``[slo]`` (not a ``[control.params]`` key).
 
     States: per knob the direction and time of its last move.
     """
