@@ -12,15 +12,18 @@ engine built (the guard reports it, ``Parts.adopt_engine``): a bad value leaves 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
+from controller.admission.ttft import TtftBounds
 from controller.config.cli_layer import load_layered
 from controller.config.diff import ConfigDiff, diff_config, engine_overrides, merge_live
 from controller.config.load import Config, ConfigError
 from controller.control.build import normalizer_for, policy_for, ttft_for
 from controller.control.normalize import Normalizer
+from controller.control.stepcost import CostPrior
 from controller.lifecycle.parts import TICK_JOB, Parts, cost_prior_for
 from policies.base import Policy
 
@@ -53,12 +56,12 @@ class Reloader:
         try:
             new = load_layered(p.config.path, p.config.overlay)  # the command line stays on top
             diff = diff_config(p.config, new)
-            control = self._control_for(new, diff)  # built before anything changes
+            change = self._plan(new, diff)  # everything that can fail, before anything changes
         except ConfigError as exc:
             return self._rejected(exc.errors)
         except Exception as exc:  # not UTF-8, a plug-in raising on import, ...: the old config stays
             return self._rejected([f"{p.config.path}: {type(exc).__name__}: {exc}"])
-        self._apply_live(new, diff, control)
+        self._apply_live(change)
         p.pending_changes = diff.pending
         restart, deferred = self._maybe_restart_for(new, diff)
         result = "pending_engine_restart" if diff.pending else "ok"
@@ -76,13 +79,25 @@ class Reloader:
             "deferred": deferred,
         }
 
-    def _control_for(self, new: Config, diff: ConfigDiff) -> tuple[Policy, Normalizer] | None:
-        """The new policy and normalize stage when [control], [slo] or the limit changed, else None."""
-        unchanged = not {"control", "slo"} & set(diff.live)
-        if unchanged and new.admission.limit == self.parts.config.admission.limit:
-            return None
-        merged = merge_live(self.parts.config, new)
-        return policy_for(merged), normalizer_for(merged.control)
+    def _plan(self, new: Config, diff: ConfigDiff) -> LiveChange:
+        """What the reload swaps in, every part of it built (a policy that raises, a cost profile
+        gone since validation): applying it then only assigns."""
+        p, old = self.parts, self.parts.config
+        merged = merge_live(old, new)
+        control = None
+        if {"control", "slo"} & set(diff.live) or new.admission.limit != old.admission.limit:
+            control = policy_for(merged), normalizer_for(merged.control)
+        policy = p.loop.policy if control is None else control[0]
+        new_profile = new.control.cost_profile != old.control.cost_profile and p.cost is not None
+        tick = new.control.tick_seconds
+        return LiveChange(
+            config=merged,
+            control=control,
+            ttft=ttft_for(policy, new.slo, new.admission.classes, p.cost),  # the policy's, on the new [slo]
+            reseed=new_profile,
+            cost_prior=cost_prior_for(new.control.cost_profile) if new_profile else None,
+            tick_seconds=tick if tick != old.control.tick_seconds else None,
+        )
 
     def _maybe_restart_for(self, new: Config, diff: ConfigDiff) -> tuple[dict[str, Any] | None, bool]:
         """With ``restart_on_reload``, [engine] changes go through the guard's drain-and-restart;
@@ -106,23 +121,41 @@ class Reloader:
         p.tasks.spawn(restart())
         return overrides, deferred
 
-    def _apply_live(self, new: Config, diff: ConfigDiff, control: tuple[Policy, Normalizer] | None) -> None:
-        p, old = self.parts, self.parts.config
-        p.config = merge_live(old, new)
+    def _apply_live(self, change: LiveChange) -> None:
+        """Swap ``change`` in: assignments and the parts' own setters, nothing left to build."""
+        p, old, new = self.parts, self.parts.config, change.config
         a = new.admission
+        p.config = new
         p.gate.configure(a.classes, a.aging_s, a.max_queue)
         if a.limit != old.admission.limit:
             p.actuator.set_admission_limit(a.limit)
         p.window.window_s = new.control.window_seconds
-        if control is not None:
-            p.loop.policy, p.loop.normalizer = control
-        p.gate.set_ttft(ttft_for(p.loop.policy, new.slo, a.classes, p.cost))  # the policy's, on the new [slo]
+        if change.control is not None:
+            p.loop.policy, p.loop.normalizer = change.control
+        p.gate.set_ttft(change.ttft)
         if p.capacity is not None:
             p.capacity.configure(new.slo, p.loop.policy)
         p.loop.resize_history(new.control.history)
         p.guard.configure(new.guard)
-        if new.control.cost_profile != old.control.cost_profile and p.cost is not None:
-            p.cost.model.reset(cost_prior_for(new.control.cost_profile))  # a new seed: start from it
-        tick = new.control.tick_seconds
-        if tick != old.control.tick_seconds and p.scheduler.get_job(TICK_JOB) is not None:
-            p.scheduler.reschedule_job(TICK_JOB, trigger="interval", seconds=tick)
+        if change.reseed and p.cost is not None:
+            p.cost.model.reset(change.cost_prior)  # a new seed (or none): start from it
+        if change.tick_seconds is not None and p.scheduler.get_job(TICK_JOB) is not None:
+            p.scheduler.reschedule_job(TICK_JOB, trigger="interval", seconds=change.tick_seconds)
+
+
+@dataclass(frozen=True)
+class LiveChange:
+    """A reload's live tables, built and ready to assign."""
+
+    config: Config
+    """The config in force after it: the new live tables, the current restart-only ones."""
+    control: tuple[Policy, Normalizer] | None
+    """The new policy and normalize stage, when [control], [slo] or the limit changed."""
+    ttft: TtftBounds
+    """The gate's TTFT bounds under the policy in force after it."""
+    reseed: bool
+    """The cost profile changed: the step-cost model starts over from ``cost_prior``."""
+    cost_prior: CostPrior | None
+    """The new profile's seed (None: no profile)."""
+    tick_seconds: float | None
+    """The loop's new interval, when it changed."""
