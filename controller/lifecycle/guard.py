@@ -43,6 +43,7 @@ import structlog
 from controller.admission.gate import AdmissionGate, GateRejected
 from controller.clock import Clock, monotonic
 from controller.config.load import GuardConfig
+from controller.config.secrets import redact
 from controller.lifecycle.liveness import StallWatch, no_engine
 from policies.base import Observation
 
@@ -270,11 +271,12 @@ class Guard:
         duration = self._clock() - t0
         self._last_restart_mono = self._clock()
         self._oom_baseline = self._oom_kills()
+        shown = redact(overrides)  # /state and the log show it: an [engine] hf_token never
         self.last_restart = {
             "started_mono": t0,
             "reason": reason,
             "duration_s": duration,
-            "overrides": overrides,
+            "overrides": shown,
             "t_wall": time.time(),
         }
         if self.unavailable_reason is not None:  # an engine serves again: stop refusing
@@ -283,7 +285,7 @@ class Guard:
         if self.on_engine_args is not None and overrides:
             self.on_engine_args(overrides)
         self._on_restart(reason, duration)
-        log.info("engine_restarted", reason=reason, duration_s=round(duration, 3), **overrides)
+        log.info("engine_restarted", reason=reason, duration_s=round(duration, 3), **shown)
 
     def _after_failed_build(self, reason: str, exc: BaseException) -> None:
         """Resume on the engine that still serves; with none left, keep requests waiting and wake

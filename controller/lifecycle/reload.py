@@ -21,6 +21,7 @@ from controller.admission.ttft import TtftBounds
 from controller.config.cli_layer import load_layered
 from controller.config.diff import ConfigDiff, diff_config, engine_overrides, merge_live
 from controller.config.load import Config, ConfigError
+from controller.config.secrets import redact
 from controller.control.build import normalizer_for, policy_for, ttft_for
 from controller.control.normalize import Normalizer
 from controller.control.stepcost import CostPrior
@@ -111,15 +112,15 @@ class Reloader:
             try:
                 await p.guard.restart("config_reload", overrides, drain=True)
             except Exception as exc:  # the engine and the config in force stay as they were
-                log.error("reload_restart_failed", error=f"{type(exc).__name__}: {exc}", **overrides)
+                log.error("reload_restart_failed", error=f"{type(exc).__name__}: {exc}", **redact(overrides))
                 return
             p.pending_changes = {t: k for t, k in p.pending_changes.items() if t != "engine"}
 
         deferred = p.guard.restarting
         if deferred:
-            log.info("reload_restart_deferred", **overrides)
+            log.info("reload_restart_deferred", **redact(overrides))
         p.tasks.spawn(restart())
-        return overrides, deferred
+        return redact(overrides), deferred  # answered and logged: a changed hf_token is not shown
 
     def _apply_live(self, change: LiveChange) -> None:
         """Swap ``change`` in: assignments and the parts' own setters, nothing left to build."""
