@@ -17,6 +17,7 @@ from vllm.entrypoints.launchers.app import build_app
 from controller.admission.classes import PriorityBounds
 from controller.admission.gate import AdmissionGate
 from controller.engine.frontend import tickets
+from controller.engine.frontend.auth import with_api_key
 from controller.engine.frontend.client import GateRefusal, GovernedEngineClient
 from controller.engine.frontend.limits import DEFAULT_LIMITS, ClientLimits, Limits
 
@@ -102,9 +103,10 @@ def make_server(
     bounds: Callable[[], PriorityBounds] = PriorityBounds,
     limits: Limits = DEFAULT_LIMITS,
 ) -> DataPlaneServer:
-    # Wrapped outside the app: vLLM's app has built its middleware stack by now.
+    # Wrapped outside the app: vLLM's app has built its middleware stack by now. The key check is
+    # outermost: a request without the key is answered before its body is read or counted.
     config = uvicorn.Config(
-        ClientLimits(AdmissionMiddleware(app, gate, bounds), limits),
+        with_api_key(ClientLimits(AdmissionMiddleware(app, gate, bounds), limits), args),
         host=args.host,
         port=args.port,
         log_level=args.uvicorn_log_level,
