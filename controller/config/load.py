@@ -27,7 +27,7 @@ from controller.config.fields import check_value as _check_value
 from controller.config.fields import doc_field as _f
 from controller.config.fields import non_finite_errors
 from controller.config.fields import suggest as _suggest
-from controller.config.secrets import is_loopback, redact
+from controller.config.secrets import is_loopback, redact, scrub
 from controller.config.slo import SloTargets, cost_profile_errors, describe_slo, parse_slo
 from policies.base import PolicyError, build_policy
 
@@ -307,7 +307,7 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
     if not errors:
         errors.extend(_policy_errors(engine, tables))
     if errors:
-        raise ConfigError(errors)
+        raise ConfigError(scrub(errors, data))  # logged and answered: no secret's value in them
     return Config(engine=engine, path=path, restart_on_reload=restart_on_reload is True, slo=slo, **tables)
 
 

@@ -4,11 +4,13 @@ effective config (``describe``) show "<redacted>" in their place.
 A key is a secret by its name (``api_key``, ``token``, ``hf_token``, ``*_password``, ``*_secret``),
 in any table and at any depth, so a vLLM option that passes through [server] or [engine] is covered
 too. An unset secret (empty) is shown as it is: that it is unset is worth seeing, and reveals nothing.
+A config error never quotes a secret's value either (``scrub``).
 """
 
 from __future__ import annotations
 
 import ipaddress
+import json
 import re
 from typing import Any
 
@@ -21,12 +23,54 @@ def is_secret(key: str) -> bool:
 
 
 def redact(data: Any) -> Any:
-    """``data`` (plain dicts and lists) with every set secret replaced by ``REDACTED``."""
+    """``data`` (plain dicts and lists) with every set secret replaced by ``REDACTED``, inside a
+    JSON object given as text too (a vLLM option such as ``--kv-transfer-config '{...}'``)."""
     if isinstance(data, dict):
         return {k: REDACTED if is_secret(str(k)) and v else redact(v) for k, v in data.items()}
     if isinstance(data, list):
         return [redact(v) for v in data]
+    if isinstance(data, str) and (parsed := _json_object(data)) is not None:
+        shown = redact(parsed)
+        return data if shown == parsed else json.dumps(shown)
     return data
+
+
+def _json_object(text: str) -> dict[str, Any] | None:
+    if not text.lstrip().startswith("{"):
+        return None
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        return None
+    return parsed if isinstance(parsed, dict) else None
+
+
+SHORTEST_SECRET = 4
+"""A set secret shorter than this is left in error messages: it reveals next to nothing, and
+hiding every "1" or "on" would garble the messages around it."""
+
+
+def secret_values(data: Any, hidden: bool = False) -> set[str]:
+    """The text of every set secret in ``data`` (a parsed config file): each scalar under a secret
+    key at any depth, and inside JSON objects given as text."""
+    if isinstance(data, dict):
+        return {s for k, v in data.items() for s in secret_values(v, hidden or is_secret(str(k)))}
+    if isinstance(data, list):
+        return {s for v in data for s in secret_values(v, hidden)}
+    if isinstance(data, str) and not hidden and (parsed := _json_object(data)) is not None:
+        return secret_values(parsed)
+    text = str(data)
+    return {text} if hidden and len(text) >= SHORTEST_SECRET else set()
+
+
+def scrub(messages: list[str], data: Any) -> list[str]:
+    """``messages`` (config errors: logged, answered by /reload, printed by check-config) with every
+    set secret of ``data`` replaced by ``REDACTED`` where it appears as a whole word."""
+    secrets = sorted(secret_values(data), key=len, reverse=True)  # a longer secret may hold a shorter
+    if not secrets:
+        return messages
+    pattern = re.compile("|".join(rf"(?<!\w){re.escape(s)}(?!\w)" for s in secrets))
+    return [pattern.sub(REDACTED, m) for m in messages]
 
 
 def is_loopback(host: str) -> bool:

@@ -4,7 +4,10 @@ overlay kept for reloads."""
 
 from __future__ import annotations
 
+import argparse
+import copy
 import json
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +16,12 @@ import pytest
 from controller.admin.status import state
 from controller.admission.classes import PriorityClass
 from controller.admission.gate import AdmissionGate
+from controller.bench.servers import to_toml
+from controller.cli import _check_config
 from controller.clock import FakeClock
-from controller.config.load import GuardConfig, load_config
-from controller.config.secrets import REDACTED
+from controller.config.cli_layer import serve_config
+from controller.config.load import ConfigError, GuardConfig, describe, load_config, parse_config
+from controller.config.secrets import REDACTED, redact
 from controller.control.samplers import FakeHostSource
 from controller.lifecycle import guard as guard_module
 from controller.lifecycle import reload as reload_module
@@ -103,3 +109,82 @@ async def test_a_reload_that_changes_the_hf_token_shows_it_nowhere(tmp_path: Pat
     shown = json.dumps(state(p), default=str)
     assert HF_TOKEN not in shown and HF_TOKEN not in logs.text()
     assert p.guard.last_restart is not None and p.guard.last_restart["overrides"] == {"hf_token": REDACTED}
+
+
+# -- config errors and the command line's overlay ----------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT = ROOT / "config.toml"
+BASE: dict[str, Any] = tomllib.loads(DEFAULT.read_text())
+
+
+def _doc(**tables: dict[str, Any]) -> dict[str, Any]:
+    data = copy.deepcopy(BASE)
+    for name, values in tables.items():
+        data.setdefault(name, {}).update(values)
+    return data
+
+
+@pytest.mark.parametrize(
+    ("tables", "secret", "where"),
+    [
+        ({"server": {"api_key": 12345}}, "12345", "[server] api_key"),
+        ({"admin": {"token": 987654}}, "987654", "[admin] token"),
+        ({"engine": {"hf_token": ["hf_in_a_list_77"]}}, "hf_in_a_list_77", "[engine] hf_token"),
+        ({"server": {"api_key": ["good-key-1", 4242]}}, "4242", "[server] api_key"),
+    ],
+)
+def test_a_config_error_names_a_secret_key_but_not_its_value(
+    tables: dict[str, Any], secret: str, where: str
+) -> None:
+    with pytest.raises(ConfigError) as exc:
+        parse_config(_doc(**tables), DEFAULT)
+    assert any(e.startswith(where) for e in exc.value.errors), exc.value.errors
+    assert secret not in str(exc.value) and REDACTED in str(exc.value)
+
+
+def test_a_secret_is_kept_out_of_the_other_keys_errors_too() -> None:
+    data = _doc(server={"api_key": "sk-live-abcdef"}, admission={"limit": "sk-live-abcdef"})
+    with pytest.raises(ConfigError) as exc:
+        parse_config(data, DEFAULT)
+    assert any(e.startswith("[admission] limit = '<redacted>'") for e in exc.value.errors)
+
+
+async def test_a_reload_refused_for_a_secret_answers_and_logs_no_value(
+    tmp_path: Path, logs: Recorder
+) -> None:
+    p = parts_for(tmp_path)
+    ports = {"server": {"port": p.config.server.port}, "admin": {"port": p.config.admin.port}}
+    write_config(p.config.path, **{**ports, "server": {**ports["server"], "api_key": 12345}})
+    result = await Reloader(p).reload()
+    assert result["ok"] is False and any(e.startswith("[server] api_key") for e in result["errors"])
+    assert "12345" not in json.dumps(result) and "12345" not in logs.text()
+
+
+def test_check_config_prints_no_secret_of_a_bad_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "config.toml"
+    data = _doc(admin={"token": 31337})
+    data["engine"]["model"] = str(ROOT / "models" / "tiny")
+    path.write_text(to_toml(data))
+    with pytest.raises(SystemExit) as exited:
+        _check_config(argparse.Namespace(config=path))
+    assert exited.value.code != 0
+    captured = capsys.readouterr()
+    assert "[admin] token" in captured.out + captured.err and "31337" not in captured.out + captured.err
+
+
+def test_a_json_option_from_the_command_line_is_shown_with_its_secrets_redacted() -> None:
+    extra = {"aws_secret_access_key": "AKIA-very-secret", "region": "eu-west-1"}
+    transfer = json.dumps({"kv_connector": "X", "kv_role": "kv_both", "kv_connector_extra_config": extra})
+    config = serve_config([str(ROOT / "models" / "tiny"), "--kv-transfer-config", transfer])
+    assert "AKIA-very-secret" in config.overlay["engine"]["kv_transfer_config"]  # a reload lays it again
+    shown = json.dumps(describe(config))
+    assert "AKIA-very-secret" not in shown and "eu-west-1" in shown
+
+
+def test_redact_looks_inside_json_text_and_leaves_other_text_alone() -> None:
+    assert redact({"opt": '{"token": "t0ps3cret", "n": 1}'}) == {"opt": '{"token": "<redacted>", "n": 1}'}
+    assert redact({"opt": '{"n": 1}'}) == {"opt": '{"n": 1}'}  # nothing to hide: the text as it was
+    assert redact({"opt": "{not json"}) == {"opt": "{not json"}
