@@ -1,10 +1,11 @@
-"""The closed loop on the real engine and the real model (SmolLM2 in float32, as config.toml serves
-it), with a KV cache small enough that the full batch cap overflows it and preempts: 68 MiB in blocks
-of 32 tokens (48 blocks, 1,536 tokens; with vLLM-CPU's default block of 128 tokens every request here
-would stay one block, never grow, and nothing would preempt). A request is a 24-token prompt and 48
-forced tokens: one block when admitted, three at its end, so the full cap admits a burst of 48 at once
-and then preempts them as they grow, while a cap of 16 holds them all. A preempted request is
-recomputed, its prompt and what it had decoded: on this model that is real prefill work.
+"""The closed loop on the real engine and the real model (SmolLM2 on config.toml's engine table, in
+float32 and without prefix caching on every box), with a KV cache small enough that the full batch
+cap overflows it and preempts: 68 MiB in blocks of 32 tokens (48 blocks, 1,536 tokens; with
+vLLM-CPU's default block of 128 tokens every request here would stay one block, never grow, and
+nothing would preempt). A request is a 24-token prompt and 48 forced tokens: one block when
+admitted, three at its end, so the full cap admits a burst of 48 at once and then preempts them as
+they grow, while a cap of 16 holds them all. A preempted request is recomputed, its prompt and what
+it had decoded: on this model that is real prefill work.
 
 For each of ``pid`` and ``hysteresis`` (one engine; the policy switched by a reload once the cap is
 back at its ceiling): repeated bursts make the policy lower the cap with a reason, the last four
@@ -42,9 +43,18 @@ pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 MODEL = "smollm2"
 PROMPT = " ".join(["engine"] * 24)
 BURST, TOKENS = 48, 48
-KV = {"block_size": 32, "kv_cache_memory_bytes": 68 << 20, "max_model_len": 512}
+KV = {
+    "block_size": 32,
+    "kv_cache_memory_bytes": 68 << 20,
+    "max_model_len": 512,
+    "dtype": "float32",
+    "enable_prefix_caching": False,
+}
 """48 blocks of 32 tokens (46 KB of float32 KV a token); vLLM refuses a cache smaller than one
-request of ``max_model_len``."""
+request of ``max_model_len``. float32 on every box (config.toml's dtype resolves per CPU, and bf16
+would hold twice the tokens), and no prefix caching: every request here is the same prompt and the
+same greedy tokens, so with caching on they would share their full blocks and nothing would fill
+the cache."""
 POLICIES: dict[str, dict[str, Any]] = {
     # The policies' defaults (KV usage read as the window max, PID with log output and a deadband),
     # except what scales with this test's short window: hysteresis reads a 3 s window, waits 2 s

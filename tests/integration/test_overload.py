@@ -1,6 +1,6 @@
-"""Admission under overload on the real engine and the real model (SmolLM2 in float32, as
-config.toml serves it): the daemon as a subprocess (its memory is its own), driven open-loop at
-several times what it sustains, 30% interactive and 70% batch requests.
+"""Admission under overload on the real engine and the real model (SmolLM2 as config.toml serves
+it, in the dtype it resolves to on this box): the daemon as a subprocess (its memory is its own),
+driven open-loop at several times what it sustains, 30% interactive and 70% batch requests.
 
 Interactive requests are served within a TTFT SLO set from the unloaded TTFT measured here; the
 excess is refused with 429 + Retry-After; nothing answers 5xx; nobody waits in the gate past its

@@ -41,7 +41,9 @@ async def daemon(tmp_path_factory: pytest.TempPathFactory, smollm2_model: Path) 
     assert shipped["control"]["policy"] == "slo" and shipped["control"]["cost_profile"] == "cpu-smollm2"
     path = write_config(
         tmp_path_factory.mktemp("steer") / "config.toml",
-        engine={**shipped["engine"], "model": str(smollm2_model)},
+        # float32 on every box (config.toml's dtype resolves to bf16 on a CPU with native bf16): the
+        # chunk sizes above are float32's; in bf16 a prefill token costs less and the chunk nears LONG
+        engine={**shipped["engine"], "model": str(smollm2_model), "dtype": "float32"},
         admission=shipped["admission"],
         slo=shipped["slo"],
         control=shipped["control"],

@@ -33,7 +33,8 @@ CEILING = 2048
 async def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> AsyncIterator[Daemon]:
     path = write_config(
         tmp_path_factory.mktemp("cfg") / "config.toml",
-        engine={"max_num_batched_tokens": CEILING},  # prefix caching is off: every prompt is prefilled
+        # prefix caching off: every prompt is prefilled whole, so a step's tokens are the prompt's
+        engine={"max_num_batched_tokens": CEILING, "enable_prefix_caching": False},
         control={"tick_seconds": 3600.0, "policy": "static"},
     )
     async with running_daemon(path) as d:

@@ -13,10 +13,14 @@ import functools
 import json
 from typing import Annotated, Any, NoReturn
 
+import structlog
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+from controller.engine.runtime.dtype import platform_dtype
 from controller.engine.runtime.parallel import parallel_errors
+
+log = structlog.get_logger(__name__)
 
 # Chosen by the daemon itself; a user setting them would break the batch cap or the serving model.
 _RESERVED = {
@@ -223,4 +227,9 @@ def serve_namespace(engine: dict[str, Any], server: dict[str, Any]) -> argparse.
 
 
 def engine_args(args: argparse.Namespace) -> AsyncEngineArgs:
-    return AsyncEngineArgs.from_cli_args(args)
+    """vLLM's engine arguments for ``args``, with ``dtype`` "auto" resolved for this CPU (dtype.py)."""
+    eargs = AsyncEngineArgs.from_cli_args(args)
+    choice = platform_dtype(getattr(args, "dtype", None))
+    eargs.dtype = choice.dtype
+    log.info("engine_dtype", dtype=choice.dtype, reason=choice.reason)
+    return eargs

@@ -30,6 +30,7 @@ from controller.control.steps import EngineStep
 from controller.control.telemetry import TelemetryWindow
 from controller.engine.runtime.args import engine_args
 from controller.engine.runtime.builds import build_in_thread
+from controller.engine.runtime.dtype import dtype_settings
 from controller.engine.runtime.ipc import plugin_problem, set_poll_sleep
 from controller.engine.runtime.scheduler import UTILITY_BUDGET, UTILITY_DRAIN, UTILITY_SET, scheduler_path
 from controller.engine.runtime.stats import stat_logger_factory
@@ -342,5 +343,6 @@ class EngineHost:
             "token_budget": self.token_budget,
             "token_budget_min": self.token_budget_min,
             "scheduling_policy": str(getattr(sched, "policy", None)),
+            **dtype_settings(getattr(self.args, "dtype", None), cfg.model_config.dtype if cfg else None),
             **self.memory_settings(),
         }
