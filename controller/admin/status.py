@@ -107,7 +107,7 @@ def state(d: StatusParts) -> dict[str, Any]:
         "decisions": d.loop.recent(),
         "diagnosis": dataclasses.asdict(d.diagnosis) if d.diagnosis else None,
         "slo": describe_slo(d.config.slo, d.config.admission.classes),
-        "cost_model": d.cost.current().as_dict() if d.cost is not None else None,
+        "cost_model": {**d.cost.current().as_dict(), "warm_start": d.cost.warm_start} if d.cost else None,
         "capacity": d.capacity.last.as_dict() if d.capacity is not None else None,
         "config": describe(d.config),
         "pending_config_changes": d.pending_changes,

@@ -134,7 +134,11 @@ class ControlConfig:
     """[control]: the loop that moves the admission limit and the batch cap."""
 
     tick_seconds: float = _f(1.0, "Seconds between two control-loop ticks.", 0.05, 3600)
-    policy: str = _f("static", "A registered policy name, or 'module:Class' for a plug-in.")
+    policy: str = _f(
+        "slo",
+        "A registered policy name, or 'module:Class' for a plug-in. The default, 'slo', steers to [slo], "
+        "or without it to the throughput knee.",
+    )
     window_seconds: float = _f(10.0, "Length of the engine-stats window the loop observes.", 0.5, 3600)
     history: int = _f(50, "How many recent decisions /state shows.", 1, 10_000)
     limit_max: int = _f(4096, "Ceiling of the admission limit any policy may set.", 1, 1_000_000)
@@ -153,7 +157,17 @@ class ControlConfig:
     stabilization_s: float = _f(
         0.0, "Normalize: a decrease goes only down to the highest recommendation of this window.", 0, 3600
     )
-    cost_profile: str = _f("", "Seed of the step-cost model: a profile name or .toml path; '' = none.")
+    cost_profile: str = _f(
+        "", "Seed of the step-cost model: a profile name or .toml path; '' = a warm-up fit (warmup_s)."
+    )
+    warmup_s: float = _f(
+        20.0,
+        "Time budget of the warm-up at startup that fits the step-cost model on this box (synthetic "
+        "requests through the engine before it serves; kept in a state file for the next start); "
+        "0 = off. Runs when no cost_profile is named.",
+        0,
+        600,
+    )
     params: dict[str, Any] = field(
         default_factory=dict, metadata={"doc": "[control.params]: the policy's own parameters."}
     )

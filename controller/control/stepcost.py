@@ -40,6 +40,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -321,6 +322,8 @@ class CostReader:
         self, model: StepCostModel, clock: Callable[[], float], budget: Callable[[], int] | None = None
     ) -> None:
         self.model, self._clock, self._budget = model, clock, budget
+        self.warm_start: dict[str, Any] | None = None
+        """How the model started (``lifecycle/warm.WarmStart``), once the daemon has started it."""
 
     def current(self) -> CostEstimate:
         return self.model.estimate(self._clock())

@@ -1,5 +1,5 @@
-"""The slo loop on the real model: with config.toml as shipped (SmolLM2 in float32, the slo policy,
-its [slo] of TTFT 5 s and TPOT 250 ms, the step-cost fit seeded with cpu-smollm2), decoding streams
+"""The slo loop on the real model: with config.toml as shipped (SmolLM2, the slo policy, its [slo] of
+TTFT 5 s and TPOT 250 ms, the step-cost fit seeded by the warm-up at startup), decoding streams
 and a long prompt make the loop size the token budget and the batch cap to the TPOT bound, with the
 figures in each reason, and move them inside the running engine.
 
@@ -7,8 +7,7 @@ On this model a prefill token costs milliseconds on the CPU, so vLLM's default b
 lets one prompt stall every stream for seconds: the budget binds, and the loop must cut it to the
 chunk that fits a step within the bound beside the decodes, and the cap to the batch whose decode
 step leaves room for a few prefill tokens. How large that chunk is depends on the CPU: about 20
-tokens on an AVX2 box (6.7 ms a prefill token, cpu-smollm2), about 150 on one with AVX-512 (1.2 ms,
-cpu-smollm2-avx512), where the fit moves off its seed as the engine's steps come in; either way it
+tokens on an AVX2 box (6.7 ms a prefill token), about 150 on one with AVX-512 (1.2 ms); either way it
 is well below the long prompt, which is then prefilled in chunks. Figures only, no timing asserted:
 the loop's reasons carry the predicted steps.
 """
@@ -38,7 +37,7 @@ step would miss the 225 ms the budget is planned to, so the budget must come bel
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def daemon(tmp_path_factory: pytest.TempPathFactory, smollm2_model: Path) -> AsyncIterator[Daemon]:
     shipped = shipped_config()
-    assert shipped["control"]["policy"] == "slo" and shipped["control"]["cost_profile"] == "cpu-smollm2"
+    assert shipped["control"]["policy"] == "slo" and "cost_profile" not in shipped["control"]
     path = write_config(
         tmp_path_factory.mktemp("steer") / "config.toml",
         # float32 on every box (config.toml's dtype resolves to bf16 on a CPU with native bf16): the
@@ -46,7 +45,7 @@ async def daemon(tmp_path_factory: pytest.TempPathFactory, smollm2_model: Path) 
         engine={**shipped["engine"], "model": str(smollm2_model), "dtype": "float32"},
         admission=shipped["admission"],
         slo=shipped["slo"],
-        control=shipped["control"],
+        control=shipped["control"],  # no cost_profile: the fit starts from the warm-up
     )
     async with running_daemon(path) as d:
         yield d
