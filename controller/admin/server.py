@@ -21,6 +21,9 @@ StateFn = Callable[[], dict[str, Any]]
 HealthFn = Callable[[], tuple[bool, str]]
 ReloadFn = Callable[[], Awaitable[dict[str, Any]]]
 
+RELOAD_RETRY_AFTER_S = 5
+"""Retry-After of a /reload refused while the daemon starts or drains (503)."""
+
 STATE: web.AppKey[StateFn] = web.AppKey("state")
 HEALTH: web.AppKey[HealthFn] = web.AppKey("health")
 RELOAD: web.AppKey[ReloadFn] = web.AppKey("reload")
@@ -65,6 +68,8 @@ async def reload(request: web.Request) -> web.Response:
     if not _authorized(request):
         return _unauthorized()
     result = await request.app[RELOAD]()
+    if result.get("unavailable"):  # the daemon starts or drains: not the file's fault, retry later
+        return web.json_response(result, status=503, headers={"Retry-After": str(RELOAD_RETRY_AFTER_S)})
     return web.json_response(result, status=200 if result["ok"] else 400)
 
 

@@ -114,6 +114,7 @@ class Daemon:
 
     async def startup(self) -> None:
         p, server = self.parts, self.config.server
+        p.starting = True  # until the engine serves, a reload is refused (reload.py)
         if self._install_signals:
             self._install_signal_handlers()
         await self._start_admin()
@@ -122,6 +123,7 @@ class Daemon:
         await p.loop.tick()  # the policy's initial values apply before the first request
         await self._start_data_plane()
         self._start_background()
+        p.starting = False
         p.notifier.ready(f"serving on {server.host}:{server.port}")
         log.info("serving", host=server.host, port=server.port)
 

@@ -69,6 +69,8 @@ class Parts:
     tasks: BackgroundTasks
     pending_changes: dict[str, list[str]] = field(default_factory=dict)
     """Changed keys per table that wait for a restart (set by the last reload)."""
+    starting: bool = False
+    """The daemon's startup runs (its first engine builds): reloads wait for it to end."""
     draining: bool = False
     server: Any = None
     """The data plane's uvicorn server, once it was started."""

@@ -4,10 +4,16 @@ stays, and the error is logged, counted (``result="error"``) and answered: a fil
 or a plug-in that raises on import is an error of that reload, not of the daemon. systemd hears
 RELOADING=1 / READY=1 around it.
 
+Reloads run one at a time, in the order they came. While the daemon starts (its first engine
+builds) or drains, a reload is refused with a reason (``unavailable``; /reload answers 503): a
+restart then would race the first build or outlive the shutdown.
+
 An engine change (with ``restart_on_reload``) goes through the guard's drain-and-restart in the
-background. One that arrives while a restart or a recovery runs is answered ``deferred`` and applied
-after it (the guard runs one at a time). The config in force follows the engine only when the new
-engine built (the guard reports it, ``Parts.adopt_engine``): a bad value leaves both as they were."""
+background, one restart task for all reloads: it brings the engine to the newest reloaded file's
+[engine], so two quick reloads end on the second's values, and never runs twice at once. One that
+arrives while a restart or a recovery runs is answered ``deferred`` and applied after it (the guard
+runs one at a time). The config in force follows the engine only when the new engine built (the
+guard reports it, ``Parts.adopt_engine``): a bad value leaves both as they were."""
 
 from __future__ import annotations
 
@@ -35,10 +41,16 @@ class Reloader:
     def __init__(self, parts: Parts) -> None:
         self.parts = parts
         self._lock = asyncio.Lock()
+        self._wanted: Config | None = None
+        """The newest reloaded file: the engine restart task brings the engine to its [engine]."""
+        self._restarter: asyncio.Task[None] | None = None
 
     async def reload(self) -> dict[str, Any]:
         """Re-read the config file; apply what can change live. On any error the old config stays."""
         async with self._lock:
+            unavailable = self._unavailable()
+            if unavailable is not None:
+                return unavailable
             self.parts.notifier.reloading()
             try:
                 return await self._reload()
@@ -46,6 +58,21 @@ class Reloader:
                 return self._rejected([f"reload failed: {type(exc).__name__}: {exc}"])
             finally:
                 self.parts.notifier.ready()
+
+    def _unavailable(self) -> dict[str, Any] | None:
+        """The answer to a reload while the daemon starts or drains, else None."""
+        p = self.parts
+        if p.draining:
+            reason, why = "draining", "the daemon is shutting down; the next start reads the file"
+        elif p.starting:
+            reason, why = (
+                "starting",
+                "the daemon is starting (its first engine builds); retry when /healthz is ok",
+            )
+        else:
+            return None
+        log.warning("reload_refused", reason=reason, path=str(p.config.path))
+        return {"ok": False, "unavailable": reason, "errors": [f"reload refused: {why}"]}
 
     def _rejected(self, errors: list[str]) -> dict[str, Any]:
         self.parts.metrics.config_reloads.labels("error").inc()
@@ -102,25 +129,42 @@ class Reloader:
 
     def _maybe_restart_for(self, new: Config, diff: ConfigDiff) -> tuple[dict[str, Any] | None, bool]:
         """With ``restart_on_reload``, [engine] changes go through the guard's drain-and-restart;
-        ``deferred`` when a restart or recovery runs now (this one follows it)."""
+        ``deferred`` when a restart or recovery runs now (this one follows it). The overrides are
+        answered and logged redacted (a changed hf_token is not shown)."""
         p = self.parts
+        queued = self._restarter is not None and not self._restarter.done()
+        if queued:
+            self._wanted = new  # the queued task ends on this file's [engine], whatever it brings
         overrides = engine_overrides(p.config, new, diff) if new.restart_on_reload else None
         if overrides is None:
-            return None, False
-
-        async def restart() -> None:
-            try:
-                await p.guard.restart("config_reload", overrides, drain=True)
-            except Exception as exc:  # the engine and the config in force stay as they were
-                log.error("reload_restart_failed", error=f"{type(exc).__name__}: {exc}", **redact(overrides))
-                return
-            p.pending_changes = {t: k for t, k in p.pending_changes.items() if t != "engine"}
-
+            return None, queued
         deferred = p.guard.restarting
         if deferred:
             log.info("reload_restart_deferred", **redact(overrides))
-        p.tasks.spawn(restart())
-        return redact(overrides), deferred  # answered and logged: a changed hf_token is not shown
+        if not queued:
+            self._wanted = new
+            self._restarter = p.tasks.spawn(self._restart_engine())
+        return redact(overrides), deferred or queued
+
+    async def _restart_engine(self) -> None:
+        """Restart the engine on the newest reloaded [engine] until it runs it (a reload during a
+        restart asks for one more), or until a restart fails (the engine and the config in force
+        stay as they were)."""
+        p = self.parts
+        while (wanted := self._wanted) is not None and wanted.restart_on_reload:
+            overrides = engine_overrides(p.config, wanted, diff_config(p.config, wanted))
+            if not overrides:
+                break
+            try:
+                await p.guard.restart("config_reload", overrides, drain=True)
+            except Exception as exc:
+                log.error("reload_restart_failed", error=f"{type(exc).__name__}: {exc}", **redact(overrides))
+                if self._wanted is wanted:
+                    return
+                continue  # a newer file came meanwhile: try its values
+            p.pending_changes = diff_config(p.config, wanted).pending  # [engine] is in force now
+            if self._wanted is wanted:
+                break
 
     def _apply_live(self, change: LiveChange) -> None:
         """Swap ``change`` in: assignments and the parts' own setters, nothing left to build."""

@@ -3,18 +3,23 @@ first live table changes, so a failure late in the reload leaves the daemon as i
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client import CollectorRegistry
 
+from controller.admin.server import make_admin_app
 from controller.config.load import load_config
 from controller.control.samplers import FakeHostSource
 from controller.lifecycle import parts as parts_module
 from controller.lifecycle.parts import Parts, build_parts
 from controller.lifecycle.reload import Reloader
 from controller.sim.profile import ProfileError
-from tests.helpers import write_config
+from tests.helpers import settle, write_config
 
 
 def parts_for(tmp_path: Path, **tables: dict[str, Any]) -> Parts:
@@ -101,3 +106,177 @@ async def test_a_reload_that_builds_swaps_every_live_table_in(tmp_path: Path) ->
     assert (after["limit"], after["max_queue"], after["aging_s"]) == (5, 9, 2.0)
     assert (after["window_s"], after["history"], after["stall_timeout_s"]) == (3.0, 7, 10.0)
     assert after["cost_prior"] is None and p.config.control.cost_profile == ""
+
+
+# -- one reload at a time, none while the daemon starts or drains ----------------------------------
+
+KV = 64 << 20
+
+
+class FakeEngine:
+    """An ``EngineControl`` whose restarts wait to be released one by one; it counts how many run
+    at once."""
+
+    memory_knob = "kv_cache_memory_bytes"
+    dead = False
+
+    def __init__(self) -> None:
+        self.kv = KV
+        self.restarts: list[dict[str, Any]] = []
+        self.running = self.most_at_once = 0
+        self.release: asyncio.Queue[None] = asyncio.Queue()
+
+    def memory_settings(self) -> dict[str, Any]:
+        return {"kv_cache_memory_bytes": self.kv}
+
+    async def restart(self, overrides: dict[str, Any], build_first: bool = False) -> None:
+        self.running += 1
+        self.most_at_once = max(self.most_at_once, self.running)
+        self.restarts.append(overrides)
+        try:
+            await self.release.get()
+        finally:
+            self.running -= 1
+        self.kv = int(overrides.get("kv_cache_memory_bytes", self.kv))
+
+    async def abort_in_flight(self, reason: str) -> int:
+        return 0
+
+    def mark_failed(self, reason: str) -> None:
+        self.dead = True
+
+
+def with_fake_engine(tmp_path: Path) -> tuple[Parts, FakeEngine]:
+    p = parts_for(tmp_path, engine={"restart_on_reload": True})
+    engine = FakeEngine()
+    p.guard.engine = engine
+    return p, engine
+
+
+def engine_file(p: Parts, kv: int) -> None:
+    rewrite(p, engine={"restart_on_reload": True, "kv_cache_memory_bytes": kv})
+
+
+async def until(predicate: Any) -> None:
+    for _ in range(200):
+        if predicate():
+            return
+        await settle()
+    raise AssertionError("the condition never held")
+
+
+async def test_two_quick_reloads_end_on_the_second_files_engine(tmp_path: Path) -> None:
+    p, engine = with_fake_engine(tmp_path)
+    reloader = Reloader(p)
+    engine_file(p, KV * 2)
+    first = await reloader.reload()
+    assert first["engine_restart"] == {"kv_cache_memory_bytes": KV * 2}
+    await until(lambda: engine.running == 1)
+    engine_file(p, KV)  # back to the value the engine ran before the first reload
+    second = await reloader.reload()
+    assert second["ok"] is True and second["deferred"] is True
+    engine.release.put_nowait(None)
+    await until(lambda: engine.running == 1 and len(engine.restarts) == 2)
+    engine.release.put_nowait(None)
+    await until(lambda: engine.running == 0 and not p.guard.restarting)
+    assert engine.restarts == [{"kv_cache_memory_bytes": KV * 2}, {"kv_cache_memory_bytes": KV}]
+    assert engine.kv == KV and p.config.engine["kv_cache_memory_bytes"] == KV
+    assert "engine" not in p.pending_changes
+
+
+async def test_reloads_during_a_reload_restart_make_one_more_restart_to_the_newest_file(
+    tmp_path: Path,
+) -> None:
+    p, engine = with_fake_engine(tmp_path)
+    reloader = Reloader(p)
+    engine_file(p, KV * 2)
+    assert (await reloader.reload())["ok"] is True
+    await until(lambda: engine.running == 1)
+    for kv in (KV * 3, KV * 4):
+        engine_file(p, kv)
+        answer = await reloader.reload()
+        assert answer["ok"] is True and answer["deferred"] is True
+    engine.release.put_nowait(None)
+    await until(lambda: len(engine.restarts) == 2 and engine.running == 1)
+    engine.release.put_nowait(None)
+    await until(lambda: engine.running == 0 and not p.guard.restarting)
+    assert engine.most_at_once == 1
+    assert engine.restarts == [{"kv_cache_memory_bytes": KV * 2}, {"kv_cache_memory_bytes": KV * 4}]
+    assert engine.kv == KV * 4 and p.config.engine["kv_cache_memory_bytes"] == KV * 4
+
+
+async def test_concurrent_reloads_are_answered_in_order(tmp_path: Path) -> None:
+    p = parts_for(tmp_path, control={"policy": "static"})
+    reloader = Reloader(p)
+    rewrite(p, admission={"limit": 5}, control={"policy": "static"})
+    first = asyncio.create_task(reloader.reload())
+    await settle()
+    rewrite(p, admission={"limit": 7}, control={"policy": "static"})
+    second = asyncio.create_task(reloader.reload())
+    assert (await first)["ok"] and (await second)["ok"]
+    assert p.gate.stats().limit == 7 and p.config.admission.limit == 7
+
+
+@pytest.mark.parametrize("phase", ["starting", "draining"])
+async def test_a_reload_while_the_daemon_starts_or_drains_is_refused_with_the_reason(
+    tmp_path: Path, phase: str
+) -> None:
+    p, engine = with_fake_engine(tmp_path)
+    before = live_tables(p)
+    setattr(p, phase, True)
+    engine_file(p, KV * 2)
+    rewrite(p, admission={"limit": 5}, engine={"restart_on_reload": True, "kv_cache_memory_bytes": KV * 2})
+    result = await Reloader(p).reload()
+    assert result["ok"] is False and result["unavailable"] == phase and result["errors"]
+    await settle()
+    assert live_tables(p) == before and engine.restarts == [] and not p.guard.restarting
+
+
+async def test_the_daemon_refuses_reloads_until_its_startup_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from controller.lifecycle.daemon import Daemon
+
+    d = Daemon(load_config(write_config(tmp_path / "config.toml")), install_signals=False)
+    building = asyncio.Event()
+
+    async def first_build() -> None:
+        building.set()
+        await asyncio.Event().wait()  # the first engine builds until the test ends startup
+
+    async def no_admin() -> None:
+        return None
+
+    monkeypatch.setattr(d.parts.host, "start", first_build)
+    monkeypatch.setattr(d, "_start_admin", no_admin)
+    startup = asyncio.create_task(d.startup())
+    await building.wait()
+    result = await d.reloader.reload()
+    assert result["unavailable"] == "starting"
+    startup.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await startup
+    await d.shutdown()
+    assert (await d.reloader.reload())["unavailable"] == "draining"
+
+
+@pytest.mark.parametrize(
+    ("answer", "status"),
+    [
+        ({"ok": True, "changed": {}}, 200),
+        ({"ok": False, "errors": ["[admission] limit = 0: out of range"]}, 400),
+        ({"ok": False, "unavailable": "starting", "errors": ["reload refused"]}, 503),
+    ],
+)
+async def test_the_reload_endpoint_answers_503_while_the_daemon_starts_or_drains(
+    answer: dict[str, Any], status: int
+) -> None:
+    async def reload_fn() -> dict[str, Any]:
+        return answer
+
+    app = make_admin_app(CollectorRegistry(), dict, lambda: (True, "serving"), reload_fn)
+    async with TestClient(TestServer(app)) as client:
+        response = await client.post("/reload", headers={"Content-Type": "application/json"})
+        assert response.status == status
+        assert await response.json() == answer
+        assert (response.headers.get("Retry-After") is not None) == (status == 503)
