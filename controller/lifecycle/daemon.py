@@ -27,6 +27,7 @@ from controller.engine.frontend.limits import Limits
 from controller.lifecycle.notify import start_watchdog
 from controller.lifecycle.parts import TICK_JOB, build_parts
 from controller.lifecycle.reload import Reloader
+from controller.lifecycle.warm import warm_start
 
 log = structlog.get_logger(__name__)
 
@@ -120,6 +121,12 @@ class Daemon:
         await self._start_admin()
         p.notifier.status("starting the engine")
         await p.host.start()
+        if p.cost is not None:  # the step-cost model starts from this box (warm.py), before serving
+            p.notifier.status("fitting the step-cost model")
+            warm = await warm_start(
+                p.host, p.cost.model, self.config.control.cost_profile, self.config.control.warmup_s
+            )
+            p.cost.warm_start = warm.as_dict()
         await p.loop.tick()  # the policy's initial values apply before the first request
         await self._start_data_plane()
         self._start_background()
