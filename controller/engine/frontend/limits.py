@@ -1,9 +1,12 @@
 """What one client may cost the data plane: the size of its request body and how long a response
 write may wait for it to read.
 
-* ``max_body_bytes``: a body larger than this gets 413 before the app reads it (by its
-  Content-Length, or counted as it arrives when it is sent chunked), so one request cannot make the
-  daemon buffer without bound.
+* ``max_body_bytes``: a body larger than this gets 413: at once when its Content-Length says so;
+  otherwise its bytes are counted as the app reads them, whatever the framing (chunked, any coding
+  list ending in chunked, which httptools decodes as chunked, a Content-Length the bytes exceed), and
+  once the count passes the limit the client is answered 413 (if no answer has started) and the app
+  is told the client left. Nothing is buffered here: vLLM reads the body itself, so one request
+  cannot make the daemon hold more than the limit.
 * ``send_timeout_s``: a write that a client does not take within this long ends the request: the
   connection is closed and vLLM's generator is closed with it (the engine aborts the request). Its
   admission slot came back when the engine finished it (pump.py); this frees the handler and the
@@ -54,61 +57,82 @@ class ClientLimits:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = dict(scope.get("headers", []))
-        length = headers.get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.limits.max_body_bytes:
-            await self._too_large(send, int(length))
+        exchange = _Exchange(receive, send, self.limits, scope.get("path", ""))
+        declared = _declared_length(scope.get("headers", []))
+        if declared is not None and declared > self.limits.max_body_bytes:
+            await exchange.too_large(declared)
             return
-        if length is None and headers.get(b"transfer-encoding", b"").lower() == b"chunked":
-            replay = await self._buffered(receive, send)
-            if replay is None:
-                return
-            receive = replay
-        await self.app(scope, receive, self._timed(send, scope.get("path", "")))
+        try:
+            await self.app(scope, exchange.receive, exchange.send)
+        except Exception as e:
+            if not exchange.answered:
+                raise
+            # The app read a disconnect where its body went on (Starlette raises ClientDisconnect)
+            # after the client had its 413: nothing is left to answer.
+            log.debug("body_cut_app_ended", path=exchange.path, error=type(e).__name__)
 
-    async def _buffered(self, receive: ASGIApp, send: ASGIApp) -> ASGIApp | None:
-        """Read a chunked body up to the limit and replay it; None when it was answered (413) or
-        the client left."""
-        body, more = bytearray(), True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                return None
-            body += message.get("body", b"")
-            if len(body) > self.limits.max_body_bytes:
-                await self._too_large(send, len(body))
-                return None
-            more = bool(message.get("more_body", False))
-        replayed = False
 
-        async def replay() -> dict[str, Any]:
-            nonlocal replayed
-            if replayed:
-                return dict(await receive())  # later calls wait for the disconnect, as before
-            replayed = True
-            return {"type": "http.request", "body": bytes(body), "more_body": False}
+def _declared_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+    """The Content-Length when it frames the body (no Transfer-Encoding beside it), else None."""
+    fields = {name.lower(): value for name, value in headers}
+    length = fields.get(b"content-length")
+    if b"transfer-encoding" in fields or length is None or not length.isdigit():
+        return None
+    return int(length)
 
-        return replay
 
-    def _timed(self, send: ASGIApp, path: str) -> ASGIApp:
+class _Exchange:
+    """One request seen through the limits: the body bytes the app has read so far, whether an
+    answer has started (the app's or ours), and every write bounded by the send timeout."""
+
+    def __init__(self, receive: ASGIApp, send: ASGIApp, limits: Limits, path: str) -> None:
+        self._receive, self._send, self.limits, self.path = receive, send, limits, path
+        self.counted = 0
+        self.started = False
+        self.cut = False
+        """Past the limit: the app's reads see a disconnect from now on."""
+        self.answered = False
+        """Our 413 went out: the app's own answer is dropped."""
+
+    async def receive(self) -> dict[str, Any]:
+        if self.cut:
+            return {"type": "http.disconnect"}
+        message: dict[str, Any] = await self._receive()
+        if message["type"] == "http.request":
+            self.counted += len(message.get("body", b""))
+            if self.counted > self.limits.max_body_bytes:
+                self.cut = True
+                if not self.started:
+                    await self.too_large(self.counted)
+                return {"type": "http.disconnect"}
+        return message
+
+    async def send(self, message: dict[str, Any]) -> None:
+        if self.answered:
+            return
+        if message["type"] == "http.response.start":
+            self.started = True
+        await self._timed_send(message)
+
+    async def _timed_send(self, message: dict[str, Any]) -> None:
         timeout = self.limits.send_timeout_s
+        try:
+            async with asyncio.timeout(timeout):
+                await self._send(message)
+        except TimeoutError:
+            log.warning("client_send_stalled", path=self.path, send_timeout_s=timeout)
+            raise SendStalled(f"the client read nothing for {timeout:g}s (send_timeout_s)") from None
 
-        async def timed_send(message: dict[str, Any]) -> None:
-            try:
-                async with asyncio.timeout(timeout):
-                    await send(message)
-            except TimeoutError:
-                log.warning("client_send_stalled", path=path, send_timeout_s=timeout)
-                raise SendStalled(f"the client read nothing for {timeout:g}s (send_timeout_s)") from None
-
-        return timed_send
-
-    async def _too_large(self, send: ASGIApp, size: int) -> None:
+    async def too_large(self, size: int) -> None:
+        """413 in vLLM's error shape; ``size`` is the declared length or the bytes counted so far."""
         limit = self.limits.max_body_bytes
-        message = f"request body of {size} bytes exceeds max_body_bytes = {limit}"
+        log.info("request_body_too_large", reason="max_body_bytes", path=self.path, bytes=size, limit=limit)
+        message = f"request body of {size} bytes or more exceeds max_body_bytes = {limit}"
         body = json.dumps(
             {"error": {"message": message, "type": "RequestEntityTooLarge", "param": None, "code": 413}}
         ).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        await send({"type": "http.response.start", "status": 413, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        self.started = True
+        await self._timed_send({"type": "http.response.start", "status": 413, "headers": headers})
+        await self._timed_send({"type": "http.response.body", "body": body})
+        self.answered = True
