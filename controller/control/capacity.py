@@ -48,8 +48,9 @@ batch that the SLO and the memory allow::
 
 Never a made-up number: without ``[slo]``, a ready fit, ``min_finished`` requests finished in the
 window or two ticks of arrivals, the figure is None (the gauge has no sample) and ``reason`` says why.
-Nothing offered reads saturation 0 (exact, capacity or not); a capacity of 0 (not one sequence's mean
-step fits the bound) leaves saturation None, as any load over it would be infinite.
+Nothing offered reads saturation 0 (exact, capacity or not), from the first tick when no request has
+reached the gate since the meter started; a capacity of 0 (not one sequence's mean step fits the
+bound) leaves saturation None, as any load over it would be infinite.
 """
 
 from __future__ import annotations
@@ -115,7 +116,8 @@ class Capacity:
     capacity_rps: float | None
     """Good requests per second this replica can serve at the current mix; None: see reason."""
     offered_rps: float | None
-    """Requests arriving at the gate per second over the window; None before two ticks."""
+    """Requests arriving at the gate per second over the window; 0 while none has arrived since the
+    meter started; else None before two ticks."""
     reason: str
     """"ok", or why a figure is None ("cost model: 12 samples < 50", "no [slo] table", ...)."""
     batch: int | None = None
@@ -145,6 +147,11 @@ class GateTotals(Protocol):
     def stats(self) -> GateStats: ...
 
 
+def arrived(g: GateStats) -> int:
+    """Requests that have reached the gate so far: admitted, refused, timed out, still queued."""
+    return g.admitted_total + g.rejected_total + g.timed_out_total + g.queued + g.pending
+
+
 def tpot_share_of(policy: Policy) -> float:
     """Of the TPOT bound, what the policy lets a mean step take: the slo policy's ``mean_margin``;
     1.0 for a policy without one."""
@@ -170,6 +177,8 @@ class CapacityMeter:
         self.tpot_share = 1.0
         self._arrivals: deque[tuple[float, int]] = deque()
         """(tick time, arrivals so far) over the window."""
+        self._arrivals_at_start = arrived(gate.stats())
+        """The gate's arrivals when the meter started: none since reads offered 0 from the first tick."""
         self.last = Capacity(None, None, None, "not started")
 
     def configure(self, slo: SloTargets | None, policy: Policy) -> None:
@@ -191,6 +200,8 @@ class CapacityMeter:
 
     def measure(self, obs: Observation) -> Capacity:
         offered = self._offered_rps(obs.now_mono)
+        if offered is None and arrived(self.gate.stats()) == self._arrivals_at_start:
+            offered = 0.0  # no rate yet (one tick), but nothing has arrived since the start: idle
         mix = self.window.finished_mix()
         cost, slo = obs.cost, self.slo
         figures: dict[str, Any] = {"offered_rps": offered, "finished": mix.finished}

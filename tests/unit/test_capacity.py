@@ -133,6 +133,7 @@ def test_too_few_samples_leave_the_gauges_without_a_sample() -> None:
     clock = FakeClock(100.0)
     meter, gate, window = _meter(clock)
     registry = _gauges(meter, gate)
+    gate.arrive(2)  # requests before the first tick: no rate until a second tick spans them
     meter.on_tick(obs(now_mono=clock(), cost=COST), [])
     assert meter.last.reason == "offered rate: one tick so far"
     unready = dataclasses.replace(COST, ready=False, reason="cost model: 12 samples < 50", samples=12)
