@@ -4,11 +4,23 @@ The gauges need no refresh here: the registry holds a Collector that reads the l
 each scrape (``controller.admin.metrics.LiveGauges``). An optional bearer token (``[admin] token``)
 guards /state and /reload; /metrics and /healthz stay open for scrapers and probes, and so does the
 status page (``controller.admin.page``: a static file, its data fetched from /state with the token).
+
+Without a token (on loopback only: ``config/load.py`` refuses it elsewhere) a web page the operator
+visits must not drive the control plane, so:
+
+* every request's ``Host`` must be an IP address, ``localhost``, this machine's name or ``[admin]
+  host``; anything else is answered 421 (DNS rebinding: a name of the attacker's that resolves to
+  127.0.0.1 would otherwise let its page read /state);
+* ``POST /reload`` needs ``Content-Type: application/json`` or an ``X-Autopilot-Reload`` header, which
+  a cross-site HTML form cannot send (and a cross-site script cannot without a CORS preflight, which
+  this server never grants); else 415.
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
+import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -28,6 +40,7 @@ STATE: web.AppKey[StateFn] = web.AppKey("state")
 HEALTH: web.AppKey[HealthFn] = web.AppKey("health")
 RELOAD: web.AppKey[ReloadFn] = web.AppKey("reload")
 TOKEN: web.AppKey[str] = web.AppKey("token")
+HOSTS: web.AppKey[frozenset[str]] = web.AppKey("hosts")
 OUR_REGISTRY: web.AppKey[CollectorRegistry] = web.AppKey("registry")
 VLLM_REGISTRY: web.AppKey[CollectorRegistry] = web.AppKey("vllm_registry")
 
@@ -38,6 +51,55 @@ def _authorized(request: web.Request) -> bool:
         return True
     given = request.headers.get("Authorization", "")
     return hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
+
+
+RELOAD_HEADER = "X-Autopilot-Reload"
+"""A header a client may send on ``POST /reload`` instead of a JSON content type."""
+
+
+def host_names(admin_host: str) -> frozenset[str]:
+    """The names (besides IP addresses) a request's ``Host`` may carry: localhost, this machine's
+    name and the configured ``[admin] host``."""
+    names = {"localhost", admin_host, socket.gethostname(), socket.getfqdn()}
+    return frozenset(n.lower().rstrip(".") for n in names if n)
+
+
+def _host_of(header: str) -> str:
+    """The host of a ``Host`` header, without its port (``[::1]:9400`` -> ``::1``)."""
+    if header.startswith("["):
+        return header[1 : header.find("]")]
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+def _host_allowed(header: str | None, names: frozenset[str]) -> bool:
+    if header is None:  # HTTP/1.0 without Host: no browser sends that
+        return True
+    host = _host_of(header.strip()).lower().rstrip(".")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return host in names
+    return True
+
+
+@web.middleware
+async def check_host(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    header, names = request.headers.get("Host"), request.app[HOSTS]
+    if _host_allowed(header, names):
+        return await handler(request)
+    message = (
+        f"Host {header!r} is not a name of this control plane; use an IP address or one of: "
+        f"{', '.join(sorted(names))} "
+        "(other names are refused: a page could reach this server through them by DNS rebinding)"
+    )
+    return web.json_response({"error": message}, status=421)
+
+
+def _reload_asked_for(request: web.Request) -> bool:
+    """A JSON content type or the reload header: what a cross-site form cannot send."""
+    return request.content_type == "application/json" or RELOAD_HEADER in request.headers
 
 
 def _unauthorized() -> web.Response:
@@ -67,6 +129,13 @@ async def healthz(request: web.Request) -> web.Response:
 async def reload(request: web.Request) -> web.Response:
     if not _authorized(request):
         return _unauthorized()
+    if not _reload_asked_for(request):
+        message = (
+            f"POST /reload needs 'Content-Type: application/json' or an '{RELOAD_HEADER}: 1' header "
+            "(which a cross-site form cannot send): curl -X POST -H 'Content-Type: application/json' "
+            "http://127.0.0.1:9400/reload"
+        )
+        return web.json_response({"error": message}, status=415)
     result = await request.app[RELOAD]()
     if result.get("unavailable"):  # the daemon starts or drains: not the file's fault, retry later
         return web.json_response(result, status=503, headers={"Retry-After": str(RELOAD_RETRY_AFTER_S)})
@@ -80,10 +149,13 @@ def make_admin_app(
     reload_fn: ReloadFn,
     token: str = "",
     vllm_registry: CollectorRegistry = REGISTRY,
+    host: str = "127.0.0.1",
 ) -> web.Application:
     """`vllm_registry` is where vLLM's stat logger registers its vllm:* metrics (prometheus_client's
-    process-wide default); /metrics serves it after ours."""
-    app = web.Application()
+    process-wide default); /metrics serves it after ours. `host` is ``[admin] host``: a name the
+    ``Host`` header may carry."""
+    app = web.Application(middlewares=[check_host])
+    app[HOSTS] = host_names(host)
     app[OUR_REGISTRY] = registry
     app[VLLM_REGISTRY] = vllm_registry
     app[STATE] = state_fn

@@ -91,7 +91,8 @@ def reconfigure(server: Launched, spec: ServerSpec, base: dict[str, Any], timeou
     )
     server.config_path.write_text(to_toml(daemon_config(base, spec, data_port, admin_port)))
     admin = server.state_url.rsplit("/", 1)[0]
-    request = urllib.request.Request(f"{admin}/reload", method="POST", data=b"")
+    json_body = {"Content-Type": "application/json"}  # the control plane refuses a reload without it
+    request = urllib.request.Request(f"{admin}/reload", method="POST", data=b"{}", headers=json_body)
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as resp:
             answer = json.loads(resp.read() or b"{}")

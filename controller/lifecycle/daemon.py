@@ -81,9 +81,8 @@ class Daemon:
     # -- startup ------------------------------------------------------------------------------------
     async def _start_admin(self) -> None:
         p, admin = self.parts, self.config.admin
-        app = make_admin_app(
-            p.registry, lambda: status.state(p), lambda: status.health(p), self.reloader.reload, admin.token
-        )
+        state, health = lambda: status.state(p), lambda: status.health(p)
+        app = make_admin_app(p.registry, state, health, self.reloader.reload, admin.token, host=admin.host)
         self._admin = await start_admin(app, admin.host, admin.port)
         log.info("control_plane_listening", host=admin.host, port=admin.port)
 

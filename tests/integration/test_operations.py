@@ -104,7 +104,7 @@ async def test_sighup_applies_new_limit_under_load_and_keeps_old_on_error(daemon
 
 
 async def test_post_reload_reports_errors(daemon_proc: Proc) -> None:
-    async with http_session() as s, s.post(daemon_proc.admin + "/reload") as r:
+    async with http_session() as s, s.post(daemon_proc.admin + "/reload", json={}) as r:
         body = await r.json()
     assert r.status == 400 and not body["ok"]
     assert any("oops" in e for e in body["errors"]), body
@@ -115,7 +115,7 @@ async def test_engine_change_waits_then_restarts_with_restart_on_reload(daemon_p
     ports = (int(proc.base.rsplit(":", 1)[1]), int(proc.admin.rsplit(":", 1)[1]))
     async with http_session() as s:
         _config(proc.path, ports, limit=6, kv_cache_memory_bytes=48 << 20)
-        async with s.post(proc.admin + "/reload") as r:
+        async with s.post(proc.admin + "/reload", json={}) as r:
             body = await r.json()
         assert body["pending"] == {"engine": ["kv_cache_memory_bytes"]} and body["engine_restart"] is None
         assert await _metric(s, proc, 'autopilot_config_reloads_total{result="pending_engine_restart"}') == 1
@@ -154,7 +154,7 @@ async def test_a_bad_engine_value_by_reload_keeps_the_working_engine_serving(dae
     ports = (int(proc.base.rsplit(":", 1)[1]), int(proc.admin.rsplit(":", 1)[1]))
     async with http_session() as s:
         _config(proc.path, ports, limit=6, kv_cache_memory_bytes=1 << 18, restart_on_reload=True)
-        async with s.post(proc.admin + "/reload") as r:
+        async with s.post(proc.admin + "/reload", json={}) as r:
             body = await r.json()
         assert body["ok"] and body["engine_restart"] == {"kv_cache_memory_bytes": 1 << 18}, body
         t0 = time.monotonic()
@@ -172,7 +172,7 @@ async def test_a_bad_engine_value_by_reload_keeps_the_working_engine_serving(dae
         async with s.get(proc.admin + "/healthz") as h:
             health_status = h.status
         _config(proc.path, ports, limit=6, kv_cache_memory_bytes=48 << 20, restart_on_reload=True)
-        async with s.post(proc.admin + "/reload") as r:
+        async with s.post(proc.admin + "/reload", json={}) as r:
             back = await r.json()
     assert served["status"] == 200 and served["tokens"] == 16, served
     assert health_status == 200
