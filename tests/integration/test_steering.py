@@ -93,4 +93,4 @@ async def test_the_loop_sizes_budget_and_cap_to_the_tpot_bound(daemon: Daemon) -
     assert int(match[2]) <= 225 + 10  # planned to the bound (rounded to a token of prefill)
     assert re.search(r"cap \d+: (decode step with \d+ prefill tokens \d+ ms <= 225 ms|KV)", reason), reason
     cost = daemon.parts.cost.current()
-    assert cost.ready and cost.seed == "cpu-smollm2" and cost.samples > 50
+    assert cost.ready and cost.seed.startswith(("warm-up: ", "state file ")) and cost.samples > 50
