@@ -17,6 +17,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from controller.control.capacity import Capacity
 from controller.control.loop import Change
 from controller.control.observe import GateReadings
+from controller.control.outcomes import OutcomeLedger, refusal_outcome
 from policies.base import Observation, Policy
 from policies.cost import CostEstimate
 
@@ -209,6 +210,18 @@ class Metrics:
             ["reason"],
             registry=registry,
         )
+        self.requests_by_outcome = Counter(
+            "autopilot_requests_by_outcome",
+            "Requests ended, by priority class and outcome: good (within the class's [slo] TTFT and "
+            "TPOT; without [slo] every served request), ttft_missed, tpot_missed, refused (429) and "
+            "failed (503, or an engine error). TTFT counts the time before the engine (front end and "
+            "queue wait) too.",
+            ["priority_class", "outcome"],
+            registry=registry,
+        )
+        self.outcomes = OutcomeLedger(self.count_outcome)
+        """Each request's outcome (``controller/control/outcomes.py``): fed by the gate's refusals
+        (``GateMetrics``) and vLLM's finished requests; its window's goodput is /state's."""
         self.restart_duration = Histogram(
             "autopilot_engine_restart_duration_seconds",
             "Drain start to the new engine serving.",
@@ -220,6 +233,9 @@ class Metrics:
         """The guard's callback after each engine restart."""
         self.engine_restarts.labels(reason).inc()
         self.restart_duration.observe(duration_s)
+
+    def count_outcome(self, cls: str, outcome: str) -> None:
+        self.requests_by_outcome.labels(cls, outcome).inc()
 
     def count_decisions(self, _obs: Observation, changes: list[Change]) -> None:
         """A loop subscriber: one count per knob change, by knob and reason."""
@@ -245,6 +261,8 @@ class GateMetrics:
 
     def rejected(self, cls: str, reason: str) -> None:
         self.m.rejected.labels(reason, cls).inc()
+        self.m.outcomes.ended(cls, refusal_outcome(reason))
 
     def timed_out(self, cls: str, wait_s: float) -> None:
         self.m.queue_timeouts.labels(cls).inc()
+        self.m.outcomes.ended(cls, "refused")

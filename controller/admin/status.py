@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any, Protocol
 
+from controller.admin.metrics import Metrics
 from controller.admission.gate import AdmissionGate
 from controller.config.load import Config, describe
 from controller.config.slo import describe_slo
@@ -49,6 +50,8 @@ class StatusParts(Protocol):
     def cost(self) -> CostReader | None: ...
     @property
     def capacity(self) -> CapacityMeter | None: ...
+    @property
+    def metrics(self) -> Metrics: ...
 
 
 def health(d: StatusParts) -> tuple[bool, str]:
@@ -109,6 +112,7 @@ def state(d: StatusParts) -> dict[str, Any]:
         "slo": describe_slo(d.config.slo, d.config.admission.classes),
         "cost_model": {**d.cost.current().as_dict(), "warm_start": d.cost.warm_start} if d.cost else None,
         "capacity": d.capacity.last.as_dict() if d.capacity is not None else None,
+        "outcomes": d.metrics.outcomes.state(),
         "config": describe(d.config),
         "pending_config_changes": d.pending_changes,
     }

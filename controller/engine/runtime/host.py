@@ -33,7 +33,7 @@ from controller.engine.runtime.builds import build_in_thread
 from controller.engine.runtime.dtype import dtype_settings
 from controller.engine.runtime.ipc import plugin_problem, set_poll_sleep
 from controller.engine.runtime.scheduler import UTILITY_BUDGET, UTILITY_DRAIN, UTILITY_SET, scheduler_path
-from controller.engine.runtime.stats import stat_logger_factory
+from controller.engine.runtime.stats import OutcomeSink, stat_logger_factory
 
 log = structlog.get_logger(__name__)
 
@@ -103,6 +103,9 @@ class EngineHost:
         """Keys of requests aborted by a restart, with the reason their client is told."""
         self.on_new_engine: Callable[[], Awaitable[None]] | None = None
         """Called after a swap, before requests resume (the app rebuilds its serving state)."""
+        self.outcomes: OutcomeSink | None = None
+        """Where each finished request's figures go (``control/outcomes.OutcomeLedger``), from the
+        next engine built on."""
 
     @property
     def llm(self) -> AsyncLLM:
@@ -133,7 +136,8 @@ class EngineHost:
         set_poll_sleep(self.poll_sleep_s)  # the EngineCore and its workers inherit the environment
         if self.poll_sleep_s and (problem := plugin_problem()):
             log.warning("engine_poll_sleep_ignored", reason=problem)
-        return AsyncLLM.from_engine_args(eargs, stat_loggers=[stat_logger_factory(self._window)])
+        stat_logger = stat_logger_factory(self._window, self.outcomes)
+        return AsyncLLM.from_engine_args(eargs, stat_loggers=[stat_logger])
 
     async def start(self) -> None:
         """Build the engine in a worker thread (~13 s on the CPU) so the event loop keeps serving."""

@@ -1,24 +1,51 @@
-"""vLLM stat logger -> our TelemetryWindow.
+"""vLLM stat logger -> our TelemetryWindow, and each finished request's figures -> its outcome.
 
 vLLM calls ``record`` on the event loop once per engine step that produced output. The
 ``SchedulerStats``/``IterationStats`` classes are not a stable vLLM interface, so they are read here
 and nowhere else.
+
+A finished request's figures (``IterationStats.finished_requests``) go to an ``OutcomeSink``
+(``controller/control/outcomes.OutcomeLedger``): the engine's TTFT, ``e2e_latency - decode_time``
+(from the request's arrival in the engine client to its first token: vLLM's ``first_token_latency``,
+which the finished stats do not carry), its mean time per output token (None below two tokens), and
+whether it ended in an error or an abort. The ledger adds the time before the engine.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from vllm.config import VllmConfig
+from vllm.v1.engine import FinishReason
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from controller.control.telemetry import StepSample, TelemetryWindow
 
 
+class OutcomeSink(Protocol):
+    """``controller/control/outcomes.OutcomeLedger``: the governed client tells it each request that
+    enters the engine (``started``), this logger each one that finished (``served``)."""
+
+    def started(self, request_id: str, cls: str, before_engine_s: float, n: int = 1) -> None: ...
+
+    def served(
+        self, request_id: str, engine_ttft_s: float, tpot_s: float | None, error: bool = False
+    ) -> str | None: ...
+
+
+def report_finished(sink: OutcomeSink, done: list[Any]) -> None:
+    """Each of vLLM's ``FinishedRequestStats`` in ``done`` to ``sink`` (module docstring)."""
+    for r in done:
+        tpot = r.mean_time_per_output_token if r.num_generation_tokens >= 2 else None
+        error = r.finish_reason in (FinishReason.ERROR, FinishReason.ABORT)
+        sink.served(str(r.request_id), max(0.0, r.e2e_latency - r.decode_time), tpot, error)
+
+
 class _WindowLogger(StatLoggerBase):
-    def __init__(self, window: TelemetryWindow) -> None:
+    def __init__(self, window: TelemetryWindow, outcomes: OutcomeSink | None = None) -> None:
         self.window = window
+        self.outcomes = outcomes
 
     def record(
         self,
@@ -46,15 +73,19 @@ class _WindowLogger(StatLoggerBase):
                 finished_output_tokens=sum(r.num_generation_tokens for r in done),
             )
         )
+        if self.outcomes is not None:
+            report_finished(self.outcomes, done)
 
     def log_engine_initialized(self) -> None:
         pass
 
 
-def stat_logger_factory(window: TelemetryWindow) -> Callable[[VllmConfig, int], StatLoggerBase]:
+def stat_logger_factory(
+    window: TelemetryWindow, outcomes: OutcomeSink | None = None
+) -> Callable[[VllmConfig, int], StatLoggerBase]:
     """A per-engine stat-logger factory, as ``AsyncLLM(stat_loggers=[...])`` takes."""
 
     def factory(vllm_config: VllmConfig, engine_index: int = 0) -> StatLoggerBase:
-        return _WindowLogger(window)
+        return _WindowLogger(window, outcomes)
 
     return factory

@@ -1,0 +1,135 @@
+"""How each request ended, against its class's SLO: counted live per class, and the window's goodput.
+
+Outcomes: ``good`` (served within its class's ``[slo]`` TTFT and TPOT bounds), ``ttft_missed`` (served,
+its first token later than the TTFT bound; checked first), ``tpot_missed`` (served, first token in
+time, mean time per output token over the bound), ``refused`` (429: a full queue, an expected wait
+past the deadline, shed, or the queue deadline passed) and ``failed`` (503: shutting down, no engine
+able to serve, a restart wait spent; or the engine ended it with an error or an abort). The
+definition of good is ``bench/records.meets_slo``'s: a request with fewer than two output tokens has no
+TPOT and passes that part; without ``[slo]`` a served request is good (there is no bound to miss).
+
+The TTFT a request is judged by is the client's: its time before the engine (from its arrival at the
+server to its slot: the front end and the gate's queue wait, which the governed client knows and
+tells ``started``) plus the engine's own TTFT (vLLM's, from the request's arrival in the engine client,
+just after the slot, to its first token: ``e2e_latency - decode_time`` of vLLM's finished-request
+stats). TPOT is vLLM's ``mean_time_per_output_token`` (decode time over the tokens after the first).
+
+The served outcomes come from vLLM's stat logger (``engine/runtime/stats.py``), keyed by vLLM's
+request id; a request the ledger was not told about (``started``) is counted in ``unmatched`` only,
+never under a made-up class. Refusals come from the gate's events (``admin/metrics.GateMetrics``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from controller.clock import Clock, monotonic
+from policies.slo import SloBound, SloTargets
+
+OUTCOMES = ("good", "ttft_missed", "tpot_missed", "refused", "failed")
+FAILED_REFUSALS = frozenset({"shutting_down", "engine_unavailable", "restart_wait"})
+"""The gate's refusal reasons that answer 503 (the server could not serve); the others are 429s."""
+MAX_STARTED = 65_536
+"""Requests remembered between ``started`` and their end; past it the oldest are forgotten (a request
+vLLM never reports finished must not grow the ledger without bound)."""
+
+
+def refusal_outcome(reason: str) -> str:
+    """``failed`` for a refusal the server could not avoid (a 503), else ``refused`` (a 429)."""
+    return "failed" if reason in FAILED_REFUSALS else "refused"
+
+
+def served_outcome(ttft_s: float, tpot_s: float | None, bound: SloBound | None) -> str:
+    """A served request's outcome against ``bound`` (None: no ``[slo]``, always good)."""
+    if bound is None:
+        return "good"
+    if ttft_s > bound.ttft_s:
+        return "ttft_missed"
+    if tpot_s is not None and tpot_s > bound.tpot_s:
+        return "tpot_missed"
+    return "good"
+
+
+@dataclass
+class _Started:
+    cls: str
+    before_engine_s: float
+    left: int
+    """Ends still expected (a request with ``n`` sequences ends ``n`` times in vLLM's stats)."""
+
+
+class OutcomeLedger:
+    """Counts each request's outcome (``count(cls, outcome)``: the metric) and keeps the window's."""
+
+    def __init__(self, count: Callable[[str, str], None], window_s: float = 60.0, clock: Clock = monotonic):
+        self._count, self.window_s, self._clock = count, window_s, clock
+        self.slo: SloTargets | None = None
+        self._started: dict[str, _Started] = {}
+        self._ended: deque[tuple[float, str, str]] = deque()
+        """(time, class, outcome) of each request ended inside the window."""
+        self.unmatched = 0
+        """Served requests vLLM reported that no ``started`` named (not counted by class)."""
+
+    def configure(self, slo: SloTargets | None) -> None:
+        """``[slo]`` in force (at build and on every reload)."""
+        self.slo = slo
+
+    def started(self, request_id: str, cls: str, before_engine_s: float, n: int = 1) -> None:
+        """A request of class ``cls`` enters the engine as vLLM's ``request_id``, ``before_engine_s``
+        after it reached the server, with ``n`` sequences."""
+        self._started.pop(request_id, None)  # a reused id: the latest attempt is the one that ends
+        self._started[request_id] = _Started(cls, max(0.0, before_engine_s), max(1, n))
+        while len(self._started) > MAX_STARTED:
+            self._started.pop(next(iter(self._started)))
+
+    def served(
+        self, request_id: str, engine_ttft_s: float, tpot_s: float | None, error: bool = False
+    ) -> str | None:
+        """vLLM reported ``request_id`` finished: its outcome, counted; None when not ``started``."""
+        entry = self._started.get(request_id)
+        if entry is None:
+            self.unmatched += 1
+            return None
+        entry.left -= 1
+        if entry.left <= 0:
+            del self._started[request_id]
+        if error:
+            outcome = "failed"
+        else:
+            bound = self.slo.for_class(entry.cls) if self.slo is not None else None
+            outcome = served_outcome(entry.before_engine_s + engine_ttft_s, tpot_s, bound)
+        self.ended(entry.cls, outcome)
+        return outcome
+
+    def ended(self, cls: str, outcome: str) -> None:
+        """Count one request of ``cls`` that ended with ``outcome`` (one of ``OUTCOMES``)."""
+        self._count(cls, outcome)
+        now = self._clock()
+        self._ended.append((now, cls, outcome))
+        self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        while self._ended and self._ended[0][0] <= now - self.window_s:
+            self._ended.popleft()
+
+    def state(self) -> dict[str, Any]:
+        """/state's ``outcomes``: over the last ``window_s``, good requests per second (goodput), the
+        share of the requests that ended that were good (SLO attainment), and the counts by class."""
+        now = self._clock()
+        self._trim(now)
+        by_class: dict[str, dict[str, int]] = {}
+        for _, cls, outcome in self._ended:
+            counts = by_class.setdefault(cls, dict.fromkeys(OUTCOMES, 0))
+            counts[outcome] += 1
+        good = sum(c["good"] for c in by_class.values())
+        ended = len(self._ended)
+        return {
+            "window_s": self.window_s,
+            "goodput_rps": good / self.window_s,
+            "attainment": good / ended if ended else None,
+            "by_class": by_class,
+            "unmatched": self.unmatched,
+        }

@@ -1,0 +1,166 @@
+"""Each request's outcome against its class's SLO (controller/control/outcomes.py): good, ttft_missed,
+tpot_missed from vLLM's finished-request figures plus the time before the engine; refused and failed
+from the gate's refusals; counted in ``autopilot_requests_by_outcome_total`` and the window's goodput,
+on a fake clock."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from controller.admin.metrics import GateMetrics, Metrics
+from controller.clock import FakeClock
+from controller.control.outcomes import OutcomeLedger, refusal_outcome, served_outcome
+from controller.control.telemetry import TelemetryWindow
+from policies.slo import SloBound, SloTargets
+from tests.helpers import write_config
+
+BOUND = SloBound(ttft_s=2.0, tpot_s=0.1)
+SLO = SloTargets(BOUND, (("interactive", SloBound(1.0, 0.05)), ("batch", BOUND)))
+
+
+@pytest.mark.parametrize(
+    ("ttft_s", "tpot_s", "outcome"),
+    [(2.0, 0.1, "good"), (1.0, None, "good"), (2.01, 0.05, "ttft_missed"), (2.5, 0.5, "ttft_missed"),
+     (0.5, 0.11, "tpot_missed")],
+)  # fmt: skip
+def test_a_served_request_is_judged_by_ttft_first_then_tpot(
+    ttft_s: float, tpot_s: float | None, outcome: str
+) -> None:
+    assert served_outcome(ttft_s, tpot_s, BOUND) == outcome
+
+
+def test_without_slo_every_served_request_is_good() -> None:
+    assert served_outcome(100.0, 10.0, None) == "good"
+
+
+@pytest.mark.parametrize(
+    ("reason", "outcome"),
+    [("queue_full", "refused"), ("expected_wait", "refused"), ("shed", "refused"),
+     ("shutting_down", "failed"), ("engine_unavailable", "failed"), ("restart_wait", "failed")],
+)  # fmt: skip
+def test_a_429_is_refused_and_a_503_failed(reason: str, outcome: str) -> None:
+    assert refusal_outcome(reason) == outcome
+
+
+def _ledger(clock: FakeClock) -> tuple[OutcomeLedger, list[tuple[str, str]]]:
+    counted: list[tuple[str, str]] = []
+    ledger = OutcomeLedger(lambda cls, outcome: counted.append((cls, outcome)), window_s=10.0, clock=clock)
+    ledger.configure(SLO)
+    return ledger, counted
+
+
+def test_the_time_before_the_engine_counts_toward_the_ttft() -> None:
+    """interactive's bound is 1 s: 0.3 s in the engine is good alone, missed after 0.8 s queued."""
+    ledger, counted = _ledger(FakeClock())
+    ledger.started("a", "interactive", before_engine_s=0.1)
+    ledger.started("b", "interactive", before_engine_s=0.8)
+    ledger.started("c", "batch", before_engine_s=0.8)  # batch's bound is 2 s
+    assert ledger.served("a", engine_ttft_s=0.3, tpot_s=0.04) == "good"
+    assert ledger.served("b", engine_ttft_s=0.3, tpot_s=0.04) == "ttft_missed"
+    assert ledger.served("c", engine_ttft_s=0.3, tpot_s=0.06) == "good"
+    assert counted == [("interactive", "good"), ("interactive", "ttft_missed"), ("batch", "good")]
+
+
+def test_each_of_n_sequences_ends_once_and_an_error_is_failed() -> None:
+    ledger, counted = _ledger(FakeClock())
+    ledger.started("a", "batch", before_engine_s=0.0, n=2)
+    assert ledger.served("a", 0.1, 0.2) == "tpot_missed"
+    assert ledger.served("a", 0.1, 0.05, error=True) == "failed"
+    assert ledger.served("a", 0.1, 0.05) is None  # both sequences ended: a third is not this request
+    assert counted == [("batch", "tpot_missed"), ("batch", "failed")]
+    assert ledger.unmatched == 1
+
+
+def test_a_request_never_started_is_unmatched_not_counted() -> None:
+    ledger, counted = _ledger(FakeClock())
+    assert ledger.served("unknown", 0.1, 0.01) is None
+    assert counted == [] and ledger.unmatched == 1
+
+
+def test_the_window_gives_goodput_and_attainment() -> None:
+    clock = FakeClock(100.0)
+    ledger, _counted = _ledger(clock)
+    for i in range(6):  # 6 interactive requests over 6 s: 4 good, 2 late
+        ledger.started(str(i), "interactive", before_engine_s=0.0 if i < 4 else 2.0)
+        ledger.served(str(i), 0.2, 0.01)
+        clock.advance(1.0)
+    ledger.ended("batch", "refused")
+    ledger.ended("batch", "failed")
+    state = ledger.state()
+    assert state["goodput_rps"] == 0.4 and state["attainment"] == 0.5  # 4 good / 10 s; 4 of 8
+    assert state["by_class"]["interactive"] == {
+        "good": 4, "ttft_missed": 2, "tpot_missed": 0, "refused": 0, "failed": 0,
+    }  # fmt: skip
+    assert state["by_class"]["batch"]["refused"] == 1 and state["by_class"]["batch"]["failed"] == 1
+    clock.advance(7.0)  # now 113: the good ones (100-103) left the 10 s window, the rest (104-106) stay
+    state = ledger.state()
+    assert state["goodput_rps"] == 0.0 and state["attainment"] == 0.0
+    clock.advance(10.0)
+    assert ledger.state()["attainment"] is None and ledger.state()["by_class"] == {}
+
+
+def _outcome(registry: CollectorRegistry, cls: str, outcome: str) -> float | None:
+    labels = {"priority_class": cls, "outcome": outcome}
+    return registry.get_sample_value("autopilot_requests_by_outcome_total", labels)
+
+
+def test_the_gates_refusals_and_served_requests_are_counted_by_class_and_outcome() -> None:
+    registry = CollectorRegistry()
+    metrics = Metrics(registry)
+    events = GateMetrics(metrics)
+    events.rejected("batch", "queue_full")
+    events.rejected("batch", "shed")
+    events.timed_out("interactive", 5.0)
+    events.rejected("interactive", "engine_unavailable")
+    metrics.outcomes.started("r1", "interactive", 0.2)
+    metrics.outcomes.served("r1", 0.3, None)
+    assert _outcome(registry, "batch", "refused") == 2
+    assert _outcome(registry, "interactive", "refused") == 1
+    assert _outcome(registry, "interactive", "failed") == 1
+    assert _outcome(registry, "interactive", "good") == 1  # no [slo] configured: served is good
+
+
+def test_vllms_finished_request_stats_feed_the_ledger() -> None:
+    """vLLM's own stats types in: the engine's TTFT is e2e latency less decode time, TPOT its mean
+    time per output token (none below two tokens), an abort is failed."""
+    from vllm.v1.engine import FinishReason
+    from vllm.v1.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
+
+    from controller.engine.runtime.stats import stat_logger_factory
+
+    ledger, counted = _ledger(FakeClock())
+    for rid in ("late", "slow", "one", "gone"):
+        ledger.started(rid, "interactive", before_engine_s=0.5)
+    it = IterationStats()
+    it.finished_requests = [
+        # TTFT 0.5 + (1.4 - 0.8) = 1.1 s > 1 s
+        FinishedRequestStats(FinishReason.LENGTH, "late", e2e_latency=1.4, decode_time=0.8,
+                             num_generation_tokens=20, mean_time_per_output_token=0.8 / 19),
+        # TTFT 0.5 + 0.3 = 0.8 s; TPOT 0.06 > 0.05
+        FinishedRequestStats(FinishReason.STOP, "slow", e2e_latency=1.5, decode_time=1.2,
+                             num_generation_tokens=21, mean_time_per_output_token=0.06),
+        FinishedRequestStats(FinishReason.LENGTH, "one", e2e_latency=0.2, num_generation_tokens=1),
+        FinishedRequestStats(FinishReason.ABORT, "gone", e2e_latency=0.2, num_generation_tokens=3),
+    ]  # fmt: skip
+    logger = stat_logger_factory(TelemetryWindow(10.0, FakeClock()), ledger)(None, 0)  # type: ignore[arg-type]
+    logger.record(SchedulerStats(num_running_reqs=1), it)
+    assert counted == [
+        ("interactive", "ttft_missed"), ("interactive", "tpot_missed"), ("interactive", "good"),
+        ("interactive", "failed"),
+    ]  # fmt: skip
+
+
+def test_state_shows_the_windows_outcomes(tmp_path: Path) -> None:
+    """/state's ``outcomes`` block reads the daemon's ledger (loading a config imports vLLM)."""
+    from controller.admin.status import state
+    from controller.config.load import load_config
+    from controller.lifecycle.parts import build_parts
+
+    parts = build_parts(load_config(write_config(tmp_path / "config.toml")))
+    GateMetrics(parts.metrics).rejected("interactive", "queue_full")
+    shown = state(parts)["outcomes"]
+    assert shown["by_class"]["interactive"]["refused"] == 1 and shown["attainment"] == 0.0
+    assert shown["goodput_rps"] == 0.0 and shown["unmatched"] == 0
