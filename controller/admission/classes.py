@@ -78,6 +78,15 @@ class PriorityBounds:
             )
         return value
 
+    def clamp(self, asked: int | None) -> int:
+        """A priority where the client's own value cannot be told from vLLM's default (a
+        ``generate()`` call, where vLLM passes 0 for a body that names none): kept within what this
+        server accepts rather than refused, since a refusal would answer 400 to clients that named
+        nothing. None: the default."""
+        if asked is None:
+            return self.default
+        return min(max(int(asked), self.most_urgent), PRIORITY_MAX)
+
 
 DEFAULT_CLASSES: tuple[PriorityClass, ...] = (
     PriorityClass("interactive", max_priority=0, max_queue=256, queue_deadline_s=5.0),

@@ -22,6 +22,7 @@ from contextlib import asynccontextmanager
 
 from controller.admission.classes import DEFAULT_CLASSES, CompletionRate, GateEvents, NoEvents, PriorityClass
 from controller.admission.deadlines import Deadlines, Pausing
+from controller.admission.order import capped, next_queue
 from controller.admission.queues import ClassQueue, GateRejected, GateStats, Slot, Waiter
 from controller.admission.refusals import Refusals
 from controller.admission.shedding import shed_order
@@ -70,6 +71,7 @@ class AdmissionGate(Refusals, Pausing):
         self.after_slot = AfterSlot(clock, lambda: self.ttft)  # the client tells it each first token
         self._deadlines = Deadlines(clock, self._expire, max_restart_wait_s, self.after_slot.queue_deadline_s)
         self.admitted_total = self.rejected_total = self.completed_total = self.timed_out_total = 0
+        self.arrivals_total = 0
 
     # -- limit and classes ------------------------------------------------------------------------
     @property
@@ -134,6 +136,9 @@ class AdmissionGate(Refusals, Pausing):
         )
         return self._limit - self._in_flight_total - held
 
+    def _weight(self, q: ClassQueue, asked: int) -> int:
+        return capped(asked, q, self._order, self._limit)
+
     # -- admission --------------------------------------------------------------------------------
     def _expire_pending(self) -> None:
         for q in self._order:
@@ -146,20 +151,26 @@ class AdmissionGate(Refusals, Pausing):
         calls: int = 1,
         prompt_tokens: int | None = None,
         arrived_mono: float | None = None,
+        later_call: bool = False,
+        ttft_done: bool = False,
     ) -> None:
         """Refuse now (raise ``GateRejected``) or count the request as pending in its class: ``n``
         is what it will generate (prompts x sequences each), ``calls`` the ``acquire`` calls that
         follow (one per prompt), each holding a pending place until it reaches the gate;
         ``prompt_tokens`` (where known) adds its own prefill to its predicted wait, and under TTFT
-        bounds the time since it ``arrived_mono`` counts too (``set_ttft``, ``ttft.AfterSlot``)."""
+        bounds the time since it ``arrived_mono`` counts too (``set_ttft``, ``ttft.AfterSlot``).
+        ``later_call``: a further call of a request admitted before, not an arrival; ``ttft_done``: its
+        request has held a slot (its TTFT has happened): no expected wait refuses it, bounds still do."""
         q = self._queue_of(priority)
+        self.arrivals_total += not later_call
         if self._refuse_new is not None:
             self._events.rejected(q.spec.name, self._refuse_new.reason)
             raise self._refuse_new.fresh()
         self._expire_pending()
         position, own = self._position(q, n)
         if position > 0:
-            self._check_wait(q, position, own, n, self.after_slot.own_s(prompt_tokens, arrived_mono))
+            prefill_s = None if ttft_done else self.after_slot.own_s(prompt_tokens, arrived_mono)
+            self._check_wait(q, position, own, n, prefill_s)
         q.pending.extend([self._clock()] * calls)
 
     def _position(self, q: ClassQueue, n: int) -> tuple[int, int]:
@@ -173,16 +184,17 @@ class AdmissionGate(Refusals, Pausing):
         own = n + q.queued + len(q.pending) - reserved_free
         return (own + higher - shared if own > 0 else own), own
 
-    def _check_wait(self, q: ClassQueue, position: int, own: int, n: int, prefill_s: float) -> None:
+    def _check_wait(self, q: ClassQueue, position: int, own: int, n: int, prefill_s: float | None) -> None:
         """``position`` requests (this one included) would wait ahead of a slot for it, ``own`` of
-        them of its class; ``prefill_s`` what it needs after the wait (``AfterSlot.own_s``)."""
+        them of its class; ``prefill_s`` what it needs after the wait (``AfterSlot.own_s``; None:
+        no expected wait refuses it)."""
         spec = q.spec
         own = min(position, own)
         if own > spec.max_queue:
             why = f"{own - n} {spec.name} requests already wait (queue limit {spec.max_queue})"
             self._refuse(q, n, "queue_full", own - spec.max_queue, why)
         rate = self.service_rate()  # under SLO steering the deadline is a share of the TTFT bound
-        if rate is not None and position / rate + prefill_s > spec.queue_deadline_s:
+        if rate is not None and prefill_s is not None and position / rate + prefill_s > spec.queue_deadline_s:
             wait = f"{position / rate:.1f}s" + (
                 f" + {prefill_s:.2f}s to its first token" if prefill_s else ""
             )
@@ -240,10 +252,12 @@ class AdmissionGate(Refusals, Pausing):
         from_pending: bool = True,
         admitted_as: int | None = None,
         arrived_mono: float | None = None,
+        weight: int = 1,
     ) -> Slot:
         """Wait for a slot in strict class order; raise ``GateRejected`` past the class deadline.
         ``admitted_as``: the priority its pending place was counted under, where that differs;
-        ``arrived_mono``: when the request reached the server (a TTFT bound counts from then)."""
+        ``arrived_mono``: when the request reached the server (a TTFT bound counts from then);
+        ``weight``: how much of the limit it holds, granted all at once or not at all (``_weight``)."""
         q = self._queue_of(priority)
         pending = self._queue_of(priority if admitted_as is None else admitted_as).pending
         if from_pending and pending:
@@ -251,11 +265,11 @@ class AdmissionGate(Refusals, Pausing):
         if self._refuse_queued is not None:
             raise self._refuse_queued.fresh()
         urgent_waiting = any(o.queued for o in self._order[: self._order.index(q) + 1])
-        if not self._deadlines.paused and not urgent_waiting and self._free_for(q) > 0:
-            return self._grant(q, self._clock())
+        if not self._deadlines.paused and not urgent_waiting and self._free_for(q) >= self._weight(q, weight):
+            return self._grant(q, self._clock(), weight=self._weight(q, weight))
         now, loop = self._clock(), asyncio.get_running_loop()
         w = Waiter(priority, next(self._seq), now, loop.create_future(), q, self._deadlines.paused_s())
-        w.deadline_from_mono = self.after_slot.deadline_from(q.spec, now, arrived_mono)
+        w.weight, w.deadline_from_mono = weight, self.after_slot.deadline_from(q.spec, now, arrived_mono)
         heapq.heappush(q.heap, (priority, w.seq, w))
         q.queued += 1
         self._deadlines.arm(w)
@@ -282,19 +296,25 @@ class AdmissionGate(Refusals, Pausing):
         self._unqueue(w)
         w.future.set_exception(error)
 
-    def _grant(self, q: ClassQueue, now: float, enqueued_mono: float | None = None) -> Slot:
+    def _grant(self, q: ClassQueue, now: float, enqueued_mono: float | None = None, weight: int = 1) -> Slot:
         name = q.spec.name
-        self._in_flight[name] += 1
-        self._in_flight_total += 1
+        self._in_flight[name] += weight
+        self._in_flight_total += weight
         self.admitted_total += 1
         q.last_grant_mono = now
         self._events.admitted(name, 0.0 if enqueued_mono is None else now - enqueued_mono)
-        return Slot(name, now)
+        return Slot(name, now, weight)
+
+    def split(self, slot: Slot, weights: Sequence[int]) -> list[Slot]:
+        """One granted slot as one per call of its request, each released on its own (``Slot.split``)."""
+        parts = slot.split(weights)
+        self.admitted_total += len(parts) - 1  # each part completes on its own
+        return parts
 
     def release(self, slot: Slot) -> None:
         """Give a slot back (completion, error, abort or disconnect)."""
-        self._in_flight[slot.cls] -= 1
-        self._in_flight_total -= 1
+        self._in_flight[slot.cls] -= slot.weight
+        self._in_flight_total -= slot.weight
         self.completed_total += 1
         self._rate.record(self._clock() - slot.granted_mono)
         self._wake()
@@ -312,26 +332,12 @@ class AdmissionGate(Refusals, Pausing):
                 continue
             heapq.heappop(q.heap)
             self._unqueue(w)
-            w.future.set_result(self._grant(q, now, w.enqueued_mono))
+            w.future.set_result(self._grant(q, now, w.enqueued_mono, self._weight(q, w.weight)))
 
     def _next_queue(self, now: float) -> ClassQueue | None:
-        """The class whose head gets the next slot: an aged class first (oldest head), else the most
-        urgent class that may take a slot."""
-        best: ClassQueue | None = None
-        best_key: tuple[int, int] | None = None
-        for rank, q in enumerate(self._order):
-            w = q.head()
-            if w is None or self._free_for(q) <= 0:
-                continue
-            aged = (
-                self.aging_s > 0
-                and now - w.enqueued_mono >= self.aging_s
-                and now - q.last_grant_mono >= self.aging_s
-            )
-            key = (0, w.seq) if aged else (1, rank)
-            if best_key is None or key < best_key:
-                best, best_key = q, key
-        return best
+        """The class whose head gets the next slot (``order.next_queue``)."""
+        own = lambda q: max(0, q.spec.reserved_slots(self._limit) - self._in_flight[q.spec.name])  # noqa: E731
+        return next_queue(self._order, now, self.aging_s, self._free_for, self._weight, own)
 
     @asynccontextmanager
     async def slot(self, priority: int = 0, arrived_mono: float | None = None) -> AsyncIterator[Slot]:
@@ -389,4 +395,5 @@ class AdmissionGate(Refusals, Pausing):
             completed_total=self.completed_total,
             closed=self._refuse_new is not None,
             timed_out_total=self.timed_out_total,
+            arrivals_total=self.arrivals_total,
         )

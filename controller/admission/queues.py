@@ -6,6 +6,7 @@ import asyncio
 import heapq
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from controller.admission.classes import PriorityClass
@@ -38,6 +39,21 @@ class Slot:
 
     cls: str
     granted_mono: float
+    weight: int = 1
+    """How much of the limit it holds: the sequences its request runs in the engine (``n``, or a
+    streamed request's calls taken together), at most what its class can ever hold."""
+
+    def split(self, weights: Sequence[int]) -> list[Slot]:
+        """This slot as one per call of its request (a stream's prompts): the calls' ``weights`` in
+        order, taken from ``weight`` until it is spent (a capped slot leaves the last calls 0: the
+        request runs alone), what is left on the last."""
+        left, parts = self.weight, []
+        for asked in weights:
+            parts.append(Slot(self.cls, self.granted_mono, min(asked, left)))
+            left -= parts[-1].weight
+        if parts and left:
+            parts[-1] = Slot(self.cls, self.granted_mono, parts[-1].weight + left)
+        return parts
 
 
 @dataclass(frozen=True)
@@ -46,7 +62,7 @@ class GateStats:
 
     limit: int
     in_flight: int
-    """Requests holding a slot (inside the engine)."""
+    """Slots held, each counted by its weight: the sequences inside the engine."""
     queued: int
     """Requests waiting in the gate for a slot."""
     pending: int
@@ -57,6 +73,9 @@ class GateStats:
     closed: bool
     timed_out_total: int = 0
     """Requests refused because their queue deadline passed while they waited."""
+    arrivals_total: int = 0
+    """Requests that reached admission, each counted once whatever its prompts, ``n`` or outcome
+    (offered load: ``control/capacity.py``)."""
 
 
 @dataclass(eq=False)
@@ -68,6 +87,8 @@ class Waiter:
     queue: ClassQueue
     paused_at_enqueue_s: float = 0.0
     """The gate's paused seconds when this request queued (paused time does not count)."""
+    weight: int = 1
+    """The weight it asked for (``Slot.weight``; capped when granted)."""
     deadline_from_mono: float | None = None
     """What its queue deadline counts from: when it queued, or under a TTFT bound when it reached
     the server (None: when it queued)."""

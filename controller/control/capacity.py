@@ -190,8 +190,10 @@ class CapacityMeter:
         self.history.append((obs.now_mono, self.last))
 
     def _offered_rps(self, now: float) -> float | None:
-        g = self.gate.stats()
-        total = g.admitted_total + g.rejected_total + g.timed_out_total + g.queued + g.pending
+        """Requests per second that reached admission over the window: the gate counts each once
+        when it arrives (``GateStats.arrivals_total``), whatever its ``n``, its prompts or what
+        became of it, so requests leaving the queue or refused together move nothing."""
+        total = self.gate.stats().arrivals_total
         self._arrivals.append((now, total))
         while len(self._arrivals) > 2 and self._arrivals[1][0] <= now - self.window.window_s:
             self._arrivals.popleft()  # keep one sample at or before the window's start

@@ -67,7 +67,8 @@ class FakeGate:
         self.rejected += refused
 
     def stats(self) -> GateStats:
-        return GateStats(8, 0, self.queued, 0, self.admitted, self.rejected, 0, False)
+        arrivals = self.admitted + self.rejected + self.queued  # each counted once, as it arrives
+        return GateStats(8, 0, self.queued, 0, self.admitted, self.rejected, 0, False, 0, arrivals)
 
     def queued_by_class(self) -> dict[str, int]:
         return {"default": self.queued}

@@ -390,7 +390,7 @@ async def test_stats_and_queue_depth() -> None:
     assert waiters.granted == ["b"]
     assert gate.queued_by_class() == {"all": 2}
     assert gate.stats() == stats(
-        limit=2, in_flight=2, queued=2, pending=1, admitted_total=3, completed_total=1
+        limit=2, in_flight=2, queued=2, pending=1, admitted_total=3, completed_total=1, arrivals_total=3
     )
     clock.advance(31.0)
     assert gate.stats().pending == 0

@@ -142,7 +142,7 @@ async def test_a_long_prompt_is_refused_by_its_predicted_ttft_and_a_short_one_wa
     held = await gate.acquire(0, from_pending=False)  # the one slot is busy: a new request queues
     gate.set_ttft(TtftBounds({"interactive": 2.0}, SlowPrefill()))
     serving = served(gate)
-    long, short = tickets.Ticket(), tickets.Ticket()
+    long, short = tickets.Ticket(arrived_mono=clock()), tickets.Ticket(arrived_mono=clock())
     with pytest.raises(GateRefusal) as refused:
         await complete(serving, long, "w " * 40)
     assert "expected wait 0.5s + 4.00s to its first token" in str(refused.value.message)

@@ -45,8 +45,9 @@ class AdmissionMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        bounds = self.bounds()  # the header's priority until an entry point resolves the body's
         ticket = tickets.Ticket(
-            priority=tickets.header_priority(scope.get("headers", [])), bounds=self.bounds()
+            bounds.clamp(tickets.header_priority(scope.get("headers", []))), bounds=bounds
         )
 
         async def send_with_retry_after(message: dict[str, Any]) -> None:
@@ -63,10 +64,15 @@ class AdmissionMiddleware:
             tickets.current.reset(token)
             if ticket.pending:  # vLLM answered without generating them all (4xx)
                 self.gate.cancel_pending(ticket.priority, ticket.pending)
-            for claim in ticket.claims:  # a slot acquired ahead for a stream the client left before
-                if claim.slot is not None:
+            for claim in ticket.claims:
+                if claim.slot is not None:  # acquired ahead for a stream the client left before
                     slot, claim.slot = claim.slot, None
                     self.gate.release(slot)
+                if claim.from_pending and not claim.started:  # a generator never iterated
+                    claim.from_pending = False
+                    self.gate.cancel_pending(
+                        claim.priority if claim.admitted_as is None else claim.admitted_as
+                    )
 
 
 async def build_data_plane(client: GovernedEngineClient, args: argparse.Namespace) -> FastAPI:

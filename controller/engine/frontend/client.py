@@ -88,24 +88,38 @@ class GovernedEngineClient(EngineClient):
 
     # -- the governed path ----------------------------------------------------------------------
     def check_admission(self, n: int = 1, request_id: str | None = None) -> None:
-        """vLLM calls this without the priority: the request's ticket carries it (tickets.py)."""
+        """vLLM calls this without the priority: the request's ticket carries it (tickets.py). Each
+        prompt is its own generate() call, each with ``n`` sequences: all are counted now."""
         self._host.llm.check_admission(n, request_id)  # vLLM's own queue limits, if configured
         ticket = tickets.current.get()
-        calls = ticket.calls if ticket else 1
+        if ticket is None:
+            self._admit(None, 0, n, 1)
+        else:
+            self._admit(ticket, ticket.priority, n * ticket.calls, ticket.calls)
+
+    def _admit(
+        self, ticket: tickets.Ticket | None, priority: int, n: int, calls: int, later: bool = False
+    ) -> None:
+        """The gate's admission check for ``calls`` generate() calls of ``n`` sequences in all, each
+        then holding a pending place; a refusal is raised as the HTTP error. ``later``: further
+        calls of a request admitted before (not a new arrival)."""
         try:
-            # Each prompt is its own generate() call, each with n sequences: count them all now.
             self._gate.check_admission(
-                ticket.priority if ticket else 0, n * calls, calls=calls,
-                prompt_tokens=ticket.prompt_tokens if ticket else None,
-                arrived_mono=ticket.arrived_mono if ticket else None,
-            )  # fmt: skip
+                priority,
+                n,
+                calls=calls,
+                prompt_tokens=None if ticket is None or later else ticket.prompt_tokens,
+                arrived_mono=None if ticket is None or ticket.served else ticket.arrived_mono,
+                later_call=later,
+                ttft_done=ticket is not None and ticket.served,
+            )
         except GateRejected as exc:
             if ticket is not None:
                 ticket.retry_after_s = exc.retry_after_s
             raise _http_error(exc) from None
         if ticket is not None:
             ticket.admitted = True
-            ticket.pending = calls
+            ticket.pending += calls
 
     def generate(  # type: ignore[override]
         self,
@@ -117,38 +131,69 @@ class GovernedEngineClient(EngineClient):
         **kwargs: Any,
     ) -> AsyncGenerator[Any, None]:
         """A plain function, so that it claims the request's ticket when vLLM calls it (in the
-        handler's context), not when the stream is first iterated."""
+        handler's context), not when the stream is first iterated: every generation of every route
+        passes here (``_claim``), and a refusal is raised to the handler before anything is sent."""
+        weight = max(1, int(getattr(sampling_params, "n", 1) or 1))
         ticket = tickets.current.get()
-        claim = tickets.Claim(priority, ticket is not None and ticket.pending > 0)
-        if ticket is not None:
-            ticket.claims.append(claim)
-            if claim.from_pending:
-                ticket.pending -= 1
+        if ticket is None:  # no data-plane request (a caller of our own): the gate's wait only
+            claim = tickets.Claim(priority, False, weight=weight)
+        else:
+            claim = self._claim(ticket, priority, weight)
         return self._generate(prompt, sampling_params, request_id, claim, ticket, kwargs)
 
+    def _claim(self, ticket: tickets.Ticket, asked: int, weight: int) -> tickets.Claim:
+        """One call of ``ticket``'s request. Its priority: the ticket's where an entry point resolved
+        it (so a beam search's steps, which name none, keep the client's), else the call's own kept
+        within the ``[admission]`` bounds (``PriorityBounds.clamp``: vLLM passes 0 for a body that
+        names none, so a refusal here would refuse clients that asked nothing). It takes one of the
+        request's pending places; past them (a batch's conversations, a beam search's steps: vLLM
+        checked admission once) it passes the gate's admission check itself: queue bounds,
+        shedding, and the expected wait unless the request has already held a slot."""
+        priority = ticket.priority if ticket.resolved else ticket.bounds.clamp(asked)
+        if ticket.pending > 0:
+            ticket.pending -= 1
+            claim = tickets.Claim(priority, True, admitted_as=ticket.priority, weight=weight)
+        else:
+            self._admit(ticket, priority, weight, 1, later=ticket.admitted)
+            ticket.pending -= 1
+            claim = tickets.Claim(priority, True, admitted_as=priority, weight=weight)
+        ticket.claims.append(claim)
+        return claim
+
     async def acquire_ahead(self, ticket: tickets.Ticket) -> GateRefusal | None:
-        """A streamed request's slots, acquired before its response starts (tickets.py): each claim
-        not yet run gets its slot; the gate's refusal (429 past the deadline, 503) is returned, with
-        the pending places of the claims after it given back."""
+        """A streamed request's slots, acquired before its response starts (tickets.py): the claims
+        not yet run take one slot of their weights together, all at once or none (a stream holding
+        some while it waits for the rest would hold them forever under a limit below its prompts),
+        split between them after; the gate's refusal (429 past the deadline, 503) is returned."""
         waiting = [c for c in ticket.claims if not c.started and c.slot is None]
-        for k, claim in enumerate(waiting):
-            try:
-                claim.slot = await self._gate.acquire(
-                    claim.priority, claim.from_pending, ticket.priority, ticket.arrived_mono
-                )
-            except BaseException as exc:
-                claim.from_pending = False  # the gate took its pending place either way
-                rest = [c for c in waiting[k + 1 :] if c.from_pending]
-                for c in rest:
-                    c.from_pending = False
-                if rest:
-                    self._gate.cancel_pending(ticket.priority, len(rest))
-                if not isinstance(exc, GateRejected):
-                    raise  # cancelled (the client left): the middleware returns what was acquired
-                ticket.retry_after_s = exc.retry_after_s
-                return _http_error(exc)
-            claim.from_pending = False
+        if not waiting:
+            return None
+        pending = [c for c in waiting if c.from_pending]
+        for c in pending[1:]:  # one acquire takes one pending place: the others go back now
+            self._gate.cancel_pending(self._admitted_as(c))
+            c.from_pending = False
+        first = pending[0] if pending else waiting[0]
+        try:
+            slot = await self._gate.acquire(
+                first.priority,
+                first.from_pending,
+                self._admitted_as(first),
+                ticket.arrived_mono,
+                weight=sum(c.weight for c in waiting),
+            )
+        except GateRejected as exc:
+            ticket.retry_after_s = exc.retry_after_s
+            return _http_error(exc)
+        finally:  # cancelled (the client left) too: the gate took the pending place either way
+            first.from_pending = False
+        ticket.served = True
+        for claim, part in zip(waiting, self._gate.split(slot, [c.weight for c in waiting]), strict=True):
+            claim.slot = part
         return None
+
+    @staticmethod
+    def _admitted_as(claim: tickets.Claim) -> int:
+        return claim.priority if claim.admitted_as is None else claim.admitted_as
 
     async def _generate(
         self,
@@ -166,21 +211,24 @@ class GovernedEngineClient(EngineClient):
         claim.started = True
         priority = claim.priority
         # A TTFT bound counts from the request's arrival on its first attempt; one that the engine
-        # died under waits for the next engine from when it queues again, as the guard promises.
-        arrived = ticket.arrived_mono if ticket is not None else None
+        # died under waits for the next engine from when it queues again, as the guard promises, and
+        # a later call of a request that has held a slot (a beam search's step) from when it queues.
+        arrived = ticket.arrived_mono if ticket is not None and not ticket.served else None
         while True:
             slot, claim.slot = claim.slot, None
             try:
-                # The pending place is in the class admission counted it in (the ticket's): on a
-                # route whose entry point is not wrapped that may not be ``priority``'s.
-                admitted_as = ticket.priority if ticket is not None else None
                 if slot is None:
-                    slot = await self._gate.acquire(priority, claim.from_pending, admitted_as, arrived)
+                    slot = await self._gate.acquire(
+                        priority, claim.from_pending, self._admitted_as(claim), arrived, claim.weight
+                    )
             except GateRejected as exc:
                 if ticket is not None:
                     ticket.retry_after_s = exc.retry_after_s
                 raise _http_error(exc) from None
-            claim.from_pending = False
+            finally:
+                claim.from_pending = False  # the gate took its pending place either way
+            if ticket is not None:
+                ticket.served = True
             produced = False
             held = True
             key = next(self._keys)  # ours alone: two requests may carry the same X-Request-Id

@@ -45,8 +45,13 @@ class Claim:
     """One ``generate()`` call of a request, as its stream has yet to run it."""
 
     priority: int
+    """What it runs at: the ticket's resolved priority, else the call's own within the bounds."""
     from_pending: bool
-    """It takes one of the pending places admission counted for the request."""
+    """It holds one of the pending places admission counted for the request."""
+    admitted_as: int | None = None
+    """The priority its pending place was counted under (None: ``priority``)."""
+    weight: int = 1
+    """The sequences it runs in the engine (its sampling's ``n``): its slot's weight."""
     slot: Any = None
     """A gate slot acquired for it ahead of its stream (a streamed request), until the stream takes it."""
     started: bool = False
@@ -56,6 +61,12 @@ class Claim:
 @dataclass
 class Ticket:
     priority: int = 0
+    resolved: bool = False
+    """The priority was resolved from the client's header or body by a wrapped entry point: every
+    call of the request runs at it (beam search calls ``generate()`` without one)."""
+    served: bool = False
+    """A call of the request has held a slot: its TTFT has happened, a later call (a beam search
+    step) is not refused by it nor counts its deadline from the request's arrival."""
     admitted: bool = False
     """Passed check_admission: counted as pending in its class."""
     calls: int = 1
@@ -78,15 +89,16 @@ class Ticket:
 current: ContextVar[Ticket | None] = ContextVar("autopilot_ticket", default=None)
 
 
-def header_priority(headers: list[tuple[bytes, bytes]]) -> int:
-    """The priority header of a raw ASGI request, as vLLM reads it (bad values ignored)."""
+def header_priority(headers: list[tuple[bytes, bytes]]) -> int | None:
+    """The priority header of a raw ASGI request, as vLLM reads it (bad values read 0); None
+    without one."""
     for name, value in headers:
         if name.lower() == PRIORITY_HEADER.encode():
             try:
                 return int(value)
             except ValueError:
                 return 0
-    return 0
+    return None
 
 
 def asked_priority(serving: Any, request: Any, raw_request: Any) -> int | str | None:
@@ -126,7 +138,7 @@ def _wrap(serving: Any, method: Callable[..., Any]) -> Callable[..., Any]:
                 priority = ticket.bounds.resolve(asked_priority(serving, request, raw_request))
             except PriorityRefused as exc:  # before the gate: it never counts, queues or sheds
                 return serving.create_error_response(str(exc), param="priority")
-            ticket.priority = priority
+            ticket.priority, ticket.resolved = priority, True
             if hasattr(request, "priority"):
                 request.priority = priority  # what vLLM reads when no header names it
             ticket.calls = generate_calls(request)

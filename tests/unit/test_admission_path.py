@@ -1,0 +1,285 @@
+"""The data plane's admission path with the real gate and a fake engine: every ``generate()`` call
+passes the gate's rules, whatever route or call pattern makes it.
+
+``FakeServing`` has the call patterns of vLLM's handlers: a completion (``_preflight(n)`` once, then
+one ``generate()`` per prompt, a stream returned before it runs; beam search calling ``generate()``
+without a priority, one step after another), and the batch chat route (its entry point is not one
+the data plane wraps: ``_preflight()`` once, then one ``generate()`` per conversation with the
+body's priority).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from vllm.exceptions import GracefulHTTPError
+
+from controller.admission.classes import PriorityBounds, PriorityClass
+from controller.admission.gate import AdmissionGate
+from controller.admission.ttft import TtftBounds
+from controller.clock import FakeClock
+from controller.engine.frontend import tickets
+from controller.engine.frontend.app import AdmissionMiddleware
+from controller.engine.frontend.client import GateRefusal, GovernedEngineClient
+from tests.helpers import Events, FakeHost, Recorder, settle
+
+CLASSES = (
+    PriorityClass("interactive", max_priority=0, max_queue=100, queue_deadline_s=1e6),
+    PriorityClass("batch", min_priority=1, max_queue=100, queue_deadline_s=1e6),
+)
+
+ANY_PRIORITY = PriorityBounds()
+
+
+class CountingLLM:
+    """An engine whose requests take a few loop turns each, counting the sequences it runs at once
+    and the priority each request ran at."""
+
+    def __init__(self) -> None:
+        self.running = self.most_running = 0
+        self.priorities: list[int] = []
+
+    def check_admission(self, n: int = 1, request_id: str | None = None) -> None:
+        pass
+
+    async def generate(
+        self, prompt: Any, params: Any, request_id: str, *, priority: int = 0, **kwargs: Any
+    ) -> AsyncIterator[Any]:
+        n = getattr(params, "n", 1)
+        self.priorities.append(priority)
+        self.running += n
+        self.most_running = max(self.most_running, self.running)
+        try:
+            for _ in range(3):
+                await asyncio.sleep(0)
+                yield SimpleNamespace(finished=False)
+            yield SimpleNamespace(finished=True)
+        finally:
+            self.running -= n
+
+
+async def merged(streams: Sequence[AsyncIterator[Any]]) -> AsyncIterator[str]:
+    """Every stream's outputs, the streams run together (vLLM's merge_async_iterators)."""
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def pump(stream: AsyncIterator[Any]) -> None:
+        async for _ in stream:
+            await queue.put("x")
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    done = asyncio.gather(*tasks)
+    done.add_done_callback(lambda _: queue.put_nowait(None))
+    while (item := await queue.get()) is not None:
+        yield item
+    await done
+
+
+class FakeServing:
+    def __init__(self, client: GovernedEngineClient) -> None:
+        self.engine_client = client
+
+    @staticmethod
+    def _get_priority(request: dict[str, Any], raw_request: Request | None) -> int:
+        return int(request.get("priority", 0))
+
+    def _preflight(self, n: int = 1) -> None:
+        self.engine_client.check_admission(n)
+
+    async def create_completion(self, request: dict[str, Any], raw_request: Request | None = None) -> Any:
+        n = int(request.get("n", 1))
+        self._preflight(n)
+        if request.get("beam_steps"):
+            return await self._beam_search(int(request["beam_steps"]))
+        prompts = request.get("prompts", ["p"])
+        params = SimpleNamespace(n=n)
+        priority = self._get_priority(request, raw_request)
+        streams = [
+            self.engine_client.generate(p, params, f"c-{i}", priority=priority) for i, p in enumerate(prompts)
+        ]
+        if request.get("fail_after_generate"):
+            return JSONResponse({"error": "bad"}, status_code=400)  # the generators never run
+        if request.get("stream"):
+            return merged(streams)
+        return {"outputs": len([x async for x in merged(streams)])}
+
+    async def _beam_search(self, steps: int) -> Any:
+        for step in range(steps):  # as vLLM's online beam search: no priority, one call per beam
+            async for _ in self.engine_client.generate("p", SimpleNamespace(n=1), f"beam-{step}"):
+                pass
+        return {"outputs": steps}
+
+    async def create_batch_chat_completion(
+        self, request: dict[str, Any], raw_request: Request | None = None
+    ) -> Any:
+        self._preflight()
+        streams = [
+            self.engine_client.generate(
+                c, SimpleNamespace(n=1), f"b-{i}", priority=int(request.get("priority", 0))
+            )
+            for i, c in enumerate(request["conversations"])
+        ]
+        return {"outputs": len([x async for x in merged(streams)])}
+
+    @staticmethod
+    def create_error_response(exc: GracefulHTTPError) -> JSONResponse:
+        return JSONResponse({"error": exc.message}, status_code=int(exc.http_status))
+
+
+def make_app(
+    gate: AdmissionGate, llm: CountingLLM, bounds: PriorityBounds = ANY_PRIORITY
+) -> httpx.AsyncClient:
+    app = FastAPI()
+    app.state.serving = FakeServing(GovernedEngineClient(FakeHost(llm), gate, lambda: None))  # type: ignore[arg-type]
+    tickets.capture_priorities(app.state)
+
+    @app.exception_handler(GracefulHTTPError)
+    async def graceful(request: Request, exc: GracefulHTTPError) -> JSONResponse:
+        return JSONResponse({"error": exc.message}, status_code=int(exc.http_status))
+
+    @app.post("/v1/completions")
+    async def completions(raw_request: Request) -> Any:
+        body = await raw_request.json()
+        result = await app.state.serving.create_completion(body, raw_request)
+        if isinstance(result, (JSONResponse, dict)):
+            return result
+        return StreamingResponse(f"data: {x}\n\n" async for x in result)
+
+    @app.post("/v1/chat/completions/batch")
+    async def batch(raw_request: Request) -> Any:
+        return await app.state.serving.create_batch_chat_completion(await raw_request.json(), raw_request)
+
+    transport = httpx.ASGITransport(app=AdmissionMiddleware(app, gate, lambda: bounds))  # type: ignore[arg-type]
+    return httpx.AsyncClient(transport=transport, base_url="http://test")
+
+
+def make_gate(limit: int, max_queue: int = 100) -> tuple[AdmissionGate, Events]:
+    events = Events()
+    return AdmissionGate(limit, max_queue, CLASSES, events=Recorder([], events)), events
+
+
+async def test_a_stream_with_more_prompts_than_the_limit_does_not_hold_the_gate() -> None:
+    gate, _ = make_gate(limit=4)
+    llm = CountingLLM()
+    async with make_app(gate, llm) as http:
+        stream = asyncio.create_task(
+            http.post("/v1/completions", json={"prompts": ["a", "b", "c", "d", "e", "f"], "stream": True})
+        )
+        await settle()
+        single = await asyncio.wait_for(http.post("/v1/completions", json={}), timeout=10.0)
+        streamed = await asyncio.wait_for(stream, timeout=10.0)
+    assert (streamed.status_code, single.status_code) == (200, 200)
+    assert streamed.text.count("data:") == 6 * 4
+    stats = gate.stats()
+    assert (stats.in_flight, stats.queued, stats.pending) == (0, 0, 0)
+
+
+async def test_the_batch_route_is_bounded_by_the_queue_limit() -> None:
+    gate, _ = make_gate(limit=1, max_queue=4)
+    seen: list[int] = []
+    original = gate.acquire
+
+    async def watched(*args: Any, **kwargs: Any) -> Any:
+        stats = gate.stats()
+        seen.append(stats.queued + stats.pending)
+        return await original(*args, **kwargs)
+
+    gate.acquire = watched  # type: ignore[method-assign]
+    async with make_app(gate, CountingLLM()) as http:
+        r = await http.post(
+            "/v1/chat/completions/batch", json={"conversations": [f"c{i}" for i in range(40)]}
+        )
+        assert r.status_code == 429, r.text
+        assert "gate queue limit 4" in r.json()["error"]
+        stats = gate.stats()
+        assert (stats.in_flight, stats.queued, stats.pending) == (0, 0, 0)  # nothing left behind
+        ok = await http.post("/v1/chat/completions/batch", json={"conversations": ["a", "b", "c"]})
+    assert (ok.status_code, ok.json()) == (200, {"outputs": 12})
+    assert max(seen, default=0) <= 4 + 1
+    assert gate.stats().arrivals_total == 2
+
+
+async def test_a_batch_priority_more_urgent_than_allowed_runs_at_the_bound() -> None:
+    gate, events = make_gate(limit=4)
+    llm = CountingLLM()
+    async with make_app(gate, llm, PriorityBounds(most_urgent=1, default=5)) as http:
+        r = await http.post(
+            "/v1/chat/completions/batch", json={"conversations": ["a", "b"], "priority": -1000}
+        )
+    assert r.status_code == 200, r.text
+    assert llm.priorities == [1, 1]
+    assert [cls for cls, _ in events.admitted] == ["batch", "batch"]
+
+
+async def test_beam_search_steps_keep_the_requests_priority() -> None:
+    gate, events = make_gate(limit=4)
+    llm = CountingLLM()
+    async with make_app(gate, llm) as http:
+        r = await http.post("/v1/completions", json={"beam_steps": 3, "priority": 7})
+    assert r.status_code == 200, r.text
+    assert llm.priorities == [7, 7, 7]
+    assert [cls for cls, _ in events.admitted] == ["batch"] * 3
+    assert gate.stats().arrivals_total == 1
+
+
+async def test_a_later_call_of_a_served_request_is_not_refused_by_its_ttft_bound() -> None:
+    """Its TTFT has happened: a beam search's next step queues from when it queues, not from the
+    request's arrival long ago."""
+    clock = FakeClock()
+    gate = AdmissionGate(1, 100, CLASSES, clock=clock)
+    gate.set_ttft(TtftBounds({"interactive": 2.0}))
+    client = GovernedEngineClient(FakeHost(CountingLLM()), gate, lambda: None)  # type: ignore[arg-type]
+    ticket = tickets.Ticket(arrived_mono=clock())
+    token = tickets.current.set(ticket)
+    try:
+        client.check_admission()
+        first = [x async for x in client.generate("p", None, "step-0")]
+        clock.advance(10.0)  # the request is long past its 2 s bound: its first token came in time
+        held = await gate.acquire(0, from_pending=False)
+        step = asyncio.create_task(anext(client.generate("p", None, "step-1")))
+        await settle()
+        assert not step.done() and gate.stats().queued == 1  # waiting, not refused at once
+        gate.release(held)
+        await asyncio.wait_for(step, timeout=5.0)
+    finally:
+        tickets.current.reset(token)
+    assert len(first) == 4
+
+
+async def test_n_sequences_hold_n_of_the_limit() -> None:
+    gate, _ = make_gate(limit=4)
+    llm = CountingLLM()
+    async with make_app(gate, llm) as http:
+        answers = await asyncio.gather(*(http.post("/v1/completions", json={"n": 4}) for _ in range(4)))
+    assert [r.status_code for r in answers] == [200] * 4
+    assert llm.most_running == 4
+    assert gate.stats().in_flight == 0
+
+
+async def test_n_above_the_limit_runs_alone() -> None:
+    gate, _ = make_gate(limit=4)
+    llm = CountingLLM()
+    async with make_app(gate, llm) as http:
+        answers = await asyncio.gather(
+            http.post("/v1/completions", json={"n": 8}), http.post("/v1/completions", json={"n": 1})
+        )
+    assert [r.status_code for r in answers] == [200, 200]
+    assert llm.most_running == 8  # never 9: the other request waited for it
+    assert gate.stats().in_flight == 0
+
+
+async def test_a_generator_that_never_runs_gives_its_pending_place_back() -> None:
+    gate, _ = make_gate(limit=1)
+    async with make_app(gate, CountingLLM()) as http:
+        r = await http.post("/v1/completions", json={"prompts": ["a", "b"], "fail_after_generate": True})
+        assert r.status_code == 400
+        assert gate.stats().pending == 0  # not 2 until the 30 s expiry
+
+
+def test_refusals_of_a_generate_call_are_the_gates_http_errors() -> None:
+    assert issubclass(GateRefusal, GracefulHTTPError)
