@@ -126,6 +126,8 @@ class Daemon:
                 p.host, p.cost.model, self.config.control.cost_profile, self.config.control.warmup_s
             )
             p.cost.warm_start = warm.as_dict()
+            if warm.source == "warm-up":
+                p.window.reset()  # its synthetic requests are not the load the loop observes
         await p.loop.tick()  # the policy's initial values apply before the first request
         await self._start_data_plane()
         self._start_background()
