@@ -8,7 +8,6 @@ file in one pass.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -23,13 +22,13 @@ from controller.admission.classes import (
     PriorityClass,
     parse_classes,
 )
+from controller.config.checks import cross_table_errors, policy_errors, server_option_errors
 from controller.config.fields import check_value as _check_value
 from controller.config.fields import doc_field as _f
 from controller.config.fields import non_finite_errors
 from controller.config.fields import suggest as _suggest
-from controller.config.secrets import is_loopback, redact, scrub
+from controller.config.secrets import redact, scrub
 from controller.config.slo import SloTargets, cost_profile_errors, describe_slo, parse_slo
-from policies.base import PolicyError, build_policy
 
 DEFAULT_CONFIG = Path("config.toml")
 
@@ -313,13 +312,14 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
     # Lazy: engine.runtime.args imports vLLM (seconds), which only loading a config file needs.
     from controller.engine.runtime.args import engine_table_errors
 
-    # max_num_seqs is checked in _cross_check, with the batch cap's own message.
+    # max_num_seqs is checked in cross_table_errors, with the batch cap's own message.
     errors.extend(engine_table_errors({k: v for k, v in engine.items() if k != "max_num_seqs"}, {}))
-    errors.extend(_server_option_errors(tables["server"].vllm))
+    own_server_keys = [f.name for f in dataclasses.fields(ServerConfig) if f.name not in _DICT_FIELDS]
+    errors.extend(server_option_errors(tables["server"].vllm, own_server_keys))
     if not errors:
-        errors.extend(_cross_check(engine, tables))
+        errors.extend(cross_table_errors(engine, tables))
     if not errors:
-        errors.extend(_policy_errors(engine, tables))
+        errors.extend(policy_errors(engine, tables))
     if errors:
         raise ConfigError(scrub(errors, data))  # logged and answered: no secret's value in them
     return Config(engine=engine, path=path, restart_on_reload=restart_on_reload is True, slo=slo, **tables)
@@ -328,58 +328,6 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
 def _table(data: dict[str, Any], name: str) -> dict[str, Any]:
     value = data.get(name, {})
     return dict(value) if isinstance(value, dict) else {}  # not a table: reported in parse_config
-
-
-def _server_option_errors(extra: dict[str, Any]) -> list[str]:
-    """vLLM checks the free [server] keys; a near miss of our own keys (prot -> port) says so too,
-    since vLLM's parser does not know them."""
-    from controller.engine.runtime.args import engine_table_errors  # lazy: imports vLLM (as above)
-
-    own = [f.name for f in dataclasses.fields(ServerConfig) if f.name not in _DICT_FIELDS]
-    errors: list[str] = []
-    for key, value in extra.items():
-        close = difflib.get_close_matches(key, own, n=1)
-        hint = f"; or did you mean '{close[0]}'?" if close else ""
-        errors.extend(problem + hint for problem in engine_table_errors({}, {key: value}))
-    return errors
-
-
-def _cross_check(engine: dict[str, Any], tables: dict[str, Any]) -> list[str]:
-    errors = []
-    if tables["server"].port == tables["admin"].port and tables["server"].host == tables["admin"].host:
-        errors.append(
-            f"[admin] port = {tables['admin'].port}: same as [server] port; "
-            "give the control plane its own port"
-        )
-    admin = tables["admin"]
-    if not admin.token and not is_loopback(admin.host):
-        errors.append(
-            f"[admin] host = {admin.host!r}: the control plane would answer /state and /reload beyond "
-            'this machine without a token; set [admin] token, or host = "127.0.0.1"'
-        )
-    adm = tables["admission"]
-    if adm.default_priority < adm.min_priority:
-        errors.append(
-            f"[admission] default_priority = {adm.default_priority}: below min_priority = "
-            f"{adm.min_priority}, so a request naming none would be refused; raise it"
-        )
-    seqs = engine["max_num_seqs"]
-    if not isinstance(seqs, int) or seqs < 1:
-        errors.append(f"[engine] max_num_seqs = {seqs!r}: must be an integer >= 1 (it caps the batch)")
-    return errors
-
-
-def _policy_errors(engine: dict[str, Any], tables: dict[str, Any]) -> list[str]:
-    try:
-        build_policy(
-            tables["control"].policy,
-            tables["control"].params,
-            max_num_seqs=engine["max_num_seqs"],
-            initial_limit=tables["admission"].limit,
-        )
-    except PolicyError as exc:
-        return [f"[control] policy = {tables['control'].policy!r}: {exc}"]
-    return []
 
 
 def load_config(path: Path = DEFAULT_CONFIG) -> Config:
