@@ -60,8 +60,8 @@ def test_default_config_loads() -> None:
     assert config.admin == AdminConfig(host="127.0.0.1", port=9400)
     assert config.admission == AdmissionConfig(limit=64, max_queue=1024, aging_s=10.0)
     assert config.control == ControlConfig(
-        tick_seconds=1.0, policy="slo", window_seconds=10.0, history=50, params={}, cost_profile="cpu-smollm2"
-    )
+        tick_seconds=1.0, policy="slo", window_seconds=10.0, history=50, params={}, warmup_s=20.0
+    )  # no cost_profile: the warm-up fits the step-cost model at startup
     described = describe(config)
     assert {k: v for k, v in described["admission"].items() if k != "classes"} == DEFAULT_ADMISSION
     assert described["engine"]["max_num_seqs"] == 64
