@@ -175,7 +175,9 @@ async def post_chunked(port: int, encoding: bytes, size: int) -> bytes:
 async def test_a_real_server_answers_413_to_a_chunked_body_past_the_limit(parser: str) -> None:
     port = free_port()
     app = ClientLimits(echo_length, Limits(max_body_bytes=LIMIT))
-    server = uvicorn.Server(uvicorn.Config(app, port=port, http=parser, log_level="warning", lifespan="off"))
+    server = uvicorn.Server(
+        uvicorn.Config(app, port=port, http=parser, log_level="warning", lifespan="off", log_config=None)
+    )
     task = asyncio.create_task(server.serve())
     try:
         while not server.started:
