@@ -147,11 +147,6 @@ class GateTotals(Protocol):
     def stats(self) -> GateStats: ...
 
 
-def arrived(g: GateStats) -> int:
-    """Requests that have reached the gate so far: admitted, refused, timed out, still queued."""
-    return g.admitted_total + g.rejected_total + g.timed_out_total + g.queued + g.pending
-
-
 def tpot_share_of(policy: Policy) -> float:
     """Of the TPOT bound, what the policy lets a mean step take: the slo policy's ``mean_margin``;
     1.0 for a policy without one."""
@@ -177,7 +172,7 @@ class CapacityMeter:
         self.tpot_share = 1.0
         self._arrivals: deque[tuple[float, int]] = deque()
         """(tick time, arrivals so far) over the window."""
-        self._arrivals_at_start = arrived(gate.stats())
+        self._arrivals_at_start = gate.stats().arrivals_total
         """The gate's arrivals when the meter started: none since reads offered 0 from the first tick."""
         self.last = Capacity(None, None, None, "not started")
 
@@ -202,7 +197,7 @@ class CapacityMeter:
 
     def measure(self, obs: Observation) -> Capacity:
         offered = self._offered_rps(obs.now_mono)
-        if offered is None and arrived(self.gate.stats()) == self._arrivals_at_start:
+        if offered is None and self.gate.stats().arrivals_total == self._arrivals_at_start:
             offered = 0.0  # no rate yet (one tick), but nothing has arrived since the start: idle
         mix = self.window.finished_mix()
         cost, slo = obs.cost, self.slo
