@@ -219,7 +219,7 @@ class GovernedEngineClient(EngineClient):
             try:
                 if slot is None:
                     slot = await self._gate.acquire(
-                        priority, claim.from_pending, self._admitted_as(claim), arrived, claim.weight
+                        priority, claim.from_pending, self._admitted_as(claim), arrived, weight=claim.weight
                     )
             except GateRejected as exc:
                 if ticket is not None:
