@@ -127,6 +127,8 @@ def build_parts(
     server = config.server
     args = serve_namespace(config.engine, {"host": server.host, "port": server.port, **server.vllm})
     host = EngineHost(args, window, server.engine_poll_sleep_s)
+    host.outcomes = metrics.outcomes  # each finished request judged against [slo] (control/outcomes.py)
+    metrics.outcomes.configure(config.slo)
     guard = Guard(config.guard, gate, host, metrics.count_restart, last_step_age=window.last_step_age_s)
     gpu, hostsrc = gpu_source or NvmlSource(), host_source or HostSource()
     cost_model = StepCostModel(prior=cost_prior_for(config.control.cost_profile))

@@ -180,6 +180,7 @@ class Reloader:
         p.gate.set_ttft(change.ttft)
         if p.capacity is not None:
             p.capacity.configure(new.slo, p.loop.policy)
+        p.metrics.outcomes.configure(new.slo)
         p.loop.resize_history(new.control.history)
         p.guard.configure(new.guard)
         if change.reseed and p.cost is not None:
