@@ -10,6 +10,7 @@ from typing import Any
 from controller.bench import phases
 from controller.bench.prompts import Tokenizer, counter
 from controller.bench.runner import RunConfig
+from controller.bench.sessions import SharedPrefix, shared_prefix
 from controller.bench.tables import cell
 from controller.bench.workload import (
     RequestSpec,
@@ -27,12 +28,38 @@ from controller.bench.workload import (
     with_lengths,
 )
 
-WORKLOADS = ("phases", "closed", "stall")
+WORKLOADS = ("phases", "closed", "stall", "shared-prefix")
 WORKLOAD_HELP = (
     "a named workload: phases (the phase-changing load of controller/bench/phases.py); closed (--requests N "
     "at once, lengths --prompt-tokens/--output-tokens; with --concurrency: a closed loop); stall (--requests "
-    "N decoding streams, then one --long-prompt-tokens prompt: the longest decode gap its prefill causes)"
+    "N decoding streams, then one --long-prompt-tokens prompt: the longest decode gap its prefill causes); "
+    "shared-prefix (chat sessions at --rate requests/s for --duration s: --system-prompts shared system "
+    "prompts, --turns turns that re-send their history; controller/bench/sessions.py)"
 )
+
+
+def add_shared_prefix_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """The shape of ``--workload shared-prefix`` (``controller/bench/sessions.py``)."""
+    d = SharedPrefix()
+    p.add_argument("--system-prompts", type=int, default=d.system_prompts,
+                   help=f"shared-prefix: distinct system prompts (default {d.system_prompts})")  # fmt: skip
+    p.add_argument("--system-tokens", type=int, default=d.system_tokens,
+                   help=f"shared-prefix: tokens of a system prompt (default {d.system_tokens})")  # fmt: skip
+    p.add_argument("--turns", type=int, default=d.turns,
+                   help=f"shared-prefix: turns of a session (default {d.turns})")  # fmt: skip
+    p.add_argument("--user-tokens", type=int, default=d.user_tokens,
+                   help=f"shared-prefix: mean tokens of a user text (default {d.user_tokens})")  # fmt: skip
+    p.add_argument("--think-s", type=float, default=d.think_s,
+                   help=f"shared-prefix: mean seconds between turns (default {d.think_s:g})")  # fmt: skip
+
+
+def shared_prefix_specs(args: argparse.Namespace) -> list[RequestSpec]:
+    """``--workload shared-prefix`` at ``--rate`` for ``--duration``, its answers ``--output-tokens`` long."""
+    if args.rate is None or args.duration is None:
+        raise WorkloadError("--workload shared-prefix needs --rate R (requests/s) and --duration S")
+    shape = SharedPrefix(args.system_prompts, args.system_tokens, args.turns, args.user_tokens,
+                         args.output_tokens, args.think_s)  # fmt: skip
+    return shared_prefix(args.rate, args.duration, shape, seed=args.seed)
 
 
 def add_alternate_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -74,6 +101,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--token-scale", type=float, default=1.0, help="multiply trace lengths by K (default 1)")
     add_alternate_args(g)
+    add_shared_prefix_args(g)
     g.add_argument(
         "--sharegpt", action="store_true",
         help="prompt/output lengths of ShareGPT conversations (pip install 'vllm-autopilot[sharegpt]'), "
@@ -114,7 +142,8 @@ def add_slo_args(p: argparse.ArgumentParser) -> None:
 
 def build_specs(args: argparse.Namespace, tokenizer: Tokenizer, max_model_len: int) -> list[RequestSpec]:
     """The workload the options describe, clamped to the model's context, with priorities when asked."""
-    chosen = [name for name, on in (("--rate", args.rate is not None and not args.sharegpt),
+    rate_alone = args.rate is not None and not args.sharegpt and args.workload != "shared-prefix"
+    chosen = [name for name, on in (("--rate", rate_alone),
                                     ("--trace", args.trace is not None),
                                     ("--sharegpt", args.sharegpt),
                                     ("--workload", args.workload is not None)) if on]  # fmt: skip
@@ -129,6 +158,8 @@ def build_specs(args: argparse.Namespace, tokenizer: Tokenizer, max_model_len: i
         specs = [RequestSpec(i, 0.0, args.prompt_tokens, args.output_tokens) for i in range(args.requests)]
     elif args.workload == "stall":
         specs = stall(args.requests, args.prompt_tokens, args.output_tokens, args.long_prompt_tokens)
+    elif args.workload == "shared-prefix":
+        specs = shared_prefix_specs(args)
     elif args.trace is not None:
         specs, _ = trace_load(
             args.trace, start_s=args.start, duration_s=args.duration, time_scale=args.time_scale,

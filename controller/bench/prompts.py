@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from controller.bench.sessions import within
+from controller.bench.workload import RequestSpec
+
 # Common English words: single tokens in most BPE vocabularies (and in the tiny CPU model's).
 _WORDS = (
     "the engine serves requests while the controller measures cache usage queue depth latency and "
@@ -23,6 +26,8 @@ _WORDS = (
     "policy decides and the loop applies each change with a reason every token costs memory and time "
     "people write code read books walk home eat bread drink water see light hear sound make plans"
 ).split()
+SEGMENT_INDEX = 1 << 40
+"""Where the word-stream indexes of shared segments start: above any request's index."""
 
 
 class TokenizerError(RuntimeError):
@@ -92,7 +97,9 @@ class PromptBuilder:
     """Builds prompts of exactly ``n`` tokens (as the tokenizer counts them), different per request index.
 
     Each prompt starts at its own offset in a seeded word stream, so prompts share no common prefix and prefix
-    caching does not flatter the server. Decoding and re-encoding can merge or split tokens at the edges, so
+    caching does not flatter the server, except where the workload says they share text:
+    :meth:`for_spec` joins a request's shared segments (the same text wherever a segment appears) and
+    its own text. Decoding and re-encoding can merge or split tokens at the edges, so
     the length is corrected a few times; :meth:`build` returns the text and its actual count.
     """
 
@@ -104,6 +111,7 @@ class PromptBuilder:
         rng = random.Random(seed)
         self._stream = [rng.choice(_WORDS) for _ in range(4096)]
         self._cache: dict[tuple[int, int], tuple[str, int]] = {}
+        self._joined: dict[tuple[int, int, tuple[tuple[int, int], ...]], tuple[str, int]] = {}
 
     def _words(self, index: int, count: int) -> str:
         start = (index * 7919) % len(self._stream)
@@ -118,6 +126,23 @@ class PromptBuilder:
         if key not in self._cache:
             self._cache[key] = self._build(index, n)
         return self._cache[key]
+
+    def for_spec(self, spec: RequestSpec) -> tuple[str, int]:
+        """(text, token count) of ``spec``'s prompt: the texts of its shared segments, one a line, then
+        text of its own for the tokens past them. The count is the joined text's, which may differ
+        from ``prompt_tokens`` by a token or two a segment (special tokens, merges at the joins)."""
+        segments = within(spec.segments, spec.prompt_tokens)
+        if not segments:
+            return self.build(spec.index, spec.prompt_tokens)
+        key = (spec.index, spec.prompt_tokens, segments)
+        if key not in self._joined:
+            parts = [self.build(SEGMENT_INDEX + seg, n)[0] for seg, n in segments]
+            own = spec.prompt_tokens - sum(n for _, n in segments)
+            if own > 0:
+                parts.append(self.build(spec.index, own)[0])
+            text = "\n".join(parts)
+            self._joined[key] = (text, len(self._tok.encode(text)))
+        return self._joined[key]
 
     def _build(self, index: int, n: int) -> tuple[str, int]:
         # Special tokens (a BOS, say) count toward the prompt but are not part of the text.

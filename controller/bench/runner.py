@@ -90,7 +90,7 @@ async def warm_up(target: Target, builder: PromptBuilder, count: int, timeout_s:
         RequestSpec(index=-1 - i, arrival_s=0.0, prompt_tokens=16, output_tokens=8) for i in range(count)
     ]
     records = await run_open_loop(
-        target, specs, lambda s: builder.build(s.index, s.prompt_tokens), run_start=time.monotonic(),
+        target, specs, builder.for_spec, run_start=time.monotonic(),
         timeout_s=timeout_s,
     )  # fmt: skip
     return sum(r.status != "ok" for r in records)
@@ -110,7 +110,7 @@ async def run_workload(
     """Run ``specs`` against ``target`` and write the run directory; returns the summary."""
     cfg.out.mkdir(parents=True, exist_ok=True)
     for spec in specs:  # build prompts before the clock starts: tokenizing is not the server's time
-        builder.build(spec.index, spec.prompt_tokens)
+        builder.for_spec(spec)
     warm_failed = await warm_up(target, builder, cfg.warmup, cfg.timeout_s)
     scraper = Scraper(endpoints.metrics_url, endpoints.state_url, cfg.period_s, probe=probe)
     progress = _Progress(len(specs), cfg.progress, label)
@@ -118,7 +118,7 @@ async def run_workload(
     scraper.start(run_start)
     try:
         records = await run_open_loop(
-            target, specs, lambda s: builder.build(s.index, s.prompt_tokens), run_start=run_start,
+            target, specs, builder.for_spec, run_start=run_start,
             timeout_s=cfg.timeout_s, on_done=progress.done, concurrency=cfg.concurrency,
         )  # fmt: skip
     finally:

@@ -1,6 +1,6 @@
 """Workloads: what to send and when. Pure, seeded functions over :class:`RequestSpec` lists.
 
-Three sources:
+Sources (and ``sessions.py``: shared system prompts and multi-turn chats, for prefix caching):
 
 - :func:`poisson`: open-loop Poisson arrivals at a fixed rate with fixed lengths.
 - :func:`read_azure_trace` + :func:`trace_window`: replay an Azure LLM inference trace (CSV with
@@ -42,6 +42,9 @@ class RequestSpec:
     """Tokens to generate (forced: ``max_tokens`` = ``min_tokens`` = this, ``ignore_eos``)."""
     priority: int = 0
     """vLLM ``priority`` (lower is more urgent)."""
+    segments: tuple[tuple[int, int], ...] = ()
+    """The prompt's start as shared pieces (segment id >= 0, tokens), e.g. a system prompt, then a chat's
+    history: requests whose pieces agree share that text (``bench/sessions.py``); the rest is its own."""
 
 
 @dataclass(frozen=True)
@@ -380,7 +383,7 @@ def alternate(loads: Sequence[Sequence[RequestSpec]], phase_s: float, total_s: f
         length = min(phase_s, total_s - start)
         t0 = cursors[k]
         cursors[k] = (t0 + length) % lengths[k]
-        picked = [s for s in loads[k] if _in_window(s.arrival_s, t0, length, lengths[k])]
+        picked = [s for s in loads[k] if (s.arrival_s - t0) % lengths[k] < length]  # on a wrapping clock
         picked.sort(key=lambda s: (s.arrival_s - t0) % lengths[k])
         for s in picked:
             at = start + (s.arrival_s - t0) % lengths[k]
@@ -392,8 +395,3 @@ def _period(load: Sequence[RequestSpec]) -> float:
     """A load's length when it wraps: its last arrival plus one mean gap between arrivals."""
     last = max(s.arrival_s for s in load)
     return last + (last - min(s.arrival_s for s in load)) / len(load) or 1.0
-
-
-def _in_window(t: float, t0: float, length: float, period: float) -> bool:
-    """``t`` is in ``[t0, t0 + length)`` on a clock that wraps at ``period``."""
-    return (t - t0) % period < length

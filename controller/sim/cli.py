@@ -19,7 +19,8 @@ from controller.sim.profile import ProfileError
 
 
 def add_simulate_parser(sub: Any) -> None:
-    from controller.bench.options import add_alternate_args
+    from controller.bench.options import add_alternate_args, add_shared_prefix_args
+    from controller.bench.sessions import SharedPrefix
 
     p = sub.add_parser(
         "simulate",
@@ -31,11 +32,25 @@ def add_simulate_parser(sub: Any) -> None:
     p.add_argument(
         "--trace",
         type=Path,
-        required=True,
-        help="Azure LLM trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens)",
+        help="Azure LLM trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens); or --workload",
     )
+    p.add_argument(
+        "--workload",
+        choices=("shared-prefix",),
+        help="instead of --trace: shared-prefix, chat sessions with shared system prompts and re-sent "
+        "history at --rate for --duration (controller/bench/sessions.py)",
+    )
+    p.add_argument("--rate", type=float, help="requests per second of --workload")
+    p.add_argument("--output-tokens", type=int, default=SharedPrefix.output_tokens,
+                   help=f"--workload: mean answer length (default {SharedPrefix.output_tokens})")  # fmt: skip
+    add_shared_prefix_args(p)
     p.add_argument("--start", type=float, default=0.0, help="window start, seconds of trace time")
-    p.add_argument("--duration", type=float, default=None, help="window length, seconds of trace time")
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help="window length, seconds of trace time; with --workload, seconds of sessions",
+    )
     p.add_argument("--time-scale", type=float, default=1.0, help="replay K times faster")
     p.add_argument("--token-scale", type=float, default=1.0, help="multiply prompt and output lengths")
     p.add_argument(
@@ -180,6 +195,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         policy=policy.name,
         policy_params=policy.params(),
         trace=str(args.trace),
+        load=args.workload_desc,
         window={
             "start_s": args.start,
             "duration_s": args.duration,
@@ -195,15 +211,28 @@ def run_simulate(args: argparse.Namespace) -> int:
     if not args.no_report:
         from controller.bench.report import render
 
-        title = f"Twin ({profile.name}): {policy.name} on {args.trace.name}"
+        title = f"Twin ({profile.name}): {policy.name} on {args.workload_desc}"
         print(f"report: {render(args.out / 'report', [args.out], title=title)}")
     return 0
 
 
 def _specs(args: argparse.Namespace) -> list[Any]:
-    """The window of ``--trace``, or with ``--alternate`` its windows in turn with the other traces'."""
-    from controller.bench.workload import trace_load
+    """The window of ``--trace`` (with ``--alternate``, its windows in turn with the other traces'), or
+    ``--workload shared-prefix``; sets ``args.workload_desc`` for reports."""
+    from controller.bench.options import shared_prefix_specs
+    from controller.bench.workload import WorkloadError, trace_load
 
+    if (args.trace is None) == (args.workload is None):
+        raise WorkloadError(
+            "give one workload: --trace PATH or --workload shared-prefix --rate R --duration S"
+        )
+    if args.workload is not None:
+        specs = shared_prefix_specs(args)
+        args.workload_desc = (
+            f"shared-prefix at {args.rate:g} req/s ({args.system_prompts} system prompts of "
+            f"{args.system_tokens} tokens, {args.turns} turns)"
+        )
+        return specs
     specs, args.workload_desc = trace_load(
         args.trace, start_s=args.start, duration_s=args.duration, time_scale=args.time_scale,
         token_scale=args.token_scale, alternates=args.alternate, phase_s=args.phase_s, total_s=args.total_s,

@@ -86,6 +86,7 @@ def run_compare(
     meta = {
         "profile": profile.name,
         "trace": str(args.trace),
+        "load": args.workload_desc,
         "slo_ttft_s": args.slo_ttft,
         "slo_tpot_s": args.slo_tpot,
         "start_s": args.start,
@@ -96,10 +97,7 @@ def run_compare(
     (args.out / "compare.json").write_text(json.dumps({"meta": meta, "runs": rows}, indent=2) + "\n")
     text = table(rows)
     (args.out / "compare.md").write_text(text + "\n")
-    title = (
-        f"{profile.name}, {Path(args.trace).name} at {args.time_scale:g}x, "
-        f"SLO TTFT {args.slo_ttft} s / TPOT {args.slo_tpot} s"
-    )
+    title = f"{profile.name}, {args.workload_desc}, SLO TTFT {args.slo_ttft} s / TPOT {args.slo_tpot} s"
     plot_bars(rows, args.out / "goodput.png", title)
     plot_series(results, args.out / "series.png", title)
     print(f"\n{text}")

@@ -13,6 +13,12 @@ What is modelled, with the vLLM 0.32 source it follows (``vllm/v1/core/sched/sch
   ``enable_chunked_prefill`` a waiting prompt that does not fit stops admission (vLLM's ``break``).
 * Paged KV: a request holds ``ceil(computed_tokens / block_size)`` blocks; ``allocate_slots`` gives the
   blocks a step's new tokens need or fails when the pool is short (watermark 0, vLLM's default).
+* Automatic prefix caching (``enable_prefix_caching``, on unless the profile or the config's ``[engine]``
+  turns it off, as in vLLM): full blocks are hashed and kept after their request frees them until
+  evicted LRU; a request entering RUNNING with nothing computed starts from the longest cached chain
+  of its blocks and prefills only the rest (``controller/sim/kvcache.py`` has the rules). The step's
+  ``prefill_tokens``, what the cost model prices, are the computed tokens only; the cached ones are
+  read by attention (``kv_tokens_read``).
 * Preemption by recompute (``Scheduler._preempt_request``): when a running request cannot get its
   blocks, the victim is ``running[-1]`` (the newest) under FCFS, ``max(running, key=(priority,
   arrival_time))`` under priority; it frees its blocks, restarts from zero computed tokens (its prompt
@@ -21,7 +27,7 @@ What is modelled, with the vLLM 0.32 source it follows (``vllm/v1/core/sched/sch
 * A token is emitted when a step leaves a request with all its known tokens computed; the request
   finishes at ``max_tokens`` output tokens (the trace's output length; no EOS).
 
-Not modelled: prefix caching, speculative decoding, async scheduling's overlap (it is inside the cost
+Not modelled: speculative decoding, async scheduling's overlap (it is inside the cost
 model's fixed term), ``long_prefill_token_threshold`` (0 by default), the watermark.
 
 Each step's duration is the profile's ``CostModel``; the engine reports every step as the
@@ -39,9 +45,12 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from controller.bench.sessions import within
+from controller.bench.workload import RequestSpec
 from controller.control.actuator import token_budget_bounds
 from controller.control.steps import EngineStep
 from controller.control.telemetry import StepSample
+from controller.sim.kvcache import BlockTable, KVCache
 from controller.sim.profile import CostModel, EngineLimits
 
 STEP_RING = 4096
@@ -59,15 +68,40 @@ class SimRequest:
     arrival_t: float
     """When the engine received it (virtual seconds): vLLM's ``arrival_time``."""
     on_finish: Callable[[SimRequest], None] | None = None
+    segments: tuple[tuple[int, int], ...] = ()
+    """The prompt's shared pieces (segment id, tokens), for the prefix cache (``RequestSpec.segments``)."""
     num_computed_tokens: int = 0
+    num_cached_tokens: int = -1
+    """Prefix-cache hit at its first scheduling, in tokens (vLLM's; -1 until scheduled)."""
     output_tokens: int = 0
-    blocks: int = 0
     num_preemptions: int = 0
     first_token_t: float | None = None
     last_token_t: float | None = None
     finish_t: float | None = None
     token_times: list[float] = field(default_factory=list)
     """When each output token was emitted (kept only when the engine records them)."""
+    kv: BlockTable = field(init=False)
+    """Its KV blocks and its content's block hashes."""
+
+    @classmethod
+    def of(cls, spec: RequestSpec, arrival_t: float) -> SimRequest:
+        """The engine's request for a workload's ``spec``, received at ``arrival_t``."""
+        return cls(
+            spec.index,
+            spec.prompt_tokens,
+            spec.output_tokens,
+            spec.priority,
+            arrival_t,
+            segments=spec.segments,
+        )
+
+    def __post_init__(self) -> None:
+        self.kv = BlockTable(-1 - self.request_id, within(self.segments, self.prompt_tokens))
+
+    @property
+    def blocks(self) -> int:
+        """KV blocks held."""
+        return len(self.kv.blocks)
 
     @property
     def num_tokens(self) -> int:
@@ -89,37 +123,6 @@ class StepPlan:
     prefill_tokens: int
     decode_seqs: int
     kv_tokens_read: int
-
-
-class BlockPool:
-    """KV blocks: a counter is enough, since the twin does not share prefix blocks."""
-
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.free = num_blocks
-
-    def blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.block_size)
-
-    def allocate(self, req: SimRequest, new_tokens: int) -> bool:
-        """``KVCacheManager.allocate_slots``: the blocks ``new_tokens`` more need, or False."""
-        need = -(-(req.num_computed_tokens + new_tokens) // self.block_size) - req.blocks
-        if need > self.free:
-            return False
-        if need > 0:
-            self.free -= need
-            req.blocks += need
-        return True
-
-    def release(self, req: SimRequest) -> None:
-        self.free += req.blocks
-        req.blocks = 0
-
-    @property
-    def usage(self) -> float:
-        """vLLM's ``kv_cache_usage``: the fraction of blocks in use."""
-        return 1.0 - self.free / self.num_blocks
 
 
 class WaitingQueue:
@@ -167,7 +170,7 @@ class SimEngine:
     def __init__(self, limits: EngineLimits, cost: CostModel, record_token_times: bool = False) -> None:
         self.limits = limits
         self.cost = cost
-        self.kv = BlockPool(limits.num_blocks, limits.block_size)
+        self.kv = KVCache(limits.num_blocks, limits.block_size, limits.enable_prefix_caching)
         self.running: list[SimRequest] = []
         self.waiting = WaitingQueue(limits.scheduling_policy)
         self.max_num_seqs = limits.max_num_seqs
@@ -214,8 +217,9 @@ class SimEngine:
         """Drop every request (an engine restart): blocks freed, nothing finishes."""
         dropped = self.running + self.waiting.drain()
         for req in self.running:
-            self.kv.release(req)
+            self.kv.release(req.kv)
         self.running = []
+        self.kv = KVCache(self.limits.num_blocks, self.limits.block_size, self.limits.enable_prefix_caching)
         return dropped
 
     # -- one step ---------------------------------------------------------------------------------
@@ -231,7 +235,7 @@ class SimEngine:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.prompt_tokens + req.output_tokens - req.num_computed_tokens, budget)
-            ok = self.kv.allocate(req, n)
+            ok = self._allocate(req, n)
             while not ok:
                 victim = self._victim()
                 at = self.running.index(victim)
@@ -243,7 +247,7 @@ class SimEngine:
                 preempted += 1
                 if victim is req:
                     break
-                ok = self.kv.allocate(req, n)
+                ok = self._allocate(req, n)
             if not ok:
                 break
             scheduled[req] = n
@@ -258,8 +262,11 @@ class SimEngine:
             return max(self.running, key=lambda r: (r.priority, r.arrival_t))
         return self.running[-1]
 
+    def _allocate(self, req: SimRequest, n: int) -> bool:
+        return self.kv.allocate(req.kv, req.num_computed_tokens, n, req.num_tokens)
+
     def _preempt(self, req: SimRequest) -> None:
-        self.kv.release(req)
+        self.kv.release(req.kv)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.total_preemptions += 1
@@ -268,12 +275,17 @@ class SimEngine:
     def _admit(self, budget: int, scheduled: dict[SimRequest, int]) -> int:
         while budget > 0 and len(self.waiting) > 0 and len(self.running) < self.batch_cap:
             req = self.waiting.peek()
-            n = req.num_tokens - req.num_computed_tokens
+            hit = self.kv.lookup(req.kv, req.num_tokens) if req.num_computed_tokens == 0 else []
+            computed = req.num_computed_tokens + len(hit) * self.kv.block_size
+            n = req.num_tokens - computed
             if not self.limits.enable_chunked_prefill and n > budget:
                 break
             n = min(n, budget)
-            if not self.kv.allocate(req, n):
+            if not self.kv.allocate(req.kv, computed, n, req.num_tokens, hit):
                 break
+            req.num_computed_tokens = computed
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = computed
             self.waiting.pop()
             self.running.append(req)
             scheduled[req] = n
@@ -328,7 +340,7 @@ class SimEngine:
                 done.append(req)
         for req in done:
             self.running.remove(req)
-            self.kv.release(req)
+            self.kv.release(req.kv)
         sample = StepSample(
             t_mono=t_end,
             running=len(self.running),
@@ -339,7 +351,7 @@ class SimEngine:
             ttft_s=tuple(ttft),
             itl_s=tuple(itl),
             finished=len(done),
-            finished_prefill_tokens=sum(r.prompt_tokens for r in done),  # the twin has no prefix cache
+            finished_prefill_tokens=sum(r.prompt_tokens - max(0, r.num_cached_tokens) for r in done),
             finished_output_tokens=sum(r.output_tokens for r in done),
         )
         return sample, done

@@ -24,6 +24,7 @@ A profile is a TOML file. The shipped ones live in ``controller/sim/profiles/`` 
     max_model_len = 131072
     scheduling_policy = "fcfs"               # or "priority"
     enable_chunked_prefill = true
+    enable_prefix_caching = true             # optional, vLLM's default
 
     [fit]                                    # optional: how well the fit matched its samples
     samples = 40
@@ -124,6 +125,9 @@ class EngineLimits:
     """"fcfs" or "priority" (lower ``priority`` first)."""
     enable_chunked_prefill: bool = True
     """Split a long prompt over steps; without it a prompt must fit the token budget whole."""
+    enable_prefix_caching: bool = True
+    """vLLM's automatic prefix caching (its default: on): cached full blocks of a prompt are not
+    prefilled again (``controller/sim/kvcache.py``)."""
 
     @property
     def num_blocks(self) -> int:
@@ -144,8 +148,9 @@ class EngineLimits:
             raise ProfileError(
                 f"{where}: scheduling_policy = {self.scheduling_policy!r}: use one of {SCHEDULING_POLICIES}"
             )
-        if not isinstance(self.enable_chunked_prefill, bool):
-            raise ProfileError(f"{where}: enable_chunked_prefill must be true or false")
+        for flag in ("enable_chunked_prefill", "enable_prefix_caching"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ProfileError(f"{where}: {flag} = {getattr(self, flag)!r}: must be true or false")
         if self.num_blocks * self.block_size < self.max_model_len:
             raise ProfileError(
                 f"{where}: kv_cache_tokens = {self.kv_cache_tokens} holds less than one request of "

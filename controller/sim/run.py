@@ -211,9 +211,7 @@ class Simulation:
         done: asyncio.Future[SimRequest] = asyncio.get_running_loop().create_future()
         try:
             async with self.gate.slot(spec.priority, t0) as slot:
-                req = SimRequest(
-                    spec.index, spec.prompt_tokens, spec.output_tokens, spec.priority, self.clock()
-                )
+                req = SimRequest.of(spec, self.clock())
                 req.on_finish = done.set_result
                 self.engine.add(req)
                 await done

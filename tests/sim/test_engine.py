@@ -71,8 +71,9 @@ def test_the_batch_cap_stops_admission_and_lowering_it_preempts_nobody() -> None
 
 def test_kv_shortage_preempts_the_newest_request_under_fcfs_and_it_recomputes() -> None:
     # 16 blocks of 4 tokens. Two requests of 28 prompt tokens hold 7 blocks each; decoding, they
-    # need an 8th block each at token 33; only 2 are free, then none.
-    e = engine(kv_cache_tokens=64, max_model_len=64)
+    # need an 8th block each at token 33; only 2 are free, then none. Prefix caching off: the victim
+    # recomputes everything (with it on, it would find part of its own freed blocks still cached).
+    e = engine(kv_cache_tokens=64, max_model_len=64, enable_prefix_caching=False)
     e.add(req(1, 28, 20))
     e.add(req(2, 28, 20))
     run_step(e, 1.0)
