@@ -42,12 +42,17 @@ batch that the SLO and the memory allow::
   Not the admitted rate: that cannot pass what the engine takes, so it would read about 1 under any
   overload; demand the gate refused is demand a further replica would serve. A client that retries a
   429 counts once per try.
+* Without ``[slo]``, under a policy that steers to the throughput knee (the ``slo`` policy's
+  ``knee_share`` ``g``), the batch is the knee instead of the TPOT bound:
+  ``D_knee = ceil(a * (1 - g) / (g * x))``, the smallest batch that reaches ``1 - g`` of the peak
+  ``1 / (o*x)``; capacity is then requests a second at the knee, not good requests (there is no bound).
 * TTFT is not a term: below saturation 1 the queue in front of the engine stays short, and the gate
   refuses a request whose predicted TTFT misses its bound; the autoscaler's target below 1 (0.8,
   ``deploy/k8s/README.md``) is the headroom that keeps TTFT.
 
-Never a made-up number: without ``[slo]``, a ready fit, ``min_finished`` requests finished in the
-window or two ticks of arrivals, the figure is None (the gauge has no sample) and ``reason`` says why.
+Never a made-up number: without ``[slo]`` (and no knee), a ready fit, ``min_finished`` requests
+finished in the window or two ticks of arrivals, the figure is None (the gauge has no sample) and
+``reason`` says why.
 Nothing offered reads saturation 0 (exact, capacity or not), from the first tick when no request has
 reached the gate since the meter started; a capacity of 0 (not one sequence's mean step fits the
 bound) leaves saturation None, as any load over it would be infinite.
@@ -74,7 +79,7 @@ class CapacityFit:
     batch: int
     """``D*``: running sequences at capacity."""
     bound: str
-    """What set ``D*``: "tpot", "kv" or "max_num_seqs"."""
+    """What set ``D*``: "tpot", "knee", "kv" or "max_num_seqs"."""
     mean_step_s: float
     """``s(D*)``: the mean step at capacity (seconds)."""
     capacity_rps: float
@@ -82,10 +87,16 @@ class CapacityFit:
 
 
 def fit_capacity(
-    cost: CostEstimate, step_bound_s: float, mix: FinishedMix, kv_batch: int | None, max_num_seqs: int
+    cost: CostEstimate,
+    step_bound_s: float | None,
+    mix: FinishedMix,
+    kv_batch: int | None,
+    max_num_seqs: int,
+    knee_share: float | None = None,
 ) -> CapacityFit | str:
     """``D*`` and ``capacity_rps`` of the module's formula, with ``step_bound_s = share * tpot_s`` and
-    ``kv_batch = D_kv`` (None: no KV bound); a reason string when the mix or the fit lacks a figure."""
+    ``kv_batch = D_kv`` (None: no KV bound); with ``knee_share`` (and no step bound) the knee's batch
+    bounds instead; a reason string when the mix or the fit lacks a figure."""
     p, o, k = mix.prefill_tokens, mix.output_tokens, cost.kv_tokens_per_seq
     if p is None or o is None or o <= 0:
         return "mix: no finished request with output"
@@ -94,8 +105,10 @@ def fit_capacity(
     a = cost.a_s
     x = cost.c_s_per_decode_seq + cost.d_s_per_kv_token * k + cost.b_s_per_prefill_token * p / o
     candidates = [(max_num_seqs, "max_num_seqs")]
-    if x > 0:
+    if x > 0 and step_bound_s is not None:
         candidates.append((math.floor((step_bound_s - a) / x), "tpot"))
+    if x > 0 and knee_share is not None:
+        candidates.append((math.ceil(round(a * (1 - knee_share) / (knee_share * x), 6)), "knee"))
     if kv_batch is not None:
         candidates.append((kv_batch, "kv"))
     batch, bound = min(candidates)
@@ -147,6 +160,13 @@ class GateTotals(Protocol):
     def stats(self) -> GateStats: ...
 
 
+def knee_share_of(policy: Policy) -> float | None:
+    """The policy's throughput knee (the ``slo`` policy's ``knee_share``, what it steers to without
+    ``[slo]``); None for a policy without one."""
+    share = getattr(policy, "knee_share", None)
+    return None if share is None else float(share)
+
+
 def tpot_share_of(policy: Policy) -> float:
     """Of the TPOT bound, what the policy lets a mean step take: the slo policy's ``mean_margin``;
     1.0 for a policy without one."""
@@ -170,6 +190,8 @@ class CapacityMeter:
         self.min_finished, self.kv_min_running = min_finished, kv_min_running
         self.slo: SloTargets | None = None
         self.tpot_share = 1.0
+        self.knee_share: float | None = None
+        """Without ``[slo]``: the policy's throughput knee, the batch the capacity is counted at."""
         self._arrivals: deque[tuple[float, int]] = deque()
         """(tick time, arrivals so far) over the window."""
         self._arrivals_at_start = gate.stats().arrivals_total
@@ -179,6 +201,7 @@ class CapacityMeter:
     def configure(self, slo: SloTargets | None, policy: Policy) -> None:
         """``[slo]`` and the policy in force (at build and on every reload)."""
         self.slo, self.tpot_share = slo, tpot_share_of(policy)
+        self.knee_share = knee_share_of(policy) if slo is None else None
 
     def on_tick(self, obs: Observation, _changes: object) -> None:
         self.last = self.measure(obs)
@@ -206,7 +229,7 @@ class CapacityMeter:
         idle = 0.0 if offered == 0 else None  # nothing offered: 0 whatever the capacity
         if offered is None:
             return Capacity(None, None, reason="offered rate: one tick so far", **figures)
-        if slo is None:
+        if slo is None and self.knee_share is None:
             return Capacity(idle, None, reason="no [slo] table: no SLO capacity", **figures)
         if cost is None or not cost.ready:
             why = "no step-cost model" if cost is None else cost.reason
@@ -215,15 +238,15 @@ class CapacityMeter:
         if mix.finished < self.min_finished:
             why = f"mix: {mix.finished} requests finished in {self.window.window_s:g} s < {self.min_finished}"
             return Capacity(idle, None, reason=why, **figures)
-        bound_s = self.tpot_share * slo.tightest.tpot_s
+        bound_s = None if slo is None else self.tpot_share * slo.tightest.tpot_s
         kv = obs.running >= self.kv_min_running and obs.kv_usage > 0
         kv_batch = math.floor(obs.running / obs.kv_usage) if kv else None
-        fit = fit_capacity(cost, bound_s, mix, kv_batch, obs.max_num_seqs)
+        fit = fit_capacity(cost, bound_s, mix, kv_batch, obs.max_num_seqs, self.knee_share)
         if isinstance(fit, str):
             return Capacity(idle, None, reason=fit, step_bound_s=bound_s, **figures)
         figures.update(asdict(fit), step_bound_s=bound_s)
         if fit.capacity_rps <= 0:
-            why = f"capacity 0: one sequence's mean step {_ms(fit.mean_step_s)} > {_ms(bound_s)}"
+            why = f"capacity 0: one sequence's mean step {_ms(fit.mean_step_s)} > {_ms(bound_s or 0.0)}"
             return Capacity(idle, reason=why, **figures)
         return Capacity(offered / fit.capacity_rps, reason="ok", **figures)
 

@@ -173,6 +173,22 @@ def test_without_slo_there_is_no_capacity() -> None:
     assert meter.last.capacity_rps is None and meter.last.reason.startswith("no [slo] table")
 
 
+def test_without_slo_the_slo_policy_counts_capacity_at_its_throughput_knee() -> None:
+    clock = FakeClock(100.0)
+    meter, gate, window = _meter(clock)
+    meter.configure(None, SloPolicy(max_num_seqs=64, initial_limit=8, knee_share=0.2))
+    for _ in range(2):
+        gate.arrive(2)
+        _finish(window, clock(), 3)
+        meter.on_tick(obs(now_mono=clock(), running=2, kv_usage=0.1, cost=COST), [])
+        clock.advance(1.0)
+    # D_knee = ceil(0.010 * 0.8 / (0.2 * 2.2e-3)) = ceil(18.18) = 19: 80 % of the peak 1 / (o * x)
+    assert (meter.last.reason, meter.last.batch, meter.last.bound) == ("ok", 19, "knee")
+    assert meter.last.step_bound_s is None
+    assert meter.last.capacity_rps == pytest.approx(19 / (100 * (0.010 + 19 * 2.2e-3)))
+    assert meter.last.saturation == pytest.approx(2 / meter.last.capacity_rps)
+
+
 def test_the_slo_policy_plans_the_mean_step_to_its_mean_margin() -> None:
     policy = SloPolicy(max_num_seqs=64, initial_limit=8, slo=SLO, mean_margin=0.5)
     assert tpot_share_of(policy) == 0.5 and tpot_share_of(StaticPolicy(max_num_seqs=64, initial_limit=8)) == 1
