@@ -6,14 +6,25 @@ handler tasks inherit it). The serving objects' entry points are wrapped to fill
 vLLM's own resolution (the ``X-Vllm-Priority`` header, else the body's ``priority``) before their
 ``_preflight`` runs; a request that names none gets ``[admission] default_priority``, and one that
 asks for more urgent than ``min_priority``, past int64 or not an integer is answered 400 there.
-``generate()`` claims the ticket; a ticket admitted but never claimed (vLLM answered 4xx after
-admission: bad input, prompt too long) gives its pending place back when the request ends.
+The wrapping only resolves the priority and counts the prompts before vLLM's own admission check:
+the rules live in the governed client's ``generate()`` (client.py), which every route passes. Each
+``generate()`` call is a ``Claim`` on the ticket: it takes one of the pending places admission
+counted, or, past them (a route whose entry point is not wrapped, a beam search's steps), passes the
+gate's admission check itself. A place never claimed (vLLM answered 4xx after admission: bad input,
+prompt too long) or claimed by a generator never iterated goes back when the request ends.
 
 A streamed request waits for its gate slot in the entry point, after vLLM's handler has made its
 generators and before it returns the stream: its 200 goes out only once the request runs, so a
 queue deadline that passes is a 429 with Retry-After, as for a request that does not stream, not an
-error event in a stream that already said 200. The slot travels to ``generate()``'s stream in its
-``Claim``; one the stream never took (the client left first) goes back when the request ends.
+error event in a stream that already said 200. Its calls take one slot of all their weights at
+once (a stream of more prompts than the limit never holds some while it waits for the rest), split
+into one ``Slot`` per ``Claim``; one the stream never took (the client left first) goes back when
+the request ends.
+
+A request's path: ``AdmissionMiddleware`` (app.py: the ``Ticket``) -> a wrapped entry point (the
+priority, the prompts) -> ``GovernedEngineClient.check_admission`` (pending places) -> ``generate()``
+(a ``Claim``) -> ``AdmissionGate.acquire`` (a ``Waiter`` until its ``Slot``) -> the engine
+(``pump.EngineStream``) -> ``AdmissionGate.release``.
 """
 
 from __future__ import annotations
