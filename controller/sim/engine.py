@@ -55,6 +55,8 @@ from controller.sim.profile import CostModel, EngineLimits
 
 STEP_RING = 4096
 """Steps kept between two drains, as in the real engine's ring."""
+OWN_KEY = 1 << 62
+"""A request's own content is keyed ``OWN_KEY + request_id``, apart from the workload's segment ids."""
 
 
 @dataclass(eq=False)
@@ -96,7 +98,7 @@ class SimRequest:
         )
 
     def __post_init__(self) -> None:
-        self.kv = BlockTable(-1 - self.request_id, within(self.segments, self.prompt_tokens))
+        self.kv = BlockTable(OWN_KEY + self.request_id, within(self.segments, self.prompt_tokens))
 
     @property
     def blocks(self) -> int:

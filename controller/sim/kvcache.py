@@ -61,6 +61,8 @@ class BlockTable:
     """The content's block hashes so far (they depend on the content only, so they outlive a free)."""
     looked_at: int = 0
     """Blocks of ``blocks`` already offered to the hash table."""
+    filled: int = 0
+    """Tokens its blocks hold once the scheduled ones are computed (what vLLM caches up to)."""
 
 
 def block_hashes(table: BlockTable, num_tokens: int, block_size: int) -> list[int]:
@@ -125,9 +127,8 @@ class KVCache:
         if not self.caching:
             return []
         hit: list[Block] = []
-        hashes = block_hashes(table, num_tokens - 1, self.block_size)
-        for h in hashes[: (num_tokens - 1) // self.block_size]:
-            block = self._table.get(h)
+        for j in range((num_tokens - 1) // self.block_size):
+            block = self._table.get(block_hashes(table, (j + 1) * self.block_size, self.block_size)[j])
             if block is None:
                 break
             hit.append(block)
@@ -139,20 +140,25 @@ class KVCache:
         """``allocate_slots``: take the ``hit`` blocks and the blocks ``new_tokens`` more need after
         ``computed`` tokens (the hit's included), or change nothing and return False. Then cache the
         blocks that the scheduled tokens fill, up to the ``num_tokens`` known."""
-        held = len(table.blocks) + len(hit)
-        need = self.blocks_for(computed + new_tokens) - held
-        evictable_hits = sum(1 for b in hit if b.ref == 0)
-        if max(need, 0) + evictable_hits > self.free:
+        need = -(-(computed + new_tokens) // self.block_size) - len(table.blocks) - len(hit)
+        if hit:
+            evictable = sum(1 for b in hit if b.ref == 0)  # a free cached block leaves the free queue
+            if max(need, 0) + evictable > self.free:
+                return False
+            for block in hit:  # touch
+                if block.ref == 0:
+                    del self._cached_free[block]
+                block.ref += 1
+            table.blocks.extend(hit)
+        elif need > self.free:
             return False
-        for block in hit:  # touch
-            if block.ref == 0:
-                del self._cached_free[block]
-            block.ref += 1
-        table.blocks.extend(hit)
         for _ in range(need):
             table.blocks.append(self._new_block())
-        if self.caching:
-            self._cache_full(table, min(computed + new_tokens, num_tokens))
+        table.filled = min(computed + new_tokens, num_tokens)
+        # Blocks of a request's own content can be hit by that request alone, once it has freed them:
+        # hashing them when they are freed leaves every lookup's answer as vLLM's and spares the work.
+        if self.caching and table.segments and table.filled // self.block_size > table.looked_at:
+            self._cache_full(table, table.filled // self.block_size)
         return True
 
     def _new_block(self) -> Block:
@@ -165,18 +171,22 @@ class KVCache:
         block.hash, block.ref = None, 1
         return block
 
-    def _cache_full(self, table: BlockTable, tokens: int) -> None:
-        full = min(tokens // self.block_size, len(table.blocks))
-        hashes = block_hashes(table, tokens, self.block_size)
+    def _cache_full(self, table: BlockTable, full: int) -> None:
+        """Enter the first ``full`` blocks of ``table`` (all full) in the hash table where not yet."""
+        if full <= table.looked_at:
+            return
+        hashes = block_hashes(table, full * self.block_size, self.block_size)
         for j in range(table.looked_at, full):
             block, h = table.blocks[j], hashes[j]
             if block.hash is None and h not in self._table:
                 block.hash = h
                 self._table[h] = block
-        table.looked_at = max(table.looked_at, full)
+        table.looked_at = full
 
     def release(self, table: BlockTable) -> None:
         """``free``: the blocks in reverse order; cached ones wait at the tail for a later hit."""
+        if self.caching:
+            self._cache_full(table, min(table.filled // self.block_size, len(table.blocks)))
         for block in reversed(table.blocks):
             block.ref -= 1
             if block.ref > 0:
@@ -187,4 +197,4 @@ class KVCache:
                 block.hash = None
                 self._uncached_free += 1
         table.blocks.clear()
-        table.looked_at = 0
+        table.looked_at = table.filled = 0

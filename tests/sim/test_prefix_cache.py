@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+from pathlib import Path
+
+import pytest
 
 from controller.bench.sessions import SharedPrefix, shared_prefix
+from controller.cli import main
 from controller.config.load import ControlConfig
 from controller.sim.engine import SimEngine, SimRequest, StepPlan
 from controller.sim.kvcache import BlockTable, KVCache
@@ -134,3 +139,28 @@ def _ttft_p50(caching: bool) -> float:
 def test_on_the_shared_prefix_workload_caching_halves_the_time_to_first_token() -> None:
     on, off = _ttft_p50(True), _ttft_p50(False)
     assert on < off / 2, (on, off)
+
+
+def test_simulate_replays_the_shared_prefix_workload_with_caching_as_the_config_says(tmp_path: Path) -> None:
+    off = tmp_path / "off.toml"
+    off.write_text('[engine]\nmodel = "models/tiny"\nenable_prefix_caching = false\n')
+    figures = {}
+    for name, extra in (("on", []), ("off", ["--config", str(off)])):
+        code = main([
+            "simulate", "--workload", "shared-prefix", "--rate", "0.5", "--duration", "120",
+            "--profile", "cpu-smollm2-avx512", "--policy", "static", "--no-variance", "--no-report",
+            "--slo-ttft", "2", "--slo-tpot", "0.1", "--out", str(tmp_path / name), *extra,
+        ])  # fmt: skip
+        assert code == 0
+        figures[name] = json.loads((tmp_path / name / "summary.json").read_text())
+    assert figures["on"]["workload"] == figures["off"]["workload"]  # the same requests
+    assert figures["on"]["load"].startswith("shared-prefix at 0.5 req/s")
+    assert figures["on"]["ttft_p50"] < figures["off"]["ttft_p50"]
+
+
+def test_simulate_takes_one_workload(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["simulate", "--profile", "cpu-tiny", "--slo-ttft", "1", "--slo-tpot", "1", "--out", str(tmp_path)]
+    assert main(args) == 1
+    assert "--trace PATH or --workload shared-prefix" in capsys.readouterr().err
+    assert main([*args, "--workload", "shared-prefix"]) == 1
+    assert "needs --rate R" in capsys.readouterr().err
