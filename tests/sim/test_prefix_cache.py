@@ -164,3 +164,32 @@ def test_simulate_takes_one_workload(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "--trace PATH or --workload shared-prefix" in capsys.readouterr().err
     assert main([*args, "--workload", "shared-prefix"]) == 1
     assert "needs --rate R" in capsys.readouterr().err
+
+
+def test_the_first_two_requests_of_a_trace_share_nothing() -> None:
+    e = engine()
+    served(e, req(0, 16, 1), 1.0)
+    assert served(e, req(1, 16, 1), 10.0).prefill_tokens == 16
+
+
+def test_with_caching_a_preempted_request_recomputes_only_what_was_evicted() -> None:
+    # As the FCFS preemption test: 16 blocks of 4, two requests of 28 prompt tokens decoding.
+    e = engine(kv_cache_tokens=64, max_model_len=64)
+    e.add(req(1, 28, 20))
+    e.add(req(2, 28, 20))
+    t = 1.0
+    while not e.total_preemptions:
+        step(e, t)
+        t += 1
+    victim = e.waiting.peek()
+    assert victim.request_id == 2 and victim.blocks == 0
+    known = victim.num_tokens
+    scheduled: dict[int, int] = {}
+    while 2 not in scheduled:
+        scheduled = {r.request_id: n for r, n in step(e, t).scheduled}
+        t += 1
+    # Its first 4 blocks were still cached (request 1 took the tail ones, freed first): 16 tokens
+    # read, 17 computed, where caching off recomputes all 33.
+    assert (scheduled[2], known) == (17, 33)
+    assert victim.num_computed_tokens == known
+    assert victim.num_cached_tokens == 0  # vLLM's figure: the hit at its first scheduling
