@@ -237,7 +237,7 @@ class SimEngine:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.prompt_tokens + req.output_tokens - req.num_computed_tokens, budget)
-            ok = self._allocate(req, n)
+            ok = self.kv.allocate(req.kv, req.num_computed_tokens, n, req.num_tokens)
             while not ok:
                 victim = self._victim()
                 at = self.running.index(victim)
@@ -249,7 +249,7 @@ class SimEngine:
                 preempted += 1
                 if victim is req:
                     break
-                ok = self._allocate(req, n)
+                ok = self.kv.allocate(req.kv, req.num_computed_tokens, n, req.num_tokens)
             if not ok:
                 break
             scheduled[req] = n
@@ -263,9 +263,6 @@ class SimEngine:
         if self.waiting.priority:
             return max(self.running, key=lambda r: (r.priority, r.arrival_t))
         return self.running[-1]
-
-    def _allocate(self, req: SimRequest, n: int) -> bool:
-        return self.kv.allocate(req.kv, req.num_computed_tokens, n, req.num_tokens)
 
     def _preempt(self, req: SimRequest) -> None:
         self.kv.release(req.kv)
@@ -342,7 +339,7 @@ class SimEngine:
                 done.append(req)
         for req in done:
             self.running.remove(req)
-            self.kv.release(req.kv)
+            self.kv.release(req.kv, final=True)
         sample = StepSample(
             t_mono=t_end,
             running=len(self.running),

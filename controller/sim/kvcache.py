@@ -7,7 +7,9 @@ and ``single_type_kv_cache_manager.py`` (``find_longest_cache_hit``, ``free``):
 
 * Only FULL blocks are hashed: block ``j`` of a request (tokens ``[j*B, (j+1)*B)``, prompt and output
   alike) gets ``hash(parent's hash, its tokens)`` once all its tokens are known; a block is cached
-  (entered in the hash table) when ``allocate_slots`` gives it the tokens that fill it.
+  (entered in the hash table) when ``allocate_slots`` gives it the tokens that fill it; the blocks
+  of a request with no shared segment when it frees them (only that request can hit them, and only
+  after freeing them: the same answers for less work).
 * A request that enters RUNNING with nothing computed (a new one, or a preempted one coming back)
   looks up the longest chain of cached blocks from its first block, at most ``num_tokens - 1`` tokens
   (vLLM never reuses the whole prompt: the last token is computed for its logits); its computed
@@ -40,7 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Block:
     """One KV block (vLLM's ``KVCacheBlock``): its hash once full and cached, and its users."""
 
@@ -48,7 +50,15 @@ class Block:
     ref: int = 0
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
+class Unreachable:
+    """Freed full blocks no lookup can reach (a finished request's own content), ``n`` of them in a row:
+    they keep their place in the LRU order as cached blocks do, with no hash to compute."""
+
+    n: int
+
+
+@dataclass(eq=False, slots=True)
 class BlockTable:
     """What one request holds: its blocks in order, and its content's block hashes (computed lazily)."""
 
@@ -99,15 +109,17 @@ class KVCache:
         self.caching = caching
         self._uncached_free = num_blocks
         """Free blocks with no hash: at the head of vLLM's free queue, all alike."""
-        self._cached_free: OrderedDict[Block, None] = OrderedDict()
-        """Free blocks still in the hash table, least recently freed first (the eviction order)."""
+        self._lru: OrderedDict[Block | Unreachable, None] = OrderedDict()
+        """Free full blocks after the uncached ones, least recently freed first (the eviction order)."""
+        self._lru_blocks = 0
+        """Blocks in ``_lru``."""
         self._table: dict[int, Block] = {}
         """Hash -> cached block (vLLM's ``cached_block_hash_to_block``)."""
 
     @property
     def free(self) -> int:
         """Free blocks, cached ones included (they are evicted when needed)."""
-        return self._uncached_free + len(self._cached_free)
+        return self._uncached_free + self._lru_blocks
 
     @property
     def cached_blocks(self) -> int:
@@ -140,24 +152,26 @@ class KVCache:
         """``allocate_slots``: take the ``hit`` blocks and the blocks ``new_tokens`` more need after
         ``computed`` tokens (the hit's included), or change nothing and return False. Then cache the
         blocks that the scheduled tokens fill, up to the ``num_tokens`` known."""
-        need = -(-(computed + new_tokens) // self.block_size) - len(table.blocks) - len(hit)
+        need = -(-(computed + new_tokens) // self.block_size) - len(table.blocks)
         if hit:
+            need -= len(hit)
             evictable = sum(1 for b in hit if b.ref == 0)  # a free cached block leaves the free queue
             if max(need, 0) + evictable > self.free:
                 return False
             for block in hit:  # touch
                 if block.ref == 0:
-                    del self._cached_free[block]
+                    del self._lru[block]
+                    self._lru_blocks -= 1
                 block.ref += 1
             table.blocks.extend(hit)
-        elif need > self.free:
+        elif need > self._uncached_free + self._lru_blocks:
             return False
-        for _ in range(need):
-            table.blocks.append(self._new_block())
+        if need > 0:
+            table.blocks.extend([self._new_block() for _ in range(need)])
         table.filled = min(computed + new_tokens, num_tokens)
         # Blocks of a request's own content can be hit by that request alone, once it has freed them:
         # hashing them when they are freed leaves every lookup's answer as vLLM's and spares the work.
-        if self.caching and table.segments and table.filled // self.block_size > table.looked_at:
+        if table.segments and self.caching and table.filled // self.block_size > table.looked_at:
             self._cache_full(table, table.filled // self.block_size)
         return True
 
@@ -165,11 +179,18 @@ class KVCache:
         if self._uncached_free > 0:
             self._uncached_free -= 1
             return Block(ref=1)
-        block, _ = self._cached_free.popitem(last=False)  # evict the least recently freed
-        assert block.hash is not None
-        del self._table[block.hash]
-        block.hash, block.ref = None, 1
-        return block
+        self._lru_blocks -= 1  # evict the least recently freed
+        first = next(iter(self._lru))
+        if isinstance(first, Unreachable):
+            first.n -= 1
+            if first.n == 0:
+                del self._lru[first]
+            return Block(ref=1)
+        del self._lru[first]
+        assert first.hash is not None
+        del self._table[first.hash]
+        first.hash, first.ref = None, 1
+        return first
 
     def _cache_full(self, table: BlockTable, full: int) -> None:
         """Enter the first ``full`` blocks of ``table`` (all full) in the hash table where not yet."""
@@ -183,18 +204,30 @@ class KVCache:
                 self._table[h] = block
         table.looked_at = full
 
-    def release(self, table: BlockTable) -> None:
-        """``free``: the blocks in reverse order; cached ones wait at the tail for a later hit."""
-        if self.caching:
-            self._cache_full(table, min(table.filled // self.block_size, len(table.blocks)))
-        for block in reversed(table.blocks):
+    def release(self, table: BlockTable, final: bool = False) -> None:
+        """``free``: the blocks in reverse order; cached ones wait at the tail for a later hit.
+        ``final``: the request finished, so the full blocks of its own content (no shared segment)
+        can be hit by no one: they take their place in the LRU order as ``Unreachable``."""
+        full = min(table.filled // self.block_size, len(table.blocks)) if self.caching else 0
+        dead = final and not table.segments
+        if not dead:
+            self._cache_full(table, full)
+        for j in range(len(table.blocks) - 1, -1, -1):
+            block = table.blocks[j]
             block.ref -= 1
             if block.ref > 0:
                 continue
-            if block.hash is not None and self.caching:
-                self._cached_free[block] = None
+            if block.hash is not None:
+                self._lru[block] = None
+                self._lru_blocks += 1
+            elif dead and j < full:
+                self._lru_blocks += 1
+                last = next(reversed(self._lru)) if self._lru else None
+                if isinstance(last, Unreachable):
+                    last.n += 1
+                else:
+                    self._lru[Unreachable(1)] = None
             else:
-                block.hash = None
                 self._uncached_free += 1
         table.blocks.clear()
         table.looked_at = table.filled = 0
