@@ -319,23 +319,42 @@ class CostReader:
     ``budget``: the engine's token budget in force, for the gate's prefill term."""
 
     def __init__(
-        self, model: StepCostModel, clock: Callable[[], float], budget: Callable[[], int] | None = None
+        self,
+        model: StepCostModel,
+        clock: Callable[[], float],
+        budget: Callable[[], int] | None = None,
+        cached_share: Callable[[], float | None] | None = None,
     ) -> None:
         self.model, self._clock, self._budget = model, clock, budget
+        self._cached_share = cached_share
+        """The share of recent prompts' tokens the prefix cache served (the telemetry window's)."""
+        self._share: tuple[float, float] | None = None
+        """(when read, the share): read at most once a second, not at every admission check."""
         self.warm_start: dict[str, Any] | None = None
         """How the model started (``lifecycle/warm.WarmStart``), once the daemon has started it."""
 
     def current(self) -> CostEstimate:
         return self.model.estimate(self._clock())
 
+    def cached_share(self) -> float:
+        """The prefix cache's share of recent prompt tokens (0 without a source or a figure)."""
+        if self._cached_share is None:
+            return 0.0
+        now = self._clock()
+        if self._share is None or now - self._share[0] >= 1.0:
+            self._share = (now, self._cached_share() or 0.0)
+        return self._share[1]
+
     def prefill_s(self, prompt_tokens: int) -> float:
         """The gate's prefill term (``admission/ttft.PrefillEstimator``): one step of the prompt alone,
         ``a + b * P``; while ``D`` streams decode (the latest step's), the engine gives the prompt
         chunks of ``T - D`` tokens of the budget ``T`` beside them, each step paying ``a + c * D``:
-        ``ceil(P / (T - D)) * (a + c * D) + b * P``. 0 until the fit is trusted (no guess refuses
-        anyone)."""
+        ``ceil(P / (T - D)) * (a + c * D) + b * P``, with ``P`` the prompt's tokens less the share
+        the prefix cache served recent prompts (a request's own hits are known only once it ran).
+        0 until the fit is trusted (no guess refuses anyone)."""
         if self.model.samples < self.model.min_samples:
             return 0.0
+        prompt_tokens = max(1, math.ceil(prompt_tokens * (1.0 - self.cached_share())))
         d = self.model.last_decode_seqs
         if self._budget is None or d <= 0:
             return max(0.0, self.model.predict_step(prompt_tokens, 0, 0))

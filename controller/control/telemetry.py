@@ -41,6 +41,8 @@ class StepSample:
     prefix-cache hits (what the request mix costs in prefill, ``controller/control/capacity.py``)."""
     finished_output_tokens: int = 0
     """Output tokens the requests finished in this step generated."""
+    finished_prompt_tokens: int = 0
+    """Prompt tokens of the requests finished in this step, prefix-cache hits included."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,9 @@ class FinishedMix:
     """Mean prompt tokens prefilled per finished request (prefix-cache hits excluded); None: none."""
     output_tokens: float | None
     """Mean output tokens per finished request; None when none finished."""
+    cached_share: float | None = None
+    """Share of those requests' prompt tokens the prefix cache served (not prefilled); None: no
+    prompt tokens reported."""
 
 
 class TelemetryWindow:
@@ -160,7 +165,9 @@ class TelemetryWindow:
         if n == 0:
             return FinishedMix(0, None, None)
         prefill = sum(s.finished_prefill_tokens for s in self._steps)
-        return FinishedMix(n, prefill / n, sum(s.finished_output_tokens for s in self._steps) / n)
+        prompt = sum(s.finished_prompt_tokens for s in self._steps)
+        cached = min(1.0, max(0.0, 1.0 - prefill / prompt)) if prompt > 0 else None
+        return FinishedMix(n, prefill / n, sum(s.finished_output_tokens for s in self._steps) / n, cached)
 
     def max_running_since(self, t_mono: float) -> int:
         """Largest RUNNING count reported at or after ``t_mono`` (0 when none)."""

@@ -149,7 +149,9 @@ def build_parts(
         diagnoser, loop, AsyncIOScheduler(), Notifier(), tasks,
     )  # fmt: skip
     guard.on_engine_args = parts.adopt_engine
-    parts.cost = CostReader(cost_model, monotonic, lambda: host.token_budget)
+    parts.cost = CostReader(
+        cost_model, monotonic, lambda: host.token_budget, lambda: window.finished_mix().cached_share
+    )
     gate.set_ttft(ttft_for(policy, config.slo, a.classes, parts.cost))  # SLO steering's TTFT bounds
     metrics.live.read_cost(parts.cost)
     parts.capacity = capacity

@@ -59,7 +59,7 @@ def add_simulate_parser(sub: Any) -> None:
         help="a shipped profile name (cpu-tiny, cpu-smollm2, h200-8b) or a .toml path",
     )
     p.add_argument(
-        "--policy", default=None, help="policy name or module:Class (default: --config's, else static)"
+        "--policy", default=None, help="policy name or module:Class (default: --config's, else slo)"
     )
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                    help="a policy parameter (TOML value: 0.8, \"mean\", true); repeatable")  # fmt: skip

@@ -352,5 +352,6 @@ class SimEngine:
             finished=len(done),
             finished_prefill_tokens=sum(r.prompt_tokens - max(0, r.num_cached_tokens) for r in done),
             finished_output_tokens=sum(r.output_tokens for r in done),
+            finished_prompt_tokens=sum(r.prompt_tokens for r in done),
         )
         return sample, done

@@ -146,7 +146,12 @@ class Simulation:
         self.capacity.configure(self.control.slo, policy)
         subscribers = [self._record_changes, self.capacity.on_tick]
         self.loop = ControlLoop(policy, normalizer, self.observe, self, subscribers, 50, steps)
-        prefill = CostReader(self.cost, self.clock, lambda: self.engine.token_budget)
+        prefill = CostReader(
+            self.cost,
+            self.clock,
+            lambda: self.engine.token_budget,
+            lambda: self.window.finished_mix().cached_share,
+        )
         self.gate.set_ttft(ttft_for(policy, self.control.slo, a.classes, prefill))
         self._rng = random.Random(seed)
         self.jitter = jitter

@@ -33,7 +33,7 @@ def build_simulation(
     use_variance: bool = True,
     slo: SloTargets | None = None,
 ) -> Simulation:
-    """The twin under ``control`` (default: ``[control]``'s defaults, the static policy) and
+    """The twin under ``control`` (default: ``[control]``'s defaults, the slo policy) and
     ``admission`` (default: its defaults with the limit at the engine's ``max_num_seqs``, as
     config.toml sets it: no gate limit below the engine's ceiling), steering to ``slo`` (``[slo]``)
     where the policy does."""

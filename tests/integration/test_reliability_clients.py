@@ -82,7 +82,8 @@ async def test_a_client_that_stops_reading_frees_its_slot_and_its_send_is_cut(da
         "stream": True, "logprobs": 20, "n": 4,
     }  # fmt: skip  # ~8 MB of events: more than the kernel's socket buffers take (tcp_wmem max 4 MB)
     s = raw_request(daemon, body)
-    await wait_for(lambda: gate.stats().in_flight == 1, 30, "the request inside the engine")
+    # its slot weighs its 4 sequences (n = 4), capped at the admission limit of 2: it runs alone
+    await wait_for(lambda: gate.stats().in_flight == 2, 30, "the request inside the engine")
     await wait_for(lambda: gate.completed_total > done_before, 60, "the engine to finish the request")
     assert gate.stats().in_flight == 0  # its slot is back though the client has read nothing
     await asyncio.sleep(SEND_TIMEOUT_S + 2.0)  # the stalled write is given up by now

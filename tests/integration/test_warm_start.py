@@ -1,7 +1,8 @@
 """The warm-up on the real engine (tiny model): a daemon with no cost profile fits the step-cost model
 from synthetic requests before it serves, says so in /state, stores the fit, and the next start with
 the same engine reads it back instead of warming up again. Forty streams right after start on the
-default config's admission and policy are all served (no refusal while the fit is young)."""
+default config's admission and policy are all served (no refusal while the fit is young), and each
+is counted as good against the shipped [slo]."""
 
 from __future__ import annotations
 
@@ -52,7 +53,13 @@ async def test_a_warm_up_fits_the_model_before_serving_and_the_next_start_reads_
         stored = json.loads(Path(warm["path"]).read_text())
         assert stored["coefficients"] == warm["coefficients"]
         results = await asyncio.gather(*(stream_completion(s, url(d, ""), 32) for _ in range(40)))
+        await asyncio.sleep(1.0)  # the stat logger reports the last finished requests with a step
+        outcomes = (await (await s.get(admin_url(d, "/state"))).json())["outcomes"]
     assert [r["status"] for r in results] == [200] * 40, results
+    # each served request judged against the shipped [slo] (tiny: far within 5 s / 250 ms)
+    counts = outcomes["by_class"]["interactive"]
+    assert sum(counts.values()) == 40 and counts["good"] == 40, outcomes
+    assert outcomes["unmatched"] == 0 and outcomes["attainment"] == 1.0
     async with running_daemon(path) as again, http_session() as s:
         warm_again = (await (await s.get(admin_url(again, "/state"))).json())["cost_model"]["warm_start"]
     assert warm_again["source"] == "state_file" and warm_again["coefficients"] == warm["coefficients"]

@@ -260,4 +260,4 @@ def test_the_stat_logger_records_each_finished_requests_tokens() -> None:
     ]
     logger = stat_logger_factory(window)(None, 0)  # type: ignore[arg-type]  # the factory reads no config
     logger.record(SchedulerStats(num_running_reqs=3, kv_cache_usage=0.2), it)
-    assert window.finished_mix() == FinishedMix(2, 200.0, 30.0)
+    assert window.finished_mix() == FinishedMix(2, 200.0, 30.0, pytest.approx(100 / 500))

@@ -245,6 +245,7 @@ class GovernedEngineClient(EngineClient):
             try:
                 llm = self._host.llm
                 self._host.in_flight[key] = (request_id, llm)
+                self._outcome_started(request_id, slot, ticket, sampling_params)
                 stream = llm.generate(prompt, sampling_params, request_id, priority=priority, **kwargs)
                 # aclosing: a disconnect closes us, and must close vLLM's generator now so it aborts
                 # the request in the engine, not whenever the garbage collector gets to it.
@@ -272,6 +273,16 @@ class GovernedEngineClient(EngineClient):
             if reason is not None:
                 raise RetryableRequestError(f"request aborted: {reason}; retry it")
             return
+
+    def _outcome_started(
+        self, request_id: str, slot: Slot, ticket: tickets.Ticket | None, sampling_params: Any
+    ) -> None:
+        """Tell the outcome ledger (``control/outcomes.py``) the request's class and the time it spent
+        before the engine (the front end and the gate's queue), which its judged TTFT includes."""
+        outcomes = getattr(self._host, "outcomes", None)  # a host without a ledger counts nothing
+        if outcomes is not None:
+            before = slot.granted_mono - (ticket.arrived_mono if ticket is not None else slot.granted_mono)
+            outcomes.started(request_id, slot.cls, before, int(getattr(sampling_params, "n", 1) or 1))
 
     def _first_token(self, output: Any, slot: Slot, ticket: tickets.Ticket | None) -> None:
         """Tell the gate how long the request took from its slot to its first token: vLLM's own

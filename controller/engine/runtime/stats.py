@@ -21,6 +21,7 @@ from vllm.v1.engine import FinishReason
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from controller.control.telemetry import StepSample, TelemetryWindow
+from controller.engine.runtime.warmup import REQUEST_PREFIX
 
 
 class OutcomeSink(Protocol):
@@ -35,8 +36,11 @@ class OutcomeSink(Protocol):
 
 
 def report_finished(sink: OutcomeSink, done: list[Any]) -> None:
-    """Each of vLLM's ``FinishedRequestStats`` in ``done`` to ``sink`` (module docstring)."""
+    """Each of vLLM's ``FinishedRequestStats`` in ``done`` to ``sink`` (module docstring); the
+    warm-up's synthetic requests (``warmup.REQUEST_PREFIX``) are no client's and are left out."""
     for r in done:
+        if str(r.request_id).startswith(REQUEST_PREFIX):
+            continue
         tpot = r.mean_time_per_output_token if r.num_generation_tokens >= 2 else None
         error = r.finish_reason in (FinishReason.ERROR, FinishReason.ABORT)
         sink.served(str(r.request_id), max(0.0, r.e2e_latency - r.decode_time), tpot, error)
@@ -71,6 +75,7 @@ class _WindowLogger(StatLoggerBase):
                 finished=len(done),
                 finished_prefill_tokens=sum(r.num_prompt_tokens - r.num_cached_tokens for r in done),
                 finished_output_tokens=sum(r.num_generation_tokens for r in done),
+                finished_prompt_tokens=sum(r.num_prompt_tokens for r in done),
             )
         )
         if self.outcomes is not None:

@@ -30,6 +30,9 @@ from vllm.inputs import TokensPrompt
 
 log = structlog.get_logger(__name__)
 
+REQUEST_PREFIX = "autopilot-warmup-"
+"""The warm-up's request ids start so: the outcome count leaves them out (``stats.py``)."""
+
 
 @dataclass(frozen=True)
 class Phase:
@@ -89,7 +92,7 @@ async def run(
         if clock() - start >= budget_s:
             skipped = tuple(p.describe() for p in phases[k:])
             return WarmupRun(tuple(done), requests, clock() - start, skipped)
-        names = [f"autopilot-warmup-{next(ids)}" for _ in range(phase.streams)]
+        names = [f"{REQUEST_PREFIX}{next(ids)}" for _ in range(phase.streams)]
         params = SamplingParams(max_tokens=phase.output_tokens, ignore_eos=True, temperature=0.0)
         prompts = [
             TokensPrompt(prompt_token_ids=[rng.randrange(1, vocab_size) for _ in range(phase.prompt_tokens)])
