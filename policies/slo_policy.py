@@ -57,8 +57,9 @@ class SloPolicy(Policy):
     ``1 - g`` of it (``g = knee_share``) at ``N_knee = ceil(a * (1 - g) / (g * s))``; past it a tenth
     more concurrency adds less than ``g`` / 10 throughput while every stream's TPOT grows. Cap
     ``min(N_knee, N_kv)`` (``N_kv`` as in 3), budget ``max_num_batched_tokens`` (throughput: no step
-    bound to keep), limit as in 4 with ``runs`` the cap. The gate refuses by queue bounds and
-    deadlines alone (no TTFT bound).
+    bound to keep), limit the cap plus ``h`` as in 4, never cut to what runs (no TTFT bound to
+    shed against: a queue is no better in the gate than in the engine). The gate refuses by queue
+    bounds and deadlines alone.
 
     Bands against churn: a budget or cap move smaller than ``band`` of the value in force is dropped, and
     a knob reverses its last direction only ``reverse_after_s`` after its last move (the normalize
@@ -180,7 +181,7 @@ class SloPolicy(Policy):
                 n, why = n_kv, f"cap {n_kv}: KV {obs.kv_usage:.2f} at {d} running > {self.kv_target:g}"
         cap = max(self.min_cap, min(self.max_num_seqs, n))
         budget = obs.max_num_batched_tokens
-        limit, limit_why = self._limit(obs, cap)
+        limit, limit_why = self._limit(obs, cap, cut=False)
         self._terms = {"kv_tokens_per_seq": k, "cap": cap, "budget": budget, "limit": limit}
         return Decision(
             self._banded("admission_limit", obs.admission_limit, limit, now_mono, self.band),
@@ -245,13 +246,16 @@ class SloPolicy(Policy):
         predicted = decode_s + b * (budget - d)
         return budget, f"budget {budget}: step {_ms(predicted)} at {d} decodes, bound {_ms(tau)}"
 
-    def _limit(self, obs: Observation, runs: int) -> tuple[int, str]:
-        """Just above what the engine runs: the queue forms in the gate."""
+    def _limit(self, obs: Observation, runs: int, cut: bool = True) -> tuple[int, str]:
+        """Just above what the engine runs: the queue forms in the gate. ``cut``: requests waiting
+        inside the engine pull it down to what runs (under ``[slo]``, where the gate sheds by the TTFT
+        bound; without one a queue is no better in the gate, and a cut holds back requests the
+        engine would batch as soon as a sequence ends)."""
         d = obs.running
         h = max(self.min_headroom, math.ceil(self.headroom * runs))
         waiting = max(0, obs.in_flight - d)
         want, why = runs + h, f"limit {runs + h}: {h} above"
-        if waiting > h and d + h < want:
+        if cut and waiting > h and d + h < want:
             want, why = d + h, f"limit {d + h}: {waiting} wait in the engine > {h}"
         return max(self.min_limit, want), why
 

@@ -134,6 +134,13 @@ def test_without_an_slo_it_runs_the_batch_at_the_throughput_knee() -> None:
     assert knee.params()["objective"].startswith("knee: ")
 
 
+def test_without_an_slo_requests_waiting_in_the_engine_do_not_cut_the_limit() -> None:
+    knee = SloPolicy(max_num_seqs=256, initial_limit=50, knee_share=0.2)
+    # 30 wait inside the engine beside 20 running: under [slo] the limit would fall to 20 + 11
+    d = knee.decide(loaded(kv_usage=0.01, in_flight=50), 0.0)
+    assert d.admission_limit == 102 + 11
+
+
 def test_without_an_slo_the_kv_cache_bounds_the_knee() -> None:
     d = SloPolicy(max_num_seqs=256, initial_limit=50).decide(loaded(), 0.0)
     # knee ceil(5.1 * 0.95 / (0.05 * 0.2)) = 485; KV floor(0.9 * 20 / 0.1) = 180
