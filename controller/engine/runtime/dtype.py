@@ -63,15 +63,20 @@ def choose_dtype(requested: str | None, *, cpu: bool, machine: str, cpuinfo: str
 
 
 @functools.cache
+def cpuinfo_text() -> str | None:
+    """``/proc/cpuinfo``, read once per process; None where it cannot be read."""
+    try:
+        return CPUINFO.read_text()
+    except OSError:
+        return None
+
+
+@functools.cache
 def _platform() -> tuple[bool, str, str | None]:
     """(vLLM's platform is the CPU, the machine, ``/proc/cpuinfo``): read once per process."""
     from vllm.platforms import current_platform
 
-    try:
-        cpuinfo: str | None = CPUINFO.read_text()
-    except OSError:
-        cpuinfo = None
-    return bool(current_platform.is_cpu()), platform.machine(), cpuinfo
+    return bool(current_platform.is_cpu()), platform.machine(), cpuinfo_text()
 
 
 def platform_dtype(requested: str | None) -> DtypeChoice:

@@ -28,6 +28,8 @@ import structlog
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 
+from controller.engine.runtime.dtype import cpuinfo_text
+
 log = structlog.get_logger(__name__)
 
 REQUEST_PREFIX = "autopilot-warmup-"
@@ -154,7 +156,7 @@ def hardware(cpu_flags: str | None = None) -> str:
     gpus = []
     if torch.cuda.is_available():
         gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    flags = cpu_flags if cpu_flags is not None else _cpuinfo()
+    flags = cpu_flags if cpu_flags is not None else (cpuinfo_text() or "")
     model = next(
         (ln.split(":", 1)[1].strip() for ln in flags.splitlines() if ln.startswith("model name")), ""
     )
@@ -164,11 +166,3 @@ def hardware(cpu_flags: str | None = None) -> str:
         ).encode()
     ).hexdigest()[:12]
     return json.dumps({"machine": platform.machine(), "cpu": model, "cpu_flags": digest, "gpus": gpus})
-
-
-def _cpuinfo() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            return f.read()
-    except OSError:
-        return ""
