@@ -172,7 +172,7 @@ class SloPolicy(Policy):
         if per_seq <= 0 or cost.a_s <= 0:
             n, why = self.max_num_seqs, f"cap {self.max_num_seqs}: knee, no per-sequence cost measured"
         else:
-            n = math.ceil(round(cost.a_s * (1 - g) / (g * per_seq), 6))  # 102.00000000001 is 102
+            n = knee_batch(cost.a_s, per_seq, g)
             why = f"cap {n}: knee, {1 - g:.0%} of peak at step {_ms(cost.a_s)} + {per_seq * 1e3:.2f} ms/seq"
         d = obs.running
         if d >= self.kv_min_running and obs.kv_usage > 0:
@@ -280,6 +280,12 @@ class SloPolicy(Policy):
     def terms(self) -> dict[str, float]:
         """The step bound, the KV per sequence and the three sizes of the last tick."""
         return dict(self._terms)
+
+
+def knee_batch(a_s: float, per_seq_s: float, share: float) -> int:
+    """The smallest batch whose throughput ``N / (a + s*N)`` reaches ``1 - share`` of its peak
+    ``1 / s``: ``ceil(a * (1 - share) / (share * s))`` (``a``, ``s`` > 0; 102.00000000001 is 102)."""
+    return math.ceil(round(a_s * (1 - share) / (share * per_seq_s), 6))
 
 
 def _ms(seconds: float) -> str:

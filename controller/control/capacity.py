@@ -70,6 +70,7 @@ from controller.control.telemetry import FinishedMix
 from policies.base import Observation, Policy
 from policies.cost import CostEstimate
 from policies.slo import SloTargets
+from policies.slo_policy import knee_batch
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ def fit_capacity(
     if x > 0 and step_bound_s is not None:
         candidates.append((math.floor((step_bound_s - a) / x), "tpot"))
     if x > 0 and knee_share is not None:
-        candidates.append((math.ceil(round(a * (1 - knee_share) / (knee_share * x), 6)), "knee"))
+        candidates.append((knee_batch(a, x, knee_share), "knee"))
     if kv_batch is not None:
         candidates.append((kv_batch, "kv"))
     batch, bound = min(candidates)
