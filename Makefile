@@ -21,7 +21,7 @@ comma := ,
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: run test install model lint browser clean
+.PHONY: run test install model lint browser house clean
 
 run: install model
 	$(BIN)/vllm-autopilot serve --config $(CONFIG)
@@ -40,14 +40,20 @@ lint: install
 	$(BIN)/ruff format --check controller policies tests bench
 	$(BIN)/mypy
 
+# The shape of the house: import circles (imports inside functions count), the largest modules, the
+# `# fmt: skip` lines and the Python under bench/ (ARCHITECTURE.md's rules); it prints, it never fails.
+house:
+	$(PYTHON) tools/house.py
+
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
 	$(BIN)/python -m pip install -e '.[$(EXTRAS)]'
-	# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm` beside a
-	# CPU torch (DESIGN.md); vLLM does not need them to serve text models.
+	# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that fail to load beside a CPU torch,
+	# and transformers imports torchvision when present, which breaks `import vllm`; vLLM does not
+	# need them to serve text models.
 	case "$(EXTRAS)" in *cpu*) $(BIN)/python -m pip uninstall -y torchvision torchaudio torchcodec ;; esac
 	touch $@
 

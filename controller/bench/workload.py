@@ -69,7 +69,7 @@ def _parse_timestamp(text: str) -> datetime:
 def read_azure_trace(path: Path) -> list[TraceRow]:
     """Read an Azure LLM trace CSV into rows sorted by time, stamped relative to the first row."""
     if not path.is_file():
-        raise WorkloadError(f"trace {path}: no such file (the Azure traces live in ../shared/traces/)")
+        raise WorkloadError(f"trace {path}: no such file (the repository ships the Azure traces in traces/)")
     with path.open(newline="", encoding="utf-8") as fh:
         reader = csv.DictReader(fh)
         missing = [c for c in AZURE_COLUMNS if c not in (reader.fieldnames or ())]

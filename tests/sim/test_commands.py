@@ -13,13 +13,9 @@ from controller.cli import main
 from controller.sim.compare import CONFIGS
 from controller.sim.validate import RATIO_KEYS
 
-TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
-needs_traces = pytest.mark.skipif(
-    not (TRACES / "azure_llm_2023_code.csv").exists(), reason="needs ../shared/traces"
-)
+TRACES = Path(__file__).resolve().parents[2] / "traces"
 
 
-@needs_traces
 def test_simulate_compare_runs_every_configuration(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -41,7 +37,6 @@ def test_simulate_compare_runs_every_configuration(
     assert (out / "compare.md").read_text().count("\n") == len(CONFIGS) + 2
 
 
-@needs_traces
 def test_validate_from_real_figures_reruns_only_the_twin(tmp_path: Path) -> None:
     real = {"requests": 10, "ok": 10, "throughput_tok_s": 100.0, "ttft_p50": 0.02, "ttft_p99": 0.05,
             "tpot_p50": 0.004, "duration_s": 20.0}  # fmt: skip
@@ -61,7 +56,6 @@ def test_validate_from_real_figures_reruns_only_the_twin(tmp_path: Path) -> None
     assert row["twin_mean_model"]["requests"] == row["twin"]["requests"] > 0
 
 
-@needs_traces
 def test_validate_takes_the_median_of_every_real_run_it_is_given(tmp_path: Path) -> None:
     """An older file holds one ``real``, a newer one ``real_runs``: the three are pooled, and each
     figure is their median (so one slow run does not move the figure the twin is held to)."""

@@ -20,7 +20,7 @@ from controller.sim.profile import (
     parse_profile,
 )
 
-TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
+TRACES = Path(__file__).resolve().parents[2] / "traces"
 
 
 def test_shipped_profiles_load_and_cite_their_sources() -> None:
@@ -91,7 +91,6 @@ def test_params_are_toml_values_or_strings() -> None:
         parse_params(["oops"])
 
 
-@pytest.mark.skipif(not (TRACES / "azure_llm_2023_code.csv").exists(), reason="needs ../shared/traces")
 def test_simulate_writes_what_bench_run_writes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "run"
     code = main([

@@ -29,7 +29,7 @@ TRACE = """TIMESTAMP,ContextTokens,GeneratedTokens
 2023-11-16 18:15:48.0000000,10,3
 2023-11-16 18:16:46.6805900,1000,1
 """
-SHARED = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces" / "azure_llm_2023_conv.csv"
+CONV_TRACE = Path(__file__).resolve().parents[2] / "traces" / "azure_llm_2023_conv.csv"
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -77,9 +77,8 @@ def test_bad_traces(tmp_path: Path) -> None:
         )
 
 
-@pytest.mark.skipif(not SHARED.is_file(), reason="the shared Azure traces are not next to this checkout")
 def test_real_conv_trace_window() -> None:
-    rows = read_azure_trace(SHARED)
+    rows = read_azure_trace(CONV_TRACE)
     assert len(rows) == 19366 and rows[0].t_s == 0.0
     assert 3500 < rows[-1].t_s < 3600  # one hour
     specs = trace_window(rows, start_s=600, duration_s=60, time_scale=2)
