@@ -10,7 +10,7 @@ A class's ``queue_deadline_s`` above its TTFT bound is neither an error nor a wa
 derived. A request that waited past its TTFT bound can no longer be good, so under SLO steering its
 longest useful wait is ``min(queue_deadline_s, TTFT bound)`` (``wait_bounds``, shown per class as
 ``wait_bound_s``); the deadline alone still governs under the other policies, which is why the default
-file keeps 5 s / 60 s deadlines beside a 2.5 s bound. A deadline below the bound refuses earlier.
+file keeps its 5 s / 60 s deadlines beside its 5 s TTFT bound. A deadline below the bound refuses earlier.
 """
 
 from __future__ import annotations
