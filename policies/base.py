@@ -78,6 +78,12 @@ class Observation:
     token_budget_min: int = 1
     """Lowest token budget the engine takes (16; max_model_len when chunked prefill is off, as a
     prompt longer than the budget would then never be scheduled)."""
+    served_total: int = 0
+    """Requests served to the end since the start (``control/outcomes.OutcomeLedger``), counted once
+    each when vLLM reports them finished; an engine error is not counted."""
+    missed_total: int = 0
+    """Of ``served_total``, those that missed their class's ``[slo]`` TTFT or TPOT bound (0 without
+    ``[slo]``)."""
     cost: CostEstimate | None = None
     """The online step-cost model's fit (``controller/control/stepcost.py``); None where none runs.
     A policy steering by it holds its knobs while ``cost.ready`` is False and says ``cost.reason``."""

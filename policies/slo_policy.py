@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from policies.base import Decision, Observation, Policy
+from policies.base import Decision, Observation, Policy, PolicyError
 from policies.common import check_float, check_int, is_stale
 from policies.cost import CostEstimate
 from policies.slo import SloTargets
@@ -61,23 +61,38 @@ class SloPolicy(Policy):
     shed against: a queue is no better in the gate than in the engine). The gate refuses by queue
     bounds and deadlines alone.
 
+    The mean margin learns (under ``[slo]``): ``mean_margin`` is where it starts, and every
+    ``margin_samples`` requests served since its last look (``Observation.served_total``), the share
+    of them that missed a bound of their class (``missed_total``) steers it: above ``miss_high`` it
+    is multiplied by ``margin_down``; below ``miss_low``, where it bounded the concurrency at some
+    tick since that look (``runs`` below the cap: a larger margin would run more), by ``margin_up``;
+    always within ``[mean_margin_min, mean_margin_max]``. Between the two shares it holds. After a
+    move, the requests then in flight (``in_flight``) end before the next count starts: they ran
+    under the old margin, and judging the new one by them moves it twice for one cause. A too
+    careful margin shows as no misses while the gate refuses (the queue is held short); a bold one as
+    misses among the admitted, which good requests then pay for in TPOT.
+
     Bands against churn: a budget or cap move smaller than ``band`` of the value in force is dropped, and
     a knob reverses its last direction only ``reverse_after_s`` after its last move (the normalize
     stage's rate limit still applies: the budget at most doubles or halves per tick).
 
     Parameters (defaults): ``margin`` 0.9; ``kv_target`` 0.9; ``kv_min_running`` 4;
     ``min_prefill_tokens`` 64; ``headroom`` 0.1; ``min_headroom`` 2; ``min_limit`` 1; ``min_cap`` 1;
-    ``band`` 0.1; ``reverse_after_s`` 30.0; ``stale_after_s`` 5.0; ``knee_share`` 0.05. ``slo`` is
-    passed by the builder from ``[slo]`` (not a ``[control.params]`` key).
+    ``band`` 0.1; ``reverse_after_s`` 30.0; ``stale_after_s`` 5.0; ``knee_share`` 0.05;
+    ``mean_margin`` 0.5, ``mean_margin_min`` 0.2, ``mean_margin_max`` 1.0, ``margin_samples`` 50,
+    ``miss_low`` 0.01, ``miss_high`` 0.03, ``margin_up`` 1.05, ``margin_down`` 0.8. ``slo`` is passed
+    by the builder from ``[slo]`` (not a ``[control.params]`` key).
 
-    States: per knob the direction and time of its last move.
+    States: per knob the direction and time of its last move; the learned mean margin, the served
+    and missed counts at its last look, and whether it bounded the concurrency since.
     """
 
     name = "slo"
     takes_slo = True
     param_names = tuple(
         "margin mean_margin budget_margin ttft_wait_share kv_target kv_min_running min_prefill_tokens "
-        "headroom min_headroom min_limit min_cap band reverse_after_s stale_after_s knee_share".split()
+        "headroom min_headroom min_limit min_cap band reverse_after_s stale_after_s knee_share "
+        "mean_margin_min mean_margin_max margin_samples miss_low miss_high margin_up margin_down".split()
     )
 
     def __init__(
@@ -101,6 +116,13 @@ class SloPolicy(Policy):
         reverse_after_s: float = 30.0,
         stale_after_s: float = 5.0,
         knee_share: float = 0.05,
+        mean_margin_min: float = 0.2,
+        mean_margin_max: float = 1.0,
+        margin_samples: int = 50,
+        miss_low: float = 0.01,
+        miss_high: float = 0.03,
+        margin_up: float = 1.05,
+        margin_down: float = 0.8,
     ) -> None:
         self.max_num_seqs, self.slo = max_num_seqs, slo
         self.margin = check_float("margin", margin, 0.0, 10.0, lo_open=True)
@@ -118,6 +140,27 @@ class SloPolicy(Policy):
         self.reverse_after_s = check_float("reverse_after_s", reverse_after_s, 0.0)
         self.stale_after_s = check_float("stale_after_s", stale_after_s, 0.0, lo_open=True)
         self.knee_share = check_float("knee_share", knee_share, 0.0, 0.5, lo_open=True)
+        self.mean_margin_min = check_float("mean_margin_min", mean_margin_min, 0.0, 10.0, lo_open=True)
+        self.mean_margin_max = check_float("mean_margin_max", mean_margin_max, self.mean_margin_min, 10.0)
+        if not self.mean_margin_min <= self.mean_margin <= self.mean_margin_max:
+            raise PolicyError(
+                f"mean_margin = {mean_margin}: must lie within [mean_margin_min, mean_margin_max] = "
+                f"[{self.mean_margin_min:g}, {self.mean_margin_max:g}] (where it starts learning)"
+            )
+        self.margin_samples = check_int("margin_samples", margin_samples, 1)
+        self.miss_low = check_float("miss_low", miss_low, 0.0, 1.0)
+        self.miss_high = check_float("miss_high", miss_high, self.miss_low, 1.0)
+        self.margin_up = check_float("margin_up", margin_up, 1.0, 10.0)
+        self.margin_down = check_float("margin_down", margin_down, 0.0, 1.0, lo_open=True)
+        self.margin_live = self.mean_margin
+        """The learned mean margin, what ``_concurrency`` plans with."""
+        self._mark: tuple[int, int] | None = None
+        """(served, missed) totals at the margin's last look; None before the first tick."""
+        self._margin_bound = False
+        """The margin bounded the concurrency (runs below the cap) at a tick since its last look."""
+        self._settle_until = 0
+        """After a move, the served total at which the requests then in flight have ended: the
+        next look counts only requests admitted under the new margin."""
         self._last: dict[str, tuple[int, float]] = {}
         """knob -> (direction of its last move, +1 / -1, and when)."""
         self._terms: dict[str, float] = {}
@@ -136,13 +179,16 @@ class SloPolicy(Policy):
         cap, cap_why = self._cap(obs, cost, tau, k, reserve)
         budget_tau = self.budget_margin * self.slo.tightest.tpot_s
         budget, budget_why = self._budget(obs, cost, budget_tau, k, cap, reserve)
+        margin_why = self._learn_margin(obs)
         runs, runs_why = self._concurrency(cost, k, cap)
+        self._margin_bound = self._margin_bound or runs < cap
         limit, limit_why = self._limit(obs, runs)
         self._terms = {"tau_s": tau, "kv_tokens_per_seq": k, "cap": cap, "budget": budget, "limit": limit}
+        self._terms["mean_margin"] = self.margin_live
         decision = Decision(
             self._banded("admission_limit", obs.admission_limit, limit, now_mono, self.band),
             self._banded("batch_cap", obs.batch_cap, cap, now_mono, self.band),
-            f"slo[{budget_why}; {cap_why}; {runs_why}; {limit_why}]",
+            f"slo[{budget_why}; {cap_why}; {runs_why}; {margin_why}; {limit_why}]",
             token_budget=self._banded("token_budget", obs.token_budget, budget, now_mono, self.band),
         )
         return decision
@@ -207,6 +253,36 @@ class SloPolicy(Policy):
                 cap, why = n, f"cap {n}: KV {obs.kv_usage:.2f} at {d} running > {self.kv_target:g}"
         return max(self.min_cap, min(self.max_num_seqs, cap)), why
 
+    def _learn_margin(self, obs: Observation) -> str:
+        """Steer ``margin_live`` by the share of the requests served since its last look that missed
+        a bound; a look needs ``margin_samples`` of them (each look starts a fresh count)."""
+        served, missed = obs.served_total, obs.missed_total
+        if self._mark is None or served < self._mark[0]:  # first tick, or another ledger's counts
+            self._mark, self._margin_bound, self._settle_until = (served, missed), False, served
+        m = self.margin_live
+        if served < self._settle_until:  # those in flight at the last move ran under the old margin
+            self._mark, self._margin_bound = (served, missed), False
+            return f"margin {m:.2f}: {self._settle_until - served} admitted before its move to end"
+        seen, miss = served - self._mark[0], missed - self._mark[1]
+        if seen < self.margin_samples:
+            return f"margin {m:.2f}: {seen} of {self.margin_samples} served to judge it"
+        share = miss / seen
+        said = f"{miss} of {seen} served missed"
+        if share > self.miss_high:
+            new, why = max(self.mean_margin_min, m * self.margin_down), f"> {self.miss_high:.0%}"
+        elif share < self.miss_low and self._margin_bound:
+            new = min(self.mean_margin_max, m * self.margin_up)
+            why = f"< {self.miss_low:.0%}, it bounded runs"
+        elif share < self.miss_low:
+            new, why = m, f"< {self.miss_low:.0%}, it did not bound runs"
+        else:
+            new, why = m, f"within [{self.miss_low:.0%}, {self.miss_high:.0%}]"
+        self.margin_live = new
+        self._mark, self._margin_bound = (served, missed), False
+        if new != m:
+            self._settle_until = served + obs.in_flight
+        return f"margin {m:.2f} -> {new:.2f}: {said} {why}" if new != m else f"margin {m:.2f}: {said} {why}"
+
     def _reserve(self, cost: CostEstimate, tau: float) -> int:
         """Prefill tokens every step keeps room for: ``min_prefill_tokens``, or on hardware where they
         would take most of the step (a CPU: 8 ms a token) as many as fill half of what ``tau`` leaves
@@ -221,7 +297,7 @@ class SloPolicy(Policy):
         and their share of the load's prefill) would pass ``mean_margin`` of the TPOT bound."""
         r = cost.prefill_per_decode
         assert self.slo is not None
-        bound = self.mean_margin * self.slo.tightest.tpot_s
+        bound = self.margin_live * self.slo.tightest.tpot_s
         decode = cost.c_s_per_decode_seq + cost.d_s_per_kv_token * k
         per_seq = decode + cost.b_s_per_prefill_token * (r or 0.0)
         if r is None or per_seq <= 0:
@@ -277,8 +353,14 @@ class SloPolicy(Policy):
         slo = None if self.slo is None else self.slo.as_dict()
         return {**super().params(), "slo": slo, "objective": self.objective}
 
+    @property
+    def mean_step_share(self) -> float:
+        """Of the TPOT bound, what a mean step may take now: the learned mean margin."""
+        return self.margin_live
+
     def terms(self) -> dict[str, float]:
-        """The step bound, the KV per sequence and the three sizes of the last tick."""
+        """The step bound, the KV per sequence, the three sizes and the learned mean margin of the
+        last tick."""
         return dict(self._terms)
 
 

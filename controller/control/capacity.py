@@ -169,9 +169,9 @@ def knee_share_of(policy: Policy) -> float | None:
 
 
 def tpot_share_of(policy: Policy) -> float:
-    """Of the TPOT bound, what the policy lets a mean step take: the slo policy's ``mean_margin``;
-    1.0 for a policy without one."""
-    return float(getattr(policy, "mean_margin", 1.0))
+    """Of the TPOT bound, what the policy lets a mean step take now: the slo policy's learned mean
+    margin (``mean_step_share``); 1.0 for a policy without one."""
+    return float(getattr(policy, "mean_step_share", 1.0))
 
 
 class CapacityMeter:
@@ -190,7 +190,7 @@ class CapacityMeter:
         """The last ``history`` ticks' figures, (tick time, figures); None keeps every tick (the twin)."""
         self.min_finished, self.kv_min_running = min_finished, kv_min_running
         self.slo: SloTargets | None = None
-        self.tpot_share = 1.0
+        self.policy: Policy | None = None
         self.knee_share: float | None = None
         """Without ``[slo]``: the policy's throughput knee, the batch the capacity is counted at."""
         self._arrivals: deque[tuple[float, int]] = deque()
@@ -201,7 +201,7 @@ class CapacityMeter:
 
     def configure(self, slo: SloTargets | None, policy: Policy) -> None:
         """``[slo]`` and the policy in force (at build and on every reload)."""
-        self.slo, self.tpot_share = slo, tpot_share_of(policy)
+        self.slo, self.policy = slo, policy
         self.knee_share = knee_share_of(policy) if slo is None else None
 
     def on_tick(self, obs: Observation, _changes: object) -> None:
@@ -239,7 +239,8 @@ class CapacityMeter:
         if mix.finished < self.min_finished:
             why = f"mix: {mix.finished} requests finished in {self.window.window_s:g} s < {self.min_finished}"
             return Capacity(idle, None, reason=why, **figures)
-        bound_s = None if slo is None else self.tpot_share * slo.tightest.tpot_s
+        share = 1.0 if self.policy is None else tpot_share_of(self.policy)  # learned: read each tick
+        bound_s = None if slo is None else share * slo.tightest.tpot_s
         kv = obs.running >= self.kv_min_running and obs.kv_usage > 0
         kv_batch = math.floor(obs.running / obs.kv_usage) if kv else None
         fit = fit_capacity(cost, bound_s, mix, kv_batch, obs.max_num_seqs, self.knee_share)

@@ -31,6 +31,13 @@ class CostSource(Protocol):
     def estimate(self, now_mono: float) -> CostEstimate: ...
 
 
+class OutcomeTotals(Protocol):
+    """The outcome ledger's running counts (``controller/control/outcomes.py``)."""
+
+    served_total: int
+    missed_total: int
+
+
 class StatsWindow(Protocol):
     def snapshot(self) -> EngineStats: ...
 
@@ -76,9 +83,11 @@ def build_observation(
     host: HostReading | None = None,
     budget: BudgetReading | None = None,
     cost: CostEstimate | None = None,
+    outcomes: OutcomeTotals | None = None,
 ) -> Observation:
     """The engine-stats window, the gate and the knobs in force; NVML and host readings where the
-    caller has them (the twin has neither: those fields stay None)."""
+    caller has them (the twin has neither: those fields stay None); the served requests and their
+    misses where an outcome ledger counts them."""
     g = gate.stats()
     return Observation(
         now_mono=eng.now_mono,
@@ -106,6 +115,8 @@ def build_observation(
         window_s=eng.window_s,
         **(asdict(budget) if budget else {}),  # without one, Observation's defaults (tests)
         cost=cost,
+        served_total=outcomes.served_total if outcomes else 0,
+        missed_total=outcomes.missed_total if outcomes else 0,
     )
 
 
@@ -120,9 +131,10 @@ class Observer:
         gpu: GpuSource,
         host: HostReadingSource,
         cost: CostSource | None = None,
+        outcomes: OutcomeTotals | None = None,
     ) -> None:
         self.window, self.gate, self.engine, self.gpu, self.host = window, gate, engine, gpu, host
-        self.cost = cost
+        self.cost, self.outcomes = cost, outcomes
 
     def observe(self) -> Observation:
         e, eng = self.engine, self.window.snapshot()
@@ -135,4 +147,5 @@ class Observer:
             self.host.read(),
             BudgetReading.of(e),
             self.cost.estimate(eng.now_mono) if self.cost is not None else None,
+            self.outcomes,
         )

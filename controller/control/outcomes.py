@@ -72,6 +72,11 @@ class OutcomeLedger:
         """(time, class, outcome) of each request ended inside the window."""
         self.unmatched = 0
         """Served requests vLLM reported that no ``started`` named (not counted by class)."""
+        self.served_total = 0
+        """Requests served to the end (good or a bound missed; not failed) since the ledger started."""
+        self.missed_total = 0
+        """Of ``served_total``, those that missed their class's TTFT or TPOT bound: what the slo
+        policy's ``mean_margin`` is steered by (the share of admitted requests that miss)."""
 
     def configure(self, slo: SloTargets | None) -> None:
         """``[slo]`` in force (at build and on every reload)."""
@@ -101,6 +106,8 @@ class OutcomeLedger:
         else:
             bound = self.slo.for_class(entry.cls) if self.slo is not None else None
             outcome = served_outcome(entry.before_engine_s + engine_ttft_s, tpot_s, bound)
+            self.served_total += 1
+            self.missed_total += outcome != "good"
         self.ended(entry.cls, outcome)
         return outcome
 

@@ -132,7 +132,7 @@ def build_parts(
     guard = Guard(config.guard, gate, host, metrics.count_restart, last_step_age=window.last_step_age_s)
     gpu, hostsrc = gpu_source or NvmlSource(), host_source or HostSource()
     cost_model = StepCostModel(prior=cost_prior_for(config.control.cost_profile))
-    observer = Observer(window, gate, host, gpu, hostsrc, cost_model)
+    observer = Observer(window, gate, host, gpu, hostsrc, cost_model, metrics.outcomes)
     actuator = Actuator(gate, host)
     diagnoser, tasks = Diagnoser(), BackgroundTasks()
     policy, normalizer = policy_for(config), normalizer_for(config.control)

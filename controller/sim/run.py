@@ -56,6 +56,7 @@ from controller.control.capacity import CapacityMeter
 from controller.control.loop import Change, ControlLoop
 from controller.control.normalize import Normalizer
 from controller.control.observe import BudgetReading, build_observation
+from controller.control.outcomes import OutcomeLedger
 from controller.control.stepcost import CostReader, StepCostModel, prior_from
 from controller.control.steps import EngineStep, StepFeed
 from controller.control.telemetry import TelemetryWindow
@@ -144,6 +145,8 @@ class Simulation:
         steps = StepFeed(self, [self.cost.update])
         self.capacity = CapacityMeter(self.window, self.gate, history=None)  # every tick's saturation
         self.capacity.configure(self.control.slo, policy)
+        self.outcomes = OutcomeLedger(lambda _cls, _outcome: None, clock=self.clock)  # as the daemon's
+        self.outcomes.configure(self.control.slo)
         subscribers = [self._record_changes, self.capacity.on_tick]
         self.loop = ControlLoop(policy, normalizer, self.observe, self, subscribers, 50, steps)
         prefill = CostReader(
@@ -191,7 +194,9 @@ class Simulation:
         budget = BudgetReading(e.token_budget, e.max_num_batched_tokens, e.token_budget_min)
         snap = self.window.snapshot()
         cost = self.cost.estimate(snap.now_mono)
-        return build_observation(snap, self.gate, e.batch_cap, e.max_num_seqs, budget=budget, cost=cost)
+        return build_observation(
+            snap, self.gate, e.batch_cap, e.max_num_seqs, budget=budget, cost=cost, outcomes=self.outcomes
+        )
 
     # -- one request, as our engine client handles it ---------------------------------------------------
     async def _client(self, spec: RequestSpec) -> None:
@@ -226,6 +231,9 @@ class Simulation:
         assert req.first_token_t is not None and req.finish_t is not None
         self.gate.after_slot.first_token(req.first_token_t - slot.granted_mono, spec.prompt_tokens)
         ttft, e2e = req.first_token_t - t0, req.finish_t - t0
+        key = str(spec.index)  # judged as the daemon's ledger judges vLLM's finished requests
+        self.outcomes.started(key, slot.cls, slot.granted_mono - t0)
+        self.outcomes.served(key, req.first_token_t - slot.granted_mono, tpot(ttft, e2e, req.output_tokens))
         self._records[spec.index] = RequestRecord(
             index=spec.index,
             priority=spec.priority,

@@ -229,7 +229,8 @@ async def test_the_daemon_computes_it_each_tick_and_shows_it(tmp_path: Path) -> 
     path = write_config(tmp_path / "config.toml", control={"policy": "slo"}, slo=slo)
     parts = build_parts(load_config(path))
     meter = parts.capacity
-    assert meter is not None and meter.slo == parts.config.slo and meter.tpot_share == 0.5
+    assert meter is not None and meter.slo == parts.config.slo
+    assert meter.policy is parts.loop.policy and tpot_share_of(meter.policy) == 0.5
     assert meter.on_tick in parts.loop._subscribers
     assert state(parts)["capacity"]["reason"] == "not started"
     meter.on_tick(obs(now_mono=1.0), [])
@@ -240,7 +241,7 @@ async def test_the_daemon_computes_it_each_tick_and_shows_it(tmp_path: Path) -> 
     ports = {"server": {"port": parts.config.server.port}, "admin": {"port": parts.config.admin.port}}
     write_config(path, **ports, control={"policy": "static"})
     assert (await Reloader(parts)._reload())["ok"]
-    assert meter.slo is None and meter.tpot_share == 1.0
+    assert meter.slo is None and meter.policy is not None and tpot_share_of(meter.policy) == 1.0
 
 
 def test_the_stat_logger_records_each_finished_requests_tokens() -> None:

@@ -62,6 +62,7 @@ def test_the_time_before_the_engine_counts_toward_the_ttft() -> None:
     assert ledger.served("b", engine_ttft_s=0.3, tpot_s=0.04) == "ttft_missed"
     assert ledger.served("c", engine_ttft_s=0.3, tpot_s=0.06) == "good"
     assert counted == [("interactive", "good"), ("interactive", "ttft_missed"), ("batch", "good")]
+    assert (ledger.served_total, ledger.missed_total) == (3, 1)  # what steers the slo policy's margin
 
 
 def test_each_of_n_sequences_ends_once_and_an_error_is_failed() -> None:
@@ -72,6 +73,7 @@ def test_each_of_n_sequences_ends_once_and_an_error_is_failed() -> None:
     assert ledger.served("a", 0.1, 0.05) is None  # both sequences ended: a third is not this request
     assert counted == [("batch", "tpot_missed"), ("batch", "failed")]
     assert ledger.unmatched == 1
+    assert (ledger.served_total, ledger.missed_total) == (1, 1)  # an engine error is not served
 
 
 def test_a_request_never_started_is_unmatched_not_counted() -> None:
@@ -164,3 +166,18 @@ def test_state_shows_the_windows_outcomes(tmp_path: Path) -> None:
     shown = state(parts)["outcomes"]
     assert shown["by_class"]["interactive"]["refused"] == 1 and shown["attainment"] == 0.0
     assert shown["goodput_rps"] == 0.0 and shown["unmatched"] == 0
+
+
+def test_each_observation_carries_the_served_and_missed_totals(tmp_path: Path) -> None:
+    """The loop's observer reads the daemon's ledger: the slo policy steers its mean margin by them."""
+    from controller.config.load import load_config
+    from controller.lifecycle.parts import build_parts
+
+    path = write_config(tmp_path / "config.toml", slo={"ttft_s": 1.0, "tpot_s": 0.05})
+    parts = build_parts(load_config(path))
+    ledger = parts.metrics.outcomes
+    for rid, tpot in (("a", 0.01), ("b", 0.2)):
+        ledger.started(rid, "interactive", before_engine_s=0.0)
+        ledger.served(rid, engine_ttft_s=0.1, tpot_s=tpot)
+    seen = parts.observer.observe()
+    assert (seen.served_total, seen.missed_total) == (2, 1)

@@ -55,7 +55,8 @@ def test_each_knob_is_sized_from_the_model_and_the_tpot_bound() -> None:
     assert d.admission_limit == 109
     assert d.reason == (
         "slo[budget 1256: step 45 ms at 20 decodes, bound 45 ms; cap 180: KV 0.10 at 20 running > 0.9; "
-        "runs 99: mean step 25 ms at 2.0 prefill/decode <= 25 ms; limit 109: 10 above]"
+        "runs 99: mean step 25 ms at 2.0 prefill/decode <= 25 ms; margin 0.50: 0 of 50 served to judge it; "
+        "limit 109: 10 above]"
     )
 
 
@@ -188,3 +189,63 @@ def test_the_figures_stay_out_of_the_metric_label() -> None:
     assert reason_label(reason) == "slo:rate_limited"
     assert reason_label("cost_not_ready[cost model: 12 samples < 50]:hold") == "cost_not_ready:hold"
     assert reason_label("kv_low:rate_limited") == "kv_low:rate_limited"
+
+
+def test_the_mean_margin_rises_while_no_served_request_misses_and_it_bounds_what_runs() -> None:
+    p = policy(margin_samples=20)
+    # tick 1 marks the counts; runs 99 < cap 180: the margin bounds the concurrency
+    assert "margin 0.50: 0 of 20 served to judge it" in p.decide(loaded(served_total=100), 1.0).reason
+    d = p.decide(loaded(served_total=119, missed_total=0), 2.0)
+    assert "margin 0.50: 19 of 20 served to judge it" in d.reason and p.margin_live == 0.5
+    d = p.decide(loaded(served_total=120, missed_total=0), 3.0)
+    assert "margin 0.50 -> 0.53: 0 of 20 served missed < 1%, it bounded runs" in d.reason
+    # runs: floor((0.525 * 50 - 5.1) ms / 0.2 ms) = 105; limit 105 + ceil(10.5) = 116
+    assert p.margin_live == pytest.approx(0.525) and d.admission_limit == 116
+    assert p.terms()["mean_margin"] == pytest.approx(0.525) and p.mean_step_share == pytest.approx(0.525)
+    # the 22 in flight at the move ran under the old margin: they end before the next count starts
+    d = p.decide(loaded(served_total=141), 4.0)
+    assert "margin 0.53: 1 admitted before its move to end" in d.reason
+    for served in range(142, 161):
+        p.decide(loaded(served_total=served), 5.0)
+    assert p.margin_live == pytest.approx(0.525)  # 19 counted since 142
+    p.decide(loaded(served_total=162), 6.0)
+    assert p.margin_live == pytest.approx(0.525 * 1.05)
+
+
+def test_the_mean_margin_falls_when_more_than_three_percent_of_those_served_miss() -> None:
+    p = policy(margin_samples=50)
+    p.decide(loaded(), 1.0)
+    d = p.decide(loaded(served_total=50, missed_total=2), 2.0)  # 4 % missed
+    assert "margin 0.50 -> 0.40: 2 of 50 served missed > 3%" in d.reason
+    # runs: floor((0.4 * 50 - 5.1) ms / 0.2 ms) = 74; limit 74 + ceil(7.4) = 82
+    assert p.margin_live == pytest.approx(0.4) and d.admission_limit == 82
+    for n in range(2, 12):  # every look with misses: down to mean_margin_min, never below
+        p.decide(loaded(served_total=50 * n, missed_total=50 * n), 1.0 + n)
+    assert p.margin_live == 0.2
+
+
+def test_the_mean_margin_holds_between_the_shares_and_where_it_did_not_bound_runs() -> None:
+    p = policy(margin_samples=50)
+    p.decide(loaded(), 1.0)
+    d = p.decide(loaded(served_total=50, missed_total=1), 2.0)  # 2 %: between 1 % and 3 %
+    assert "margin 0.50: 1 of 50 served missed within [1%, 3%]" in d.reason and p.margin_live == 0.5
+    # no prefill mix: the engine runs its cap, so a larger margin would run nothing more
+    no_mix = cost(prefill_per_decode=None)
+    p = policy(margin_samples=50)
+    p.decide(loaded(cost=no_mix), 3.0)
+    d = p.decide(loaded(served_total=50, cost=no_mix), 4.0)
+    assert "margin 0.50: 0 of 50 served missed < 1%, it did not bound runs" in d.reason
+    assert p.margin_live == 0.5
+    p = policy(mean_margin_max=0.52, margin_samples=1)
+    p.decide(loaded(), 1.0)
+    p.decide(loaded(served_total=1), 2.0)
+    assert p.margin_live == 0.52  # capped at mean_margin_max
+
+
+def test_the_mean_margin_parameters_are_checked() -> None:
+    with pytest.raises(PolicyError, match=r"mean_margin = 0\.1: must lie within"):
+        policy(mean_margin=0.1)
+    with pytest.raises(PolicyError, match="miss_high"):
+        policy(miss_low=0.05, miss_high=0.01)
+    with pytest.raises(PolicyError, match="margin_down"):
+        policy(margin_down=1.5)
