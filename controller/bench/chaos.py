@@ -121,7 +121,7 @@ async def _soak(server: Launched, args: argparse.Namespace, end: EndState) -> tu
     target = Target(server.base_url, served_model(server.spec.engine))
     try:
         outcomes, _ = await asyncio.gather(
-            run_load(target, shape, args.duration, deadline_for, args.seed),
+            run_load(target, shape, args.duration, deadline_for, args.seed, str(server.state_url)),
             inject_faults(injector, args.duration, args.fault_every),
         )
         print(f"chaos: load stopped after {time.monotonic() - injector.t0:.0f} s; {len(outcomes)} requests",

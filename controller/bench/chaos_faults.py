@@ -8,6 +8,8 @@ Each fault acts, then checks what the daemon must do about it, and records both 
 - ``reload_valid``: a config with one live value changed; the reload is taken and ``/state`` shows it.
 - ``reload_broken_toml``, ``reload_not_utf8``, ``reload_bad_engine`` (``gpu_memory_utilization = 1.5``):
   the reload is refused (``result="error"``), the old config stays, the engine is not restarted.
+- ``reload_nan``: ``[guard] stall_timeout_s = nan`` (TOML allows it, and a range check lets it
+  through): refused the same way; taken, it would have the guard rebuild a healthy engine at every check.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from controller.bench.servers import Launched, to_toml
 
-FAULTS = ("reload_valid", "reload_broken_toml", "reload_bad_engine", "reload_not_utf8", "kill_engine")
+FAULTS = (
+    "reload_valid", "reload_broken_toml", "reload_bad_engine", "reload_not_utf8", "reload_nan", "kill_engine",
+)  # fmt: skip
 """In this order, so that even a short soak tries every reload before the long engine rebuild."""
 RELOAD_WAIT_S = 20.0
 """How long a reload may take to be counted (the daemon acts on SIGHUP at its next run-loop turn)."""
@@ -126,7 +130,7 @@ class Injector:
             "kill_engine": self._kill_engine, "reload_valid": self._reload_valid,
             "reload_broken_toml": lambda: self._reload_refused(b"[engine\nmodel = ", "broken TOML"),
             "reload_not_utf8": lambda: self._reload_refused(b"\xff\xfe[engine]\n", "not UTF-8"),
-            "reload_bad_engine": self._reload_bad_engine,
+            "reload_bad_engine": self._reload_bad_engine, "reload_nan": self._reload_nan,
         }  # fmt: skip
         at = time.monotonic() - self.t0
         expected, observed, ok = await acts[fault]()
@@ -211,13 +215,13 @@ class Injector:
 
     async def _reload_refused(self, content: bytes, what: str) -> tuple[str, str, bool]:
         before, generation = self._reloads("error"), self._generation()
+        config_before = self._state().get("config")
         self._hup(content)
         refused = await self._wait(lambda: self._reloads("error") > before, RELOAD_WAIT_S)
         self._path.write_text(to_toml(self._good))  # the operator fixes the file
         same_engine = self._generation() == generation
         serving = http_get(f"{self._admin}/healthz")[0] == 200
-        shown = (self._state().get("config") or {}).get("admission") or {}
-        kept = shown.get("aging_s") == (self._good.get("admission") or {}).get("aging_s")
+        kept = bool(config_before) and self._state().get("config") == config_before  # every key, as shown
         observed = ", ".join((
             "refused" if refused else "NOT refused",
             "old config kept" if kept else "old config NOT kept",
@@ -230,6 +234,10 @@ class Injector:
     async def _reload_bad_engine(self) -> tuple[str, str, bool]:
         bad = {**self._good, "engine": {**self._good["engine"], "gpu_memory_utilization": 1.5}}
         return await self._reload_refused(to_toml(bad).encode(), "gpu_memory_utilization = 1.5")
+
+    async def _reload_nan(self) -> tuple[str, str, bool]:
+        bad = {**self._good, "guard": {**(self._good.get("guard") or {}), "stall_timeout_s": float("nan")}}
+        return await self._reload_refused(to_toml(bad).encode(), "[guard] stall_timeout_s = nan")
 
 
 async def inject_faults(injector: Injector, duration_s: float, every_s: float) -> None:

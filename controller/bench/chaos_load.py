@@ -1,10 +1,14 @@
 """The load of ``bench chaos``: steady mixed-priority arrivals, each one of the ways a client can behave.
 
-Kinds: ``stream`` (reads every chunk), ``disconnect`` (closes the connection after the first chunks),
-``stall`` (stops reading for a while, then reads on), ``same_id`` (two concurrent streams with one
-``X-Request-Id``) and ``multi_prompt`` (one completion with several prompts, not streamed). Every
-request ends in an :class:`Outcome` that says how it ended; the verdict (``chaos_verdict``) decides
-which endings keep the rule "every request ends with a response or a clear error within its deadline".
+Kinds, on ``/v1/completions`` unless said: ``stream`` (reads every chunk), ``disconnect`` (closes the
+connection after the first chunks), ``stall`` (stops reading for a while, then reads on), ``same_id``
+(two concurrent streams with one ``X-Request-Id``), ``multi_prompt`` (one completion with several
+prompts, not streamed), ``stream_over_limit`` (a streamed completion with more prompts than the
+admission limit: it must not hold the gate), ``chat_batch`` (``/v1/chat/completions/batch``, several
+conversations in one body), ``beam_search`` (``use_beam_search`` with ``n`` beams), ``n_choices``
+(``n`` > 1) and ``n_over_limit`` (``n`` above the admission limit). Every request ends in an
+:class:`Outcome` that says how it ended; the verdict (``chaos_verdict``) decides which endings keep
+the rule "every request ends with a response or a clear error within its deadline".
 """
 
 from __future__ import annotations
@@ -22,13 +26,23 @@ import aiohttp
 from controller.bench.client import Target, parse_event, payload
 from controller.bench.workload import RequestSpec
 
-Kind = Literal["stream", "disconnect", "stall", "same_id", "multi_prompt"]
-KINDS: tuple[Kind, ...] = ("stream", "disconnect", "stall", "same_id", "multi_prompt")
+Kind = Literal[
+    "stream", "disconnect", "stall", "same_id", "multi_prompt",
+    "stream_over_limit", "chat_batch", "beam_search", "n_choices", "n_over_limit",
+]  # fmt: skip
+KINDS: tuple[Kind, ...] = (
+    "stream", "disconnect", "stall", "same_id", "multi_prompt",
+    "stream_over_limit", "chat_batch", "beam_search", "n_choices", "n_over_limit",
+)  # fmt: skip
+OVER_LIMIT: tuple[Kind, ...] = ("stream_over_limit", "n_over_limit")
+"""Kinds sized from the admission limit the daemon reports when they are sent."""
 End = Literal["completed", "error_event", "http_error", "client_disconnect", "cut", "hung"]
-"""``completed``: every token and the usage chunk; ``error_event``: the stream ended with vLLM's error
-object; ``http_error``: a 4xx/5xx status before the stream; ``client_disconnect``: we closed it on
-purpose; ``cut``: the connection ended with neither a finish nor an error; ``hung``: no end within the
-deadline."""
+"""``completed``: every token and the usage chunk (streams), every choice asked for (the others);
+``error_event``: the stream ended with vLLM's error object; ``http_error``: a 4xx/5xx status before
+the stream; ``client_disconnect``: we closed it on purpose; ``cut``: the connection ended with neither
+a finish nor an error, or a 200 that lacks choices; ``hung``: no end within the deadline."""
+Ending = tuple[End, int | None, bool, str]
+"""(how it ended, the HTTP status, whether an error was clear, detail)."""
 
 
 @dataclass(frozen=True)
@@ -62,12 +76,21 @@ class LoadShape:
     output_tokens: int = 32
     priorities: tuple[int, ...] = (0, 1)
     """Drawn uniformly: one per priority class of the config."""
-    weights: tuple[float, ...] = (0.6, 0.1, 0.1, 0.1, 0.1)
-    """Share of each of :data:`KINDS`."""
+    weights: tuple[float, ...] = (0.45, 0.06, 0.06, 0.06, 0.06, 0.06, 0.06, 0.06, 0.07, 0.06)
+    """Share of each of :data:`KINDS`: plain streams the most, so that the gate-not-held check has
+    ordinary requests to look at."""
     stall_s: float = 8.0
     """How long a stalled reader stops reading."""
     prompts_per_request: int = 3
-    """Prompts of one ``multi_prompt`` completion."""
+    """Prompts of one ``multi_prompt`` completion, conversations of one ``chat_batch``."""
+    beams: int = 2
+    """``n`` of a ``beam_search`` request (its beam width)."""
+    choices: int = 3
+    """``n`` of an ``n_choices`` request."""
+    over_limit_by: int = 2
+    """An over-limit kind asks for the admission limit plus this many prompts or sequences."""
+    fallback_limit: int = 8
+    """The admission limit assumed when the daemon's ``/state`` cannot be read."""
 
 
 def _clear_error(status: int, headers: Any, body: str) -> tuple[bool, str]:
@@ -86,17 +109,63 @@ def _clear_error(status: int, headers: Any, body: str) -> tuple[bool, str]:
 class Sender:
     """Sends one request of a kind and says how it ended; never raises for HTTP or transport errors."""
 
-    def __init__(self, session: aiohttp.ClientSession, target: Target, shape: LoadShape, t0: float):
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        target: Target,
+        shape: LoadShape,
+        t0: float,
+        state_url: str | None = None,
+    ):
         self.session, self.target, self.shape, self.t0 = session, target, shape, t0
-        self.url = f"{target.base_url.rstrip('/')}/v1/completions"
+        self.base = target.base_url.rstrip("/")
+        self.state_url = state_url
 
-    def _body(self, priority: int, prompt: str | list[str], stream: bool) -> dict[str, Any]:
+    async def _limit(self) -> int:
+        """The admission limit now (the policy moves it), from the daemon's ``/state``."""
+        if self.state_url is None:
+            return self.shape.fallback_limit
+        try:
+            async with self.session.get(self.state_url, timeout=aiohttp.ClientTimeout(total=5.0)) as resp:
+                limit = (await resp.json()).get("admission_limit")
+                return int(limit) if resp.status == 200 and limit else self.shape.fallback_limit
+        except (aiohttp.ClientError, TimeoutError, ValueError, TypeError):
+            return self.shape.fallback_limit
+
+    def _body(self, priority: int, prompt: str | list[str], stream: bool, **extra: Any) -> dict[str, Any]:
         spec = RequestSpec(0, 0.0, self.shape.prompt_words, self.shape.output_tokens, priority)
         body = payload(self.target, spec, prompt if isinstance(prompt, str) else "")
-        body.update(prompt=prompt, priority=priority, stream=stream)
+        body.update(prompt=prompt, priority=priority, stream=stream, **extra)
         if not stream:
             body.pop("stream_options")
         return body
+
+    async def _request(
+        self, kind: Kind, priority: int, prompt: str
+    ) -> tuple[str, dict[str, Any], int | None, str]:
+        """(route, body, choices expected in a non-streamed answer or None for a stream, a note)."""
+        over = await self._limit() + self.shape.over_limit_by if kind in OVER_LIMIT else 0
+        note = f"{over} for a limit of {over - self.shape.over_limit_by}" if over else ""
+        many = self.shape.prompts_per_request
+        if kind == "multi_prompt":
+            return "/v1/completions", self._body(priority, [prompt] * many, False), many, note
+        if kind == "stream_over_limit":
+            return "/v1/completions", self._body(priority, [prompt] * over, True), None, note
+        if kind == "beam_search":
+            body = self._body(priority, prompt, False, use_beam_search=True, n=self.shape.beams)
+            return "/v1/completions", body, self.shape.beams, note
+        if kind in ("n_choices", "n_over_limit"):
+            n = over or self.shape.choices  # sampled: vLLM refuses n > 1 with greedy sampling (400)
+            body = self._body(priority, prompt, False, n=n, temperature=1.0, seed=len(prompt))
+            return "/v1/completions", body, n, note
+        if kind == "chat_batch":
+            body = {
+                "model": self.target.model, "priority": priority, "temperature": 0.0,
+                "max_tokens": self.shape.output_tokens,
+                "messages": [[{"role": "user", "content": f"{i}: {prompt}"}] for i in range(many)],
+            }  # fmt: skip
+            return "/v1/chat/completions/batch", body, many, note
+        return "/v1/completions", self._body(priority, prompt, True), None, note
 
     async def send(self, kind: Kind, priority: int, prompt: str, deadline_s: float, rid: str) -> Outcome:
         start = time.monotonic()
@@ -109,30 +178,32 @@ class Sender:
         return Outcome(kind, priority, start - self.t0, time.monotonic() - start, deadline_s, end,
                        status, clear, detail)  # fmt: skip
 
-    async def _exchange(
-        self, kind: Kind, priority: int, prompt: str, rid: str
-    ) -> tuple[End, int | None, bool, str]:
-        multi = kind == "multi_prompt"
-        body = self._body(priority, [prompt] * self.shape.prompts_per_request if multi else prompt, not multi)
+    async def _exchange(self, kind: Kind, priority: int, prompt: str, rid: str) -> Ending:
+        route, body, choices, note = await self._request(kind, priority, prompt)
+        end, status, clear, detail = await self._post(kind, route, body, choices, rid)
+        return end, status, clear, "; ".join(d for d in (note, detail) if d)
+
+    async def _post(
+        self, kind: Kind, route: str, body: dict[str, Any], choices: int | None, rid: str
+    ) -> Ending:
         try:
-            async with self.session.post(self.url, json=body, headers={"X-Request-Id": rid}) as resp:
+            async with self.session.post(self.base + route, json=body, headers={"X-Request-Id": rid}) as resp:
                 if resp.status != 200:
                     clear, detail = _clear_error(resp.status, resp.headers, await resp.text())
                     return "http_error", resp.status, clear, detail
-                if multi:
-                    data = await resp.json()
-                    n = len(data.get("choices") or [])
-                    if n == self.shape.prompts_per_request:
-                        return "completed", 200, True, ""
-                    return "cut", 200, False, f"{n} choices for {self.shape.prompts_per_request} prompts"
-                return await self._read_stream(kind, resp)
+                if choices is None:
+                    prompts = len(body["prompt"]) if isinstance(body["prompt"], list) else 1
+                    return await self._read_stream(kind, resp, prompts)
+                data = await resp.json()
+                got = len(data.get("choices") or [])
+                if got == choices:
+                    return "completed", 200, True, ""
+                return "cut", 200, False, f"{got} choices for {choices} asked"
         except (aiohttp.ClientError, json.JSONDecodeError, ConnectionError) as exc:
             return "cut", None, False, f"{type(exc).__name__}: {exc}"[:200]
 
-    async def _read_stream(
-        self, kind: Kind, resp: aiohttp.ClientResponse
-    ) -> tuple[End, int | None, bool, str]:
-        chunks, usage = 0, False
+    async def _read_stream(self, kind: Kind, resp: aiohttp.ClientResponse, prompts: int) -> Ending:
+        chunks, usage, finished = 0, False, set()
         async for line in resp.content:
             event = parse_event(line)
             if event is None:
@@ -140,6 +211,9 @@ class Sender:
             if event.get("error"):
                 return "error_event", 200, True, str(event["error"])[:160]
             usage = usage or bool(event.get("usage"))
+            for choice in event.get("choices") or []:
+                if choice.get("finish_reason"):
+                    finished.add(choice.get("index", 0))
             if event.get("choices"):
                 chunks += 1
                 if kind == "disconnect" and chunks == 2:
@@ -147,9 +221,17 @@ class Sender:
                     return "client_disconnect", 200, True, ""
                 if kind == "stall" and chunks == 1:
                     await asyncio.sleep(self.shape.stall_s)
-        if usage:
+        if usage and len(finished) == prompts:
             return "completed", 200, True, ""
-        return "cut", 200, False, f"stream ended after {chunks} chunks without usage or error"
+        return (
+            "cut",
+            200,
+            False,
+            (
+                f"stream ended after {chunks} chunks, {len(finished)} of {prompts} prompts finished, "
+                f"{'with' if usage else 'without'} usage, without an error"
+            ),
+        )
 
 
 async def run_load(
@@ -158,9 +240,11 @@ async def run_load(
     duration_s: float,
     deadline_for: Callable[[int], float],
     seed: int = 0,
+    state_url: str | None = None,
 ) -> list[Outcome]:
     """Poisson arrivals for ``duration_s``; returns once every request has ended (each within its
-    deadline, or recorded as hung)."""
+    deadline, or recorded as hung). The first arrivals take each kind once, in :data:`KINDS` order,
+    so that even a short run sends every kind; the rest are drawn by ``shape.weights``."""
     rng = random.Random(seed)
     t0 = time.monotonic()
     outcomes: list[Outcome] = []
@@ -169,7 +253,7 @@ async def run_load(
     async with aiohttp.ClientSession(
         connector=connector, timeout=aiohttp.ClientTimeout(total=None)
     ) as session:
-        sender = Sender(session, target, shape, t0)
+        sender = Sender(session, target, shape, t0, state_url)
 
         async def one(kind: Kind, priority: int, index: int) -> None:
             prompt = " ".join(
@@ -189,7 +273,7 @@ async def run_load(
             if next_at - t0 > duration_s:
                 break
             await asyncio.sleep(max(0.0, next_at - time.monotonic()))
-            kind = rng.choices(KINDS, weights=shape.weights)[0]
+            kind = KINDS[index] if index < len(KINDS) else rng.choices(KINDS, weights=shape.weights)[0]
             task = asyncio.create_task(one(kind, rng.choice(shape.priorities), index))
             tasks.add(task)
             task.add_done_callback(tasks.discard)

@@ -7,7 +7,9 @@
 3. The gate's counters return to zero when the load stops (nothing in flight, queued or pending).
 4. The daemon's resident memory does not grow (a least-squares line after the warm-up).
 5. The daemon serves at the end (one more request completes).
-6. After the daemon stops nothing is left: no EngineCore process it started, no ``/dev/shm`` file
+6. A streamed completion with more prompts than the admission limit does not hold the gate: of the
+   plain streams sent while one was in flight, no more were refused with 429 than served.
+7. After the daemon stops nothing is left: no EngineCore process it started, no ``/dev/shm`` file
    that no process holds.
 """
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from controller.bench.chaos_faults import FaultRecord
@@ -63,6 +65,30 @@ def bad_ending(o: Outcome) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class HeldGate:
+    """The plain streams sent while a ``stream_over_limit`` request was in flight (after its 200)."""
+
+    sent: int
+    served: int
+    refused_429: int
+
+    @property
+    def held(self) -> bool:
+        """Refused en masse: the gate was held for the wide stream's slots that never came (an engine
+        rebuild's 503s are the kill's, not the gate's, so they count on neither side)."""
+        return self.refused_429 > self.served
+
+
+def held_gate(outcomes: Sequence[Outcome]) -> HeldGate:
+    spans = [(o.start_s, o.start_s + o.elapsed_s) for o in outcomes
+             if o.kind == "stream_over_limit" and o.status == 200]  # fmt: skip
+    during = [o for o in outcomes if o.kind == "stream" and any(a <= o.start_s < b for a, b in spans)]
+    served = sum(o.end == "completed" for o in during)
+    refused = sum(o.end == "http_error" and o.status == 429 for o in during)
+    return HeldGate(len(during), served, refused)
+
+
 def verdict(
     outcomes: Sequence[Outcome], faults: Sequence[FaultRecord], end: EndState, limits: Limits
 ) -> tuple[bool, list[str], dict[str, Any]]:
@@ -80,6 +106,12 @@ def verdict(
     growth = line_rise(points)
     if growth is not None and growth > limits.max_rss_growth:
         reasons.append(f"the daemon's resident memory grew {growth:.1%} (limit {limits.max_rss_growth:.0%})")
+    beside = held_gate(outcomes)
+    if beside.held:
+        reasons.append(
+            f"a stream over the admission limit held the gate: of {beside.sent} plain streams sent "
+            f"while one was in flight, {beside.refused_429} were refused with 429, {beside.served} served"
+        )
     if not end.served_at_end:
         reasons.append(f"the daemon did not serve a request at the end: {end.final_detail}")
     if end.exit_code != 0:
@@ -99,6 +131,7 @@ def verdict(
         "endings": dict(sorted(endings.items())),
         "faults": dict(Counter(f.fault for f in faults)),
         "faults_failed": sum(not f.ok for f in faults),
+        "beside_stream_over_limit": asdict(beside),
         "longest_s": max((o.elapsed_s for o in outcomes), default=0.0),
         "gate_at_end": end.gate,
         "rss_growth": growth,

@@ -35,10 +35,13 @@ async def _completions(request: web.Request) -> web.StreamResponse:
         return web.Response(status=429, text="busy")
     if rid == "multi":
         return web.json_response({"choices": [{"text": "x"} for _ in body["prompt"]]})
+    if rid in ("n", "n_short"):  # n choices (a beam search answers one per beam), or one fewer
+        return web.json_response({"choices": [{"text": "x"}] * (body["n"] - (rid == "n_short"))})
     resp = web.StreamResponse()
     await resp.prepare(request)
+    prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
     for _ in range(3):
-        await resp.write(_event({"choices": [{"text": "a"}]}))
+        await resp.write(_event({"choices": [{"index": i, "text": "a"} for i in range(len(prompts))]}))
     if rid == "error":
         await resp.write(_event({"error": {"message": "engine died"}}))
     elif rid == "cut":
@@ -47,17 +50,31 @@ async def _completions(request: web.Request) -> web.StreamResponse:
         return resp
     elif rid == "slow":
         await asyncio.sleep(5)
+    finished = len(prompts) - (rid == "one_unfinished")
+    await resp.write(_event({"choices": [{"index": i, "finish_reason": "length"} for i in range(finished)]}))
     await resp.write(_event({"choices": [], "usage": {"completion_tokens": 3}}))
     await resp.write(b"data: [DONE]\n\n")
     return resp
 
 
-async def _send(kind: Any, rid: str, deadline_s: float = 3.0) -> Outcome:
+async def _chat_batch(request: web.Request) -> web.Response:
+    body = await request.json()
+    return web.json_response({"choices": [{"message": {"content": "x"}} for _ in body["messages"]]})
+
+
+async def _state(request: web.Request) -> web.Response:
+    return web.json_response({"admission_limit": 5})
+
+
+async def _send(kind: Any, rid: str, deadline_s: float = 3.0, with_state: bool = False) -> Outcome:
     app = web.Application()
     app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/chat/completions/batch", _chat_batch)
+    app.router.add_get("/state", _state)
     async with TestServer(app) as server, aiohttp.ClientSession() as session:
         target = Target(str(server.make_url("")), "m")
-        sender = Sender(session, target, LoadShape(stall_s=0.1), time.monotonic())
+        state_url = str(server.make_url("/state")) if with_state else None
+        sender = Sender(session, target, LoadShape(stall_s=0.1), time.monotonic(), state_url)
         return await sender.send(kind, 1, "hello", deadline_s, rid)
 
 
@@ -72,11 +89,25 @@ async def _send(kind: Any, rid: str, deadline_s: float = 3.0) -> Outcome:
         ("stream", "refused_bare", "http_error", False),
         ("stream", "cut", "cut", False),
         ("multi_prompt", "multi", "completed", True),
+        ("stream_over_limit", "ok", "completed", True),
+        ("stream_over_limit", "one_unfinished", "cut", False),
+        ("chat_batch", "ok", "completed", True),
+        ("beam_search", "n", "completed", True),
+        ("n_choices", "n", "completed", True),
+        ("n_over_limit", "n", "completed", True),
+        ("n_choices", "n_short", "cut", False),
     ],
 )
 async def test_each_ending_is_told_apart(kind: Any, rid: str, end: str, clear: bool) -> None:
     out = await _send(kind, rid)
     assert (out.end, out.clear) == (end, clear), out.detail
+
+
+@pytest.mark.parametrize("kind", ["stream_over_limit", "n_over_limit"])
+async def test_an_over_limit_request_is_sized_from_the_limit_in_state(kind: Any) -> None:
+    out = await _send(kind, "ok" if kind == "stream_over_limit" else "n", with_state=True)
+    assert out.end == "completed", out.detail
+    assert out.detail == "7 for a limit of 5"  # the daemon's limit plus LoadShape.over_limit_by
 
 
 async def test_a_request_past_its_deadline_is_hung() -> None:
@@ -148,3 +179,19 @@ def test_a_failed_fault_and_a_hung_request_fail_the_run() -> None:
     assert not passed
     assert figures["faults_failed"] == 1 and figures["bad_endings"] == 1
     assert any("reload_bad_engine" in r for r in reasons) and any("same_id" in r for r in reasons)
+
+
+def _at(kind: Any, start_s: float, elapsed_s: float, end: Any, status: int | None = 200) -> Outcome:
+    return Outcome(kind, 0, start_s, elapsed_s, 100.0, end, status)
+
+
+def test_plain_streams_refused_beside_a_stream_over_the_limit_fail_the_run() -> None:
+    wide = _at("stream_over_limit", 10.0, 20.0, "completed")
+    refused = [_at("stream", 12.0 + i, 5.0, "http_error", 429) for i in range(3)]
+    served = [_at("stream", 13.0, 2.0, "completed"), _at("stream", 40.0, 1.0, "completed")]
+    rebuild = [_at("stream", 14.0, 0.1, "http_error", 503)]  # an engine kill's, not the gate's
+    passed, reasons, figures = verdict([wide, *refused, *served, *rebuild], [], _good_end(), Limits())
+    assert not passed and any("held the gate" in r for r in reasons), reasons
+    assert figures["beside_stream_over_limit"] == {"sent": 5, "served": 1, "refused_429": 3}
+    passed, reasons, _ = verdict([wide, *refused[:1], *served], [], _good_end(), Limits())
+    assert passed, reasons
