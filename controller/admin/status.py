@@ -16,6 +16,7 @@ from controller.config.load import Config, describe
 from controller.config.slo import describe_slo
 from controller.control.capacity import CapacityMeter
 from controller.control.diagnosis import Diagnosis
+from controller.control.fitcheck import FitCheck
 from controller.control.loop import ControlLoop
 from controller.control.stepcost import CostReader
 from controller.control.telemetry import TelemetryWindow
@@ -51,6 +52,8 @@ class StatusParts(Protocol):
     @property
     def capacity(self) -> CapacityMeter | None: ...
     @property
+    def fit_check(self) -> FitCheck | None: ...
+    @property
     def metrics(self) -> Metrics: ...
 
 
@@ -66,6 +69,14 @@ def health(d: StatusParts) -> tuple[bool, str]:
     if not d.data_plane_up:
         return False, "data_plane_starting"
     return True, "serving"
+
+
+def cost_model(d: StatusParts) -> dict[str, Any] | None:
+    """The step-cost model's estimate, how it started, and how that start fits the steps served since."""
+    if d.cost is None:
+        return None
+    check = d.fit_check.report(d.cost.model.coefficients) if d.fit_check is not None else None
+    return {**d.cost.current().as_dict(), "warm_start": d.cost.warm_start, "fit_check": check}
 
 
 def state(d: StatusParts) -> dict[str, Any]:
@@ -110,7 +121,7 @@ def state(d: StatusParts) -> dict[str, Any]:
         "decisions": d.loop.recent(),
         "diagnosis": dataclasses.asdict(d.diagnosis) if d.diagnosis else None,
         "slo": describe_slo(d.config.slo, d.config.admission.classes),
-        "cost_model": {**d.cost.current().as_dict(), "warm_start": d.cost.warm_start} if d.cost else None,
+        "cost_model": cost_model(d),
         "capacity": d.capacity.last.as_dict() if d.capacity is not None else None,
         "outcomes": d.metrics.outcomes.state(),
         "config": describe(d.config),

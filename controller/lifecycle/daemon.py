@@ -126,6 +126,8 @@ class Daemon:
                 p.host, p.cost.model, self.config.control.cost_profile, self.config.control.warmup_s
             )
             p.cost.warm_start = warm.as_dict()
+            if p.fit_check is not None:  # served steps are judged against the fit the model starts from
+                p.fit_check.start(p.cost.model.coefficients if p.cost.model.prior else None)
             if warm.source == "warm-up":
                 p.window.reset()  # its synthetic requests are not the load the loop observes
         await p.loop.tick()  # the policy's initial values apply before the first request

@@ -26,6 +26,7 @@ from controller.control.actuator import Actuator
 from controller.control.build import normalizer_for, policy_for, ttft_for
 from controller.control.capacity import CapacityMeter
 from controller.control.diagnosis import Diagnoser, Diagnosis
+from controller.control.fitcheck import FitCheck
 from controller.control.loop import Change, ControlLoop, Subscriber
 from controller.control.observe import Observer
 from controller.control.samplers import GpuSource, HostReadingSource, HostSource, NvmlSource
@@ -79,6 +80,8 @@ class Parts:
     capacity: CapacityMeter | None = None
     """The SLO capacity and saturation, computed each tick (a loop subscriber), read by /state and
     the metrics."""
+    fit_check: FitCheck | None = None
+    """The step-cost model's starting fit against its live one over the steps served since (/state)."""
 
     @property
     def data_plane_up(self) -> bool:
@@ -142,8 +145,10 @@ def build_parts(
     history, steps = config.control.history, StepFeed(host)
     loop = ControlLoop(policy, normalizer, observer.observe, actuator, subscribers, history, steps)
     metrics.live.read_from(gate, host, loop)
+    fit_check = FitCheck()  # the start fit against the live one, over the steps served since
     if loop.steps is not None:  # the engine's per-step figures, pulled at each tick before observing
         loop.steps.subscribe(cost_model.update)
+        loop.steps.subscribe(fit_check.update)
     parts = Parts(
         config, registry, metrics, window, gate, args, host, guard, gpu, hostsrc, observer, actuator,
         diagnoser, loop, AsyncIOScheduler(), Notifier(), tasks,
@@ -155,5 +160,6 @@ def build_parts(
     gate.set_ttft(ttft_for(policy, config.slo, a.classes, parts.cost))  # SLO steering's TTFT bounds
     metrics.live.read_cost(parts.cost)
     parts.capacity = capacity
+    parts.fit_check = fit_check
     metrics.live.read_capacity(capacity)
     return parts
