@@ -1,4 +1,4 @@
-"""``vllm-autopilot bench {run,sweep,compare,soak,chaos,overload,report}``: argument parsing and dispatch."""
+"""``vllm-autopilot bench {run,sweep,compare,frontend,soak,chaos,overload,report}``: parsing and dispatch."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ DEFAULT_CONFIG = Path("config.toml")
 
 
 def add_bench_commands(cmds: Any) -> None:
-    """Register run, sweep, compare, soak, chaos, overload and report on the ``bench`` subparsers."""
+    """Register run, sweep, compare, frontend, soak, chaos, overload and report as ``bench`` commands."""
     run = cmds.add_parser("run", help="one workload against a running OpenAI-compatible server")
     run.add_argument("--url", required=True, help="data plane, e.g. http://127.0.0.1:8000")
     run.add_argument("--out", type=Path, required=True, help="run directory to write")
@@ -30,10 +30,11 @@ def add_bench_commands(cmds: Any) -> None:
     add_workload_args(run)
     add_slo_args(run)
 
-    from controller.bench import chaos, compare, overload, report, soak, sweep
+    from controller.bench import chaos, compare, frontend, overload, report, soak, sweep
 
     chaos.add_parser(cmds)
     compare.add_parser(cmds)
+    frontend.add_parser(cmds)
     sweep.add_parser(cmds)
     soak.add_parser(cmds)
     overload.add_parser(cmds)
@@ -42,10 +43,11 @@ def add_bench_commands(cmds: Any) -> None:
 
 def bench_main(args: argparse.Namespace) -> int:
     """Run the ``bench`` subcommand that ``add_bench_commands`` registered."""
-    from controller.bench import chaos, compare, overload, report, soak, sweep
+    from controller.bench import chaos, compare, frontend, overload, report, soak, sweep
 
     handlers = {"run": _run, "chaos": chaos.main, "compare": compare.main, "sweep": sweep.main,
-                "soak": soak.main, "overload": overload.main, "report": report.main}  # fmt: skip
+                "soak": soak.main, "overload": overload.main, "report": report.main,
+                "frontend": frontend.main}  # fmt: skip
     try:
         return handlers[args.bench_command](args)
     except (WorkloadError, TokenizerError, FileNotFoundError, ValueError) as exc:
