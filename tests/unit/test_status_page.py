@@ -28,8 +28,6 @@ from tests.helpers import write_config
 
 HTML = page()[0].decode()
 SCRIPT = re.search(r"<script>(.*?)</script>", HTML, re.DOTALL).group(1)  # type: ignore[union-attr]
-# Fields other parts of the work add to /state later; the page draws them once they are there.
-NOT_YET = {"goodput"}
 
 
 def _accesses(fn: str, obj: str) -> set[str]:
@@ -110,10 +108,11 @@ def test_every_state_field_the_page_reads_is_in_state(states: dict[str, dict[str
         assert not missing, f"{name} /state lacks {missing}"
     optional = _accesses("opt", "s")
     assert {"token_budget", "slo.ttft_s", "slo.tpot_s", "cost_model"} <= optional
+    assert {"outcomes", "outcomes.goodput_rps", "policy.terms.mean_margin"} <= optional
     for path in optional:
-        if path.split(".")[0] in NOT_YET and path.split(".")[0] not in states["full"]:
-            continue
-        assert _resolves(states["full"], path), path
+        # the full state runs the static policy: the slo policy's objective and learned margin are its own
+        if path not in ("policy.terms.mean_margin", "policy.params.objective"):
+            assert _resolves(states["full"], path), path
     assert states["bare"]["slo"] is None  # no [slo]: the page draws no SLO line
 
 
@@ -173,6 +172,14 @@ def test_the_page_reads_real_states_and_skips_absent_fields(
     )
     assert decided["facts"]["decisions"][0][1:] == ["batch_cap", "16 → 8", "kv_high"]
     assert full["restarts"] == 3
+    # the page leads with goodput: the outcome window's figures, the objective, the learned margin
+    assert full["facts"]["goodput"][:4] == [
+        ["goodput (good requests/s)", 0],
+        ["SLO attainment", "–"],
+        ["objective", "TTFT <= 2.50 s, TPOT <= 0.0700 s"],
+        ["mean step share of the TPOT bound (learned)", None],
+    ]
+    assert full["sample"]["goodput"] == 0 and old["facts"]["goodput"] is not None
     assert full["facts"]["memory"].startswith("kv_cache_memory_bytes 64 MiB")
 
 
