@@ -57,3 +57,19 @@ def test_after_a_2x_step_the_knobs_settle_within_10s() -> None:
     last = max((c.t_mono for c in after), default=STEP_AT)
     assert last - STEP_AT <= 10.0, f"a knob still moved {last - STEP_AT:.0f} s after the step"
     assert result.preemptions == 0
+
+
+def test_the_twin_judges_each_served_request_as_the_daemons_ledger_does() -> None:
+    """The slo policy's mean margin learns from the served and missed totals: the twin counts them
+    with the daemon's ledger, so its margin moves as the daemon's would on the same outcomes."""
+    from controller.bench.records import meets_slo
+
+    admission = AdmissionConfig(limit=PROFILE.engine.max_num_seqs)
+    sim = build_simulation(PROFILE, ControlConfig(policy="slo"), admission, slo=slo_for(admission, 1.0, 0.05))
+    result = asyncio.run(sim.run(uniform(30.0, 120.0)))
+    served = [r for r in result.records if r.status == "ok"]
+    missed = [r for r in served if not meets_slo(r, 1.0, 0.05)]
+    assert (sim.outcomes.served_total, sim.outcomes.missed_total) == (len(served), len(missed))
+    assert sim.observe().served_total == len(served) > 0
+    margins = {c.reason.split("margin ")[1].split(":")[0] for c in result.changes if "margin " in c.reason}
+    print(f"served {len(served)}, missed {len(missed)}; margins in the decisions: {sorted(margins)}")
