@@ -64,6 +64,8 @@ def add_parser(cmds: Any) -> None:
     p.add_argument("--engine", action="append", metavar="KEY=VALUE",
                    help="an engine setting for both servers (repeatable); defaults: "
                    + ", ".join(f"{k}={v}" for k, v in ENGINE_DEFAULTS.items()))  # fmt: skip
+    p.add_argument("--daemon-arg", action="append", metavar="ARG",
+                   help="a daemon argument (repeatable), e.g. --daemon-arg=--config=x.toml")  # fmt: skip
     p.add_argument("--pairs", type=int, default=5, help="interleaved pairs (default 5)")
     p.add_argument("--bursts", type=int, default=5, help="recorded bursts per server start (default 5)")
     p.add_argument("--streams", type=int, default=64, help="concurrent streams in a burst (default 64)")
@@ -138,13 +140,15 @@ def order(pair: int) -> tuple[str, str]:
     return (VLLM_SERVE, DAEMON) if pair % 2 == 0 else (DAEMON, VLLM_SERVE)
 
 
-def server_argv(kind: str, engine: dict[str, Any], port: int, admin_port: int) -> list[str]:
+def server_argv(
+    kind: str, engine: dict[str, Any], port: int, admin_port: int, extra: Sequence[str] = ()
+) -> list[str]:
     """The command line of ``kind`` with the engine flags: `vllm serve` as the bench starts it, or the
-    daemon's drop-in `vllm-autopilot serve` (no TOML file: the daemon's defaults)."""
+    daemon's drop-in `vllm-autopilot serve` (no TOML file: the daemon's defaults) with ``extra``."""
     flags = [*engine_flags(engine), "--host", HOST, "--port", str(port)]
     if kind == VLLM_SERVE:
         return [sys.executable, "-m", "controller.engine.vllm_serve", "serve", *flags]
-    return [sys.executable, "-m", "controller", "serve", *flags, "--admin-port", str(admin_port)]
+    return [sys.executable, "-m", "controller", "serve", *flags, "--admin-port", str(admin_port), *extra]
 
 
 @contextlib.contextmanager
@@ -163,13 +167,13 @@ def flocked(path: Path | None) -> Iterator[None]:
 
 @contextlib.contextmanager
 def started(
-    kind: str, engine: dict[str, Any], log: Path, timeout_s: float
+    kind: str, engine: dict[str, Any], log: Path, timeout_s: float, extra: Sequence[str] = ()
 ) -> Iterator[tuple[str, int, float]]:
     """Start ``kind`` in its own process group; yield (base URL, pid, startup seconds); always stop it."""
     port, admin_port = free_port(), free_port()
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("wb") as out:
-        argv = server_argv(kind, engine, port, admin_port)
+        argv = server_argv(kind, engine, port, admin_port, extra)
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)  # fmt: skip
     base = f"http://{HOST}:{port}"
@@ -198,7 +202,8 @@ def serve_and_burst(kind: str, pair: int, engine: dict[str, Any], args: argparse
     """One server's run: start, a warm-up burst, the recorded bursts, stop."""
     log = args.out / "logs" / f"{pair}-{kind}.log"
     specs, warm = specs_for(args, args.output_tokens), specs_for(args, 8)
-    with started(kind, engine, log, args.startup_timeout) as (base, pid, startup_s):
+    extra = (args.daemon_arg or []) if kind == DAEMON else []
+    with started(kind, engine, log, args.startup_timeout, extra) as (base, pid, startup_s):
         target = Target(base, str(engine["model"]))
         asyncio.run(burst(target, warm, builder, args.timeout))
         bursts = [asyncio.run(burst(target, specs, builder, args.timeout)) for _ in range(args.bursts)]
@@ -284,11 +289,11 @@ def main(args: argparse.Namespace) -> int:
         pairs.append(p)
         print(f"pair {pair}: out tok/s daemon / vllm serve {_cell(p['ratio']['output_tok_s'], digits=2)}x",
               flush=True)  # fmt: skip
-    med = summary(pairs)
-    result = {"argv": sys.argv, "engine": engine, "streams": args.streams,
-              "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
-              "bursts": args.bursts, "pairs": pairs, **med}  # fmt: skip
-    (args.out / RESULT).write_text(json.dumps(result, indent=2) + "\n")
+        med = summary(pairs)  # written after every pair: the pairs done survive an interrupted run
+        result = {"argv": sys.argv, "engine": engine, "streams": args.streams,
+                  "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
+                  "bursts": args.bursts, "pairs": pairs, **med}  # fmt: skip
+        (args.out / RESULT).write_text(json.dumps(result, indent=2) + "\n")
     print("\n" + table(pairs, med))
     if args.profile_bursts:
         print("\n" + profile_table(pairs))

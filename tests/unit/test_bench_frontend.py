@@ -67,6 +67,8 @@ def test_both_servers_get_the_same_engine_flags() -> None:
     assert plain[plain.index("serve") :] == ours[ours.index("serve") : -2]  # the daemon adds its admin port
     assert ours[-2:] == ["--admin-port", "9000"]
     assert "--dtype" in plain and "--kv-cache-memory-bytes" in plain
+    with_file = frontend.server_argv(frontend.DAEMON, engine, 8000, 9000, ["--config=x.toml"])
+    assert with_file[-1] == "--config=x.toml"
 
 
 def test_the_parser_is_registered_and_main_refuses_zero_pairs(tmp_path: Path) -> None:
