@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,16 +26,14 @@ from typing import Any
 
 import structlog
 
-from controller.control.stepcost import CostPrior, FitSettings, StepCostModel
-from controller.control.steps import EngineStep
+from controller.control.stepcost import CostPrior, StepCostModel
+from controller.control.warmfit import PRIOR_SAMPLES, fit_steps, plan
 from controller.engine.runtime import warmup
 from controller.engine.runtime.host import EngineHost
 from policies.cost import TERMS
 
 log = structlog.get_logger(__name__)
 
-PRIOR_SAMPLES = 20.0
-"""The warm-up fit weighs as much as this many served steps."""
 STATE_FILE_VERSION = 1
 
 
@@ -69,20 +66,6 @@ def state_dir() -> Path:
 def state_path(key: dict[str, Any], directory: Path) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return directory / f"stepcost-{digest}.json"
-
-
-def fit_steps(steps: Sequence[EngineStep]) -> tuple[tuple[float, float, float, float], float | None]:
-    """The step-cost model fitted to ``steps`` alone (no forgetting, no prior), and its median
-    relative error over them."""
-    model = StepCostModel(FitSettings(forgetting=1.0, max_rejects=len(steps) + 1))
-    model.update(steps)
-    coefficients = model.coefficients
-    errors = [
-        abs(s.step_s - model.predict_step(s.prefill_tokens, s.decode_seqs, s.kv_tokens)) / s.step_s
-        for s in steps
-        if s.step_s > 0
-    ]
-    return coefficients, (statistics.median(errors) if errors else None)
 
 
 def _named(coefficients: Sequence[float]) -> dict[str, float]:
@@ -133,7 +116,7 @@ async def warm_start(
         return WarmStart("none", "[control] warmup_s = 0: the model learns from served requests")
     await host.drain_steps()  # whatever the engine did before is not the warm-up's
     cfg = host.llm.vllm_config
-    phases = warmup.plan(
+    phases = plan(
         host.max_num_seqs,
         int(cfg.scheduler_config.max_num_batched_tokens),
         int(cfg.model_config.max_model_len),

@@ -57,9 +57,10 @@ from controller.control.loop import Change, ControlLoop
 from controller.control.normalize import Normalizer
 from controller.control.observe import BudgetReading, build_observation
 from controller.control.outcomes import OutcomeLedger
-from controller.control.stepcost import CostReader, StepCostModel, prior_from
+from controller.control.stepcost import CostPrior, CostReader, StepCostModel, prior_from
 from controller.control.steps import EngineStep, StepFeed
 from controller.control.telemetry import TelemetryWindow
+from controller.control.warmfit import PRIOR_SAMPLES, fit_steps, plan
 from controller.sim.engine import SimEngine, SimRequest, StepPlan
 from controller.sim.profile import Profile, load_profile
 from controller.sim.quantiles import LoadTables, QuantileTable
@@ -319,6 +320,7 @@ class Simulation:
     async def run(self, specs: Sequence[RequestSpec]) -> SimResult:
         wall0 = time.perf_counter()
         arrivals = sorted(specs, key=lambda s: (s.arrival_s, s.index))
+        warm_up = self._warm_up()  # before the loop starts, as the daemon's startup runs it
         await self.loop.tick()  # the policy's initial values apply before the first request (Daemon.startup)
         await self._drive(arrivals, self._draws(arrivals))
         duration = await self._finish(arrivals)
@@ -336,8 +338,38 @@ class Simulation:
                 "profile": self.profile.name,
                 "workload": describe(specs),
                 "variance": [k for k, t in self._tables() if t],
+                "warm_up": warm_up,
             },
         )
+
+    def _warm_up(self) -> dict[str, Any] | None:
+        """The daemon's warm-up (``lifecycle/warm.py``) on the twin's engine, out of the workload's
+        time: the same phases while ``[control] warmup_s`` lasts, each run to its end, and the
+        step-cost model seeded with the fit of their steps. None where the daemon runs none (a named
+        ``cost_profile`` seeds it, or ``warmup_s`` is 0)."""
+        c = self.control.control
+        if c.cost_profile or c.warmup_s <= 0:
+            return None
+        limits, t, ran, ids = self.profile.engine, 0.0, [], -1
+        steps0, preemptions0 = self.engine.steps, self.engine.total_preemptions
+        for phase in plan(limits.max_num_seqs, limits.max_num_batched_tokens, limits.max_model_len):
+            if t >= c.warmup_s:
+                break
+            for _ in range(phase.streams):  # negative ids: never a workload's, own content only
+                self.engine.add(SimRequest(ids, phase.prompt_tokens, phase.output_tokens, 0, t))
+                ids -= 1
+            while self.engine.has_work:
+                step = self.engine.plan()
+                took = self._step_s(step)
+                t += took
+                self.engine.finish_step(step, t, took)
+            ran.append(phase.describe())
+        steps = self.engine.drain_steps()
+        self.engine.steps, self.engine.total_preemptions = steps0, preemptions0  # the workload's alone
+        coefficients, error = fit_steps(steps)
+        name = f"warm-up: {len(steps)} steps in {t:.1f} s"
+        self.cost.reset(CostPrior(coefficients, name=name, prior_samples=PRIOR_SAMPLES))
+        return {"phases": ran, "steps": len(steps), "seconds": round(t, 3), "median_rel_error": error}
 
     async def _drive(self, arrivals: Sequence[RequestSpec], draws: Sequence[float]) -> None:
         """Advance virtual time from event to event until every request is done (or ``drain_s`` after

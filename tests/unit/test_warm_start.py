@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from controller.control.steps import EngineStep
-from controller.engine.runtime.warmup import Phase, hardware, plan
-from controller.lifecycle.warm import WarmStart, fit_steps, read_state, state_dir, state_path, write_state
+from controller.control.warmfit import Phase, fit_steps, plan
+from controller.engine.runtime.warmup import hardware
+from controller.lifecycle.warm import WarmStart, read_state, state_dir, state_path, write_state
 
 
 def test_the_plan_excites_each_term_within_the_engine_limits() -> None:

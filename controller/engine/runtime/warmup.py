@@ -28,40 +28,13 @@ import structlog
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 
+from controller.control.warmfit import Phase
 from controller.engine.runtime.dtype import cpuinfo_text
 
 log = structlog.get_logger(__name__)
 
 REQUEST_PREFIX = "autopilot-warmup-"
 """The warm-up's request ids start so: the outcome count leaves them out (``stats.py``)."""
-
-
-@dataclass(frozen=True)
-class Phase:
-    """``streams`` requests at once, each of ``prompt_tokens`` random tokens, generating ``output_tokens``."""
-
-    streams: int
-    prompt_tokens: int
-    output_tokens: int
-
-    def describe(self) -> str:
-        return f"{self.streams}x{self.prompt_tokens}+{self.output_tokens}"
-
-
-def plan(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> list[Phase]:
-    """The phases, most informative first, sized within the engine's limits: prefill alone at three
-    sizes, decode batches from 1 to the batch ceiling, and decodes over long prompts."""
-    room = max(2, max_model_len - 17)  # a prompt and its 16 output tokens fit the model's length
-    chunk = max(1, min(max_num_batched_tokens, room))
-
-    def prompt(n: int) -> int:
-        return max(1, min(n, chunk))
-
-    batches = sorted({min(b, max_num_seqs) for b in (1, 8, 32, max_num_seqs)})
-    phases = [Phase(1, prompt(64), 1), Phase(1, 16, 16), Phase(1, prompt(256), 1)]
-    phases += [Phase(b, 16, 16) for b in batches if b > 1]
-    phases += [Phase(1, prompt(1024), 1), Phase(min(4, max_num_seqs), prompt(512), 16)]
-    return phases
 
 
 @dataclass(frozen=True)

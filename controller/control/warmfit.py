@@ -1,0 +1,62 @@
+"""The warm-up's plan and fit, without the engine: the daemon runs the plan through vLLM
+(``engine/runtime/warmup.py``, ``lifecycle/warm.py``), the twin through its engine model
+(``sim/run.py``), and both fit the steps they measured the same way.
+
+The phases excite each term of ``step = a + b*prefill + c*decode_seqs + d*kv_tokens`` apart: a prompt
+alone (``b``), batches of short streams (``c``), and a few streams over long prompts (``d``), in order
+of what they teach, so a budget that runs out drops the least informative.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from controller.control.stepcost import FitSettings, StepCostModel
+from controller.control.steps import EngineStep
+
+PRIOR_SAMPLES = 20.0
+"""The warm-up fit weighs as much as this many served steps."""
+
+
+@dataclass(frozen=True)
+class Phase:
+    """``streams`` requests at once, each of ``prompt_tokens`` random tokens, generating ``output_tokens``."""
+
+    streams: int
+    prompt_tokens: int
+    output_tokens: int
+
+    def describe(self) -> str:
+        return f"{self.streams}x{self.prompt_tokens}+{self.output_tokens}"
+
+
+def plan(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> list[Phase]:
+    """The phases, most informative first, sized within the engine's limits: prefill alone at three
+    sizes, decode batches from 1 to the batch ceiling, and decodes over long prompts."""
+    room = max(2, max_model_len - 17)  # a prompt and its 16 output tokens fit the model's length
+    chunk = max(1, min(max_num_batched_tokens, room))
+
+    def prompt(n: int) -> int:
+        return max(1, min(n, chunk))
+
+    batches = sorted({min(b, max_num_seqs) for b in (1, 8, 32, max_num_seqs)})
+    phases = [Phase(1, prompt(64), 1), Phase(1, 16, 16), Phase(1, prompt(256), 1)]
+    phases += [Phase(b, 16, 16) for b in batches if b > 1]
+    phases += [Phase(1, prompt(1024), 1), Phase(min(4, max_num_seqs), prompt(512), 16)]
+    return phases
+
+
+def fit_steps(steps: Sequence[EngineStep]) -> tuple[tuple[float, float, float, float], float | None]:
+    """The step-cost model fitted to ``steps`` alone (no forgetting, no prior), and its median
+    relative error over them."""
+    model = StepCostModel(FitSettings(forgetting=1.0, max_rejects=len(steps) + 1))
+    model.update(steps)
+    coefficients = model.coefficients
+    errors = [
+        abs(s.step_s - model.predict_step(s.prefill_tokens, s.decode_seqs, s.kv_tokens)) / s.step_s
+        for s in steps
+        if s.step_s > 0
+    ]
+    return coefficients, (statistics.median(errors) if errors else None)
