@@ -9,8 +9,11 @@ the load never sends, a KV term from lengths it never reaches) shows as a gap be
 
 The error is the median of ``|predicted - measured| / measured`` per step (the median, because a step
 that waited on a GC pause or the event loop is no fault of the fit, and the model weighs each step by
-its relative error too). The steps are kept in a fixed ring (``capacity``), so a /state read costs two
-small matrix products and two medians over at most that many steps, however long the daemon runs.
+its relative error too). Beside the two, the best fit of the same form over the same steps (relative
+least squares) gives the floor the steps' own noise sets, and each error is also taken over the steps
+that prefilled and those that only decoded, so a gap points at a term (``b``, or ``a``/``c``/``d``).
+The steps are kept in a fixed ring (``capacity``), so a /state read costs one 4-column least-squares
+solve and a few medians over at most that many steps, however long the daemon runs.
 """
 
 from __future__ import annotations
@@ -22,10 +25,14 @@ from typing import Any
 import numpy as np
 
 from controller.control.steps import EngineStep
+from policies.cost import TERMS
 
 CAPACITY = 5000
 """Steps kept: about five minutes of a 2-core CPU serving SmolLM2 (15 steps a second), a few
 seconds of a GPU; a median over this many is steady to a fraction of a percent."""
+KINDS = ("all", "prefill", "decode_only")
+"""The steps an error is taken over: all, those that prefilled (``b`` at work), those that only
+decoded (``a``, ``c``, ``d``)."""
 
 
 class FitCheck:
@@ -62,25 +69,55 @@ class FitCheck:
             self._y[i] = s.step_s
             self.seen += 1
 
-    def median_error(self, coefficients: Sequence[float]) -> float | None:
-        """Median ``|x . coefficients - measured| / measured`` over the kept steps (None without one)."""
-        n = min(self.seen, self.capacity)
-        if n == 0:
+    def median_error(self, coefficients: Sequence[float], kind: str = "all") -> float | None:
+        """Median ``|x . coefficients - measured| / measured`` over the kept steps of ``kind``
+        (``KINDS``); None without one."""
+        x, y = self._kept(kind)
+        if len(y) == 0:
             return None
-        y = self._y[:n]
-        pred = self._x[:n] @ np.array(_four(coefficients))
+        pred = x @ np.array(_four(coefficients))
         return float(np.median(np.abs(pred - y) / y))
 
+    def best_fit(self) -> tuple[float, float, float, float] | None:
+        """The coefficients of this form closest to the kept steps in relative least squares (the
+        loss the model minimises, unconstrained and unforgetting): the floor a fit of this form
+        reaches on them, which tells the start fit's bias from the steps' own noise."""
+        x, y = self._kept("all")
+        if len(y) < 4:
+            return None
+        coefficients, *_ = np.linalg.lstsq(x / y[:, None], np.ones(len(y)), rcond=None)
+        return _four(coefficients)
+
     def report(self, live: Sequence[float]) -> dict[str, Any]:
-        """For /state: the steps seen since the start and both fits' median errors over the kept ones."""
+        """For /state: the steps seen since the start, and the start, live and best fits' median
+        errors over the kept ones, in all and per kind of step (which term is off)."""
+        best = self.best_fit()
+        fits = {"start_fit": self.start_fit, "live_fit": _four(live), "best_fit": best}
         return {
             "steps_since_start": self.seen,
             "steps_measured": min(self.seen, self.capacity),
-            "start_fit_median_rel_error": None
-            if self.start_fit is None
-            else self.median_error(self.start_fit),
-            "live_fit_median_rel_error": self.median_error(live),
+            **{
+                f"{name}_median_rel_error": None if c is None else self.median_error(c)
+                for name, c in fits.items()
+            },
+            "best_fit": None if best is None else dict(zip(TERMS, best, strict=True)),
+            "by_kind": {
+                kind: {
+                    "steps": len(self._kept(kind)[1]),
+                    **{name: None if c is None else self.median_error(c, kind) for name, c in fits.items()},
+                }
+                for kind in KINDS[1:]
+            },
         }
+
+    def _kept(self, kind: str) -> tuple[np.ndarray, np.ndarray]:
+        n = min(self.seen, self.capacity)
+        x, y = self._x[:n], self._y[:n]
+        if kind == "all":
+            return x, y
+        prefill = x[:, 1] > 0
+        rows = prefill if kind == "prefill" else ~prefill
+        return x[rows], y[rows]
 
 
 def _four(coefficients: Sequence[float]) -> tuple[float, float, float, float]:
