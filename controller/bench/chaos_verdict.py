@@ -7,8 +7,8 @@
 3. The gate's counters return to zero when the load stops (nothing in flight, queued or pending).
 4. The daemon's resident memory does not grow (a least-squares line after the warm-up).
 5. The daemon serves at the end (one more request completes).
-6. A streamed completion with more prompts than the admission limit does not hold the gate: of the
-   plain streams sent while one was in flight, no more were refused with 429 than served.
+6. A streamed completion with more prompts than the admission limit does not hold the gate: the
+   plain streams sent while one was in flight are not all refused with 429 (some are served).
 7. After the daemon stops nothing is left: no EngineCore process it started, no ``/dev/shm`` file
    that no process holds.
 """
@@ -75,9 +75,12 @@ class HeldGate:
 
     @property
     def held(self) -> bool:
-        """Refused en masse: the gate was held for the wide stream's slots that never came (an engine
-        rebuild's 503s are the kill's, not the gate's, so they count on neither side)."""
-        return self.refused_429 > self.served
+        """Refused en masse: none served while some were refused, as when the wide stream holds the
+        slots it has while it waits for ones that never free. Not a share: while a stream that takes
+        the whole limit runs, the gate may rightly refuse an interactive request that cannot start
+        within its class's deadline or TTFT bound. An engine rebuild's 503s are the kill's, not the
+        gate's, so they count on neither side."""
+        return self.refused_429 > 0 and self.served == 0
 
 
 def held_gate(outcomes: Sequence[Outcome]) -> HeldGate:

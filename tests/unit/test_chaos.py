@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from controller.bench.chaos_faults import FaultRecord
+from controller.bench.chaos_faults import FaultRecord, inject_faults
 from controller.bench.chaos_load import LoadShape, Outcome, Sender
 from controller.bench.chaos_verdict import EndState, Limits, bad_ending, verdict
 from controller.bench.client import Target
@@ -185,13 +185,24 @@ def _at(kind: Any, start_s: float, elapsed_s: float, end: Any, status: int | Non
     return Outcome(kind, 0, start_s, elapsed_s, 100.0, end, status)
 
 
-def test_plain_streams_refused_beside_a_stream_over_the_limit_fail_the_run() -> None:
+def test_plain_streams_all_refused_beside_a_stream_over_the_limit_fail_the_run() -> None:
     wide = _at("stream_over_limit", 10.0, 20.0, "completed")
     refused = [_at("stream", 12.0 + i, 5.0, "http_error", 429) for i in range(3)]
-    served = [_at("stream", 13.0, 2.0, "completed"), _at("stream", 40.0, 1.0, "completed")]
-    rebuild = [_at("stream", 14.0, 0.1, "http_error", 503)]  # an engine kill's, not the gate's
-    passed, reasons, figures = verdict([wide, *refused, *served, *rebuild], [], _good_end(), Limits())
+    after = _at("stream", 40.0, 1.0, "completed")  # sent once the wide stream had ended
+    rebuild = _at("stream", 14.0, 0.1, "http_error", 503)  # an engine kill's, not the gate's
+    passed, reasons, figures = verdict([wide, *refused, after, rebuild], [], _good_end(), Limits())
     assert not passed and any("held the gate" in r for r in reasons), reasons
-    assert figures["beside_stream_over_limit"] == {"sent": 5, "served": 1, "refused_429": 3}
-    passed, reasons, _ = verdict([wide, *refused[:1], *served], [], _good_end(), Limits())
+    assert figures["beside_stream_over_limit"] == {"sent": 4, "served": 0, "refused_429": 3}
+    served = _at("stream", 13.0, 6.0, "completed")  # waited behind it, then served
+    passed, reasons, _ = verdict([wide, *refused, served, after], [], _good_end(), Limits())
     assert passed, reasons
+
+
+async def test_no_fault_is_waited_for_past_the_duration() -> None:
+    class Never:
+        t0 = time.monotonic()
+
+        async def inject(self, fault: str) -> None:
+            raise AssertionError(f"{fault} injected past the duration")
+
+    await asyncio.wait_for(inject_faults(Never(), 0.5, 1000.0), 1.0)  # type: ignore[arg-type]
