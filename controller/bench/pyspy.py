@@ -88,8 +88,9 @@ def summarize(
     root = min((len(p) for p, _, _ in lines), default=0)
     roles: dict[str, str] = {}
     for procs, frames, _ in lines:  # a process's role: a main loop seen in any of its stacks
+        names = {_label(f).split(" (", 1)[0].rsplit(".", 1)[-1] for f in frames}  # methods too
         for role, func in ROLES:
-            if any(f.startswith(func + " ") for f in frames):
+            if func in names:
                 roles[procs[-1] if procs else ""] = role
     total: Counter[str] = Counter()
     funcs: dict[str, Counter[str]] = defaultdict(Counter)

@@ -96,9 +96,9 @@ STACKS = "\n".join([
     f"{API};<module> (controller/__main__.py:3);generate (controller/engine/frontend/client.py:91);"
     "encode (json/encoder.py:10) 30",
     f"{API};<module> (controller/__main__.py:3);run (asyncio/runners.py:1) 10",
-    f'{API};process 2:"python -c spawn";run_engine_core (vllm/v1/engine/core.py:9);'
+    f'{API};process 2:"python -c spawn";EngineCoreProc.run_engine_core (vllm/v1/engine/core.py:9);'
     "schedule (controller/engine/runtime/scheduler.py:80);schedule (vllm/v1/core/sched/scheduler.py:5) 20",
-    f'{API};process 3:"python -c spawn";worker_main (vllm/worker.py:1) 40',
+    f'{API};process 3:"python -c spawn";WorkerProc.worker_main (vllm/worker.py:1) 40',
     f'{API};process 4:"python -c tracker";main (resource_tracker.py:1) 1',
 ])  # fmt: skip
 
