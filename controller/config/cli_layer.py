@@ -27,6 +27,10 @@ NO_FILE = Path(os.devnull)
 """``Config.path`` when only the command line configures: it reads as an empty file, so a reload
 re-applies the command line alone."""
 
+DEFAULTS = "defaults from the command line"
+"""An overlay entry (not a table): keys the command line implies rather than sets (the served name of
+a model path it resolved), laid below the file's keys instead of over them."""
+
 _OWN: tuple[tuple[str, type, str, str, str], ...] = (
     ("--admin-port", int, "admin", "port", "Port of the control plane (/metrics, /state, the page)."),
     ("--admin-host", str, "admin", "host", "Address of the control plane; keep it on loopback."),
@@ -82,7 +86,23 @@ def command_line_overlay(argv: Sequence[str]) -> tuple[dict[str, dict[str, Any]]
         value = _local_model(option.value) if key == "model" and table == "engine" else option.value
         overlay.setdefault(table, {})[key] = value
         flags[f"[{table}] {key}"] = option.flag
+    model = overlay.get("engine", {}).get("model")
+    named = "served_model_name" in overlay.get("engine", {})
+    if model is not None and not named and (written := given_model(given)) not in (None, model):
+        # `vllm serve models/x` answers to "models/x" (its served name is the model as written); the
+        # path we resolved must not rename it, or a client of the same command gets 404. Below a
+        # served_model_name the file sets: a default, not a flag.
+        overlay[DEFAULTS] = {"engine": {"served_model_name": [written]}}
     return overlay, flags
+
+
+def given_model(given: dict[str, Any]) -> str | None:
+    """The model as the command line wrote it (the positional beats ``--model``)."""
+    for dest in ("model_tag", "model"):
+        option = given.get(dest)
+        if option is not None and option.table != "own" and isinstance(option.value, str):
+            return str(option.value)
+    return None
 
 
 def _local_model(model: Any) -> Any:
@@ -97,7 +117,12 @@ def load_layered(path: Path, overlay: dict[str, dict[str, Any]]) -> Config:
     """The file at ``path`` (``NO_FILE``: none) with ``overlay``'s keys over its tables, validated as
     one file; a reload calls it again with the same overlay."""
     data = read_toml(path)
+    for table, values in overlay.get(DEFAULTS, {}).items():  # below the file's own keys
+        current = data.get(table, {})
+        data[table] = {**values, **current} if isinstance(current, dict) else current
     for table, values in overlay.items():
+        if table == DEFAULTS:
+            continue
         current = data.get(table, {})
         data[table] = {**current, **values} if isinstance(current, dict) else current  # not a table: reported
     config = parse_config(data, path)

@@ -90,6 +90,20 @@ def test_a_local_model_is_relative_to_the_working_directory(monkeypatch: pytest.
     assert serve_config(["models/tiny"]).engine["model"] == str(ROOT / "models" / "tiny")
 
 
+def test_a_local_model_keeps_the_served_name_vllm_serve_gives_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`vllm serve models/tiny` answers to "models/tiny": resolving the path must not rename the model
+    (a client of the same command would get 404), unless a served name is set by flag or file."""
+    monkeypatch.chdir(ROOT)
+    assert serve_config(["models/tiny"]).engine["served_model_name"] == ["models/tiny"]
+    named = serve_config(["models/tiny", "--served-model-name", "t"])
+    assert named.engine["served_model_name"] == ["t"]
+    file = write(tmp_path / "c.toml", '[engine]\nmodel = "x"\nserved_model_name = ["from-file"]\n')
+    assert serve_config(["--config", str(file), "models/tiny"]).engine["served_model_name"] == ["from-file"]
+    assert "served_model_name" not in serve_config(["Qwen/Qwen3-0.6B"]).engine  # a hub name stays as written
+
+
 def test_options_vllm_parses_into_objects_keep_their_strings() -> None:
     """--compilation-config becomes a vLLM object; the table keeps the JSON, which vLLM parses again."""
     config = serve_config(["m", "-cc", '{"mode": 0}', "--max-model-len", "2k", "--enforce-eager"])
