@@ -155,8 +155,8 @@ class AdmissionGate(Refusals, Pausing):
         ttft_done: bool = False,
     ) -> None:
         """Refuse now (raise ``GateRejected``) or count the request as pending in its class: ``n``
-        is what it will generate (prompts x sequences each), ``calls`` the ``acquire`` calls that
-        follow (one per prompt), each holding a pending place until it reaches the gate;
+        is what it will generate (prompts x sequences each), ``calls`` the pending places it holds
+        until ``acquire`` takes them (the engine client: one per sequence of its call);
         ``prompt_tokens`` (where known) adds its own prefill to its predicted wait, and under TTFT
         bounds the time since it ``arrived_mono`` counts too (``set_ttft``, ``ttft.AfterSlot``).
         ``later_call``: a further call of a request admitted before, not an arrival; ``ttft_done``: its
@@ -250,18 +250,16 @@ class AdmissionGate(Refusals, Pausing):
         self,
         priority: int = 0,
         from_pending: bool = True,
-        admitted_as: int | None = None,
         arrived_mono: float | None = None,
         weight: int = 1,
     ) -> Slot:
         """Wait for a slot in strict class order; raise ``GateRejected`` past the class deadline.
-        ``admitted_as``: the priority its pending place was counted under, where that differs;
         ``arrived_mono``: when the request reached the server (a TTFT bound counts from then);
-        ``weight``: how much of the limit it holds, granted all at once or not at all (``_weight``)."""
+        ``weight``: how much of the limit it holds, granted all at once or not at all (``_weight``);
+        ``from_pending``: it takes that many of its class's pending places."""
         q = self._queue_of(priority)
-        pending = self._queue_of(priority if admitted_as is None else admitted_as).pending
-        if from_pending and pending:
-            pending.popleft()
+        for _ in range(min(weight, len(q.pending)) if from_pending else 0):  # one place per sequence
+            q.pending.popleft()
         if self._refuse_queued is not None:
             raise self._refuse_queued.fresh()
         urgent_waiting = any(o.queued for o in self._order[: self._order.index(q) + 1])
@@ -304,12 +302,6 @@ class AdmissionGate(Refusals, Pausing):
         q.last_grant_mono = now
         self._events.admitted(name, 0.0 if enqueued_mono is None else now - enqueued_mono)
         return Slot(name, now, weight)
-
-    def split(self, slot: Slot, weights: Sequence[int]) -> list[Slot]:
-        """One granted slot as one per call of its request, each released on its own (``Slot.split``)."""
-        parts = slot.split(weights)
-        self.admitted_total += len(parts) - 1  # each part completes on its own
-        return parts
 
     def release(self, slot: Slot) -> None:
         """Give a slot back (completion, error, abort or disconnect)."""

@@ -6,7 +6,6 @@ import asyncio
 import heapq
 import math
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from controller.admission.classes import PriorityClass
@@ -40,20 +39,8 @@ class Slot:
     cls: str
     granted_mono: float
     weight: int = 1
-    """How much of the limit it holds: the sequences its request runs in the engine (``n``, or a
-    streamed request's calls taken together), at most what its class can ever hold."""
-
-    def split(self, weights: Sequence[int]) -> list[Slot]:
-        """This slot as one per call of its request (a stream's prompts): the calls' ``weights`` in
-        order, taken from ``weight`` until it is spent (a capped slot leaves the last calls 0: the
-        request runs alone), what is left on the last."""
-        left, parts = self.weight, []
-        for asked in weights:
-            parts.append(Slot(self.cls, self.granted_mono, min(asked, left)))
-            left -= parts[-1].weight
-        if parts and left:
-            parts[-1] = Slot(self.cls, self.granted_mono, parts[-1].weight + left)
-        return parts
+    """How much of the limit it holds: the sequences its call runs in the engine (``n``), at most
+    what its class can ever hold."""
 
 
 @dataclass(frozen=True)

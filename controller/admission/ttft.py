@@ -58,7 +58,7 @@ class TtftBounds:
 
     def prefill_s(self, prompt_tokens: int | None) -> float:
         """The request's own prefill; 0 without an estimator or a known prompt length (the daemon
-        counts it from the raw request before vLLM tokenizes: ``engine/frontend/prompts.py``)."""
+        reads it off the input vLLM rendered: ``engine/frontend/client.py``)."""
         if self.prefill is None or not prompt_tokens:
             return 0.0
         return max(0.0, self.prefill.prefill_s(prompt_tokens))

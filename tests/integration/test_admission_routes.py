@@ -76,8 +76,9 @@ def completion(**fields: Any) -> dict[str, Any]:
 async def test_a_stream_with_more_prompts_than_the_limit_leaves_room_for_others(
     daemon: Daemon, watched: Watched
 ) -> None:
-    """Its slots are taken at once: it does not hold four while it waits for a fifth that never
-    frees, refusing everyone else until its deadline (60 s in the batch class)."""
+    """Each of its prompts takes its own slot when it runs and gives it back when the engine ends
+    it: it never holds four while it waits for a fifth that never frees, refusing everyone else
+    until its deadline (60 s in the batch class)."""
     body = completion(prompt=[f"prompt {i}" for i in range(6)], max_tokens=16, stream=True)
     async with http_session() as s:
 
@@ -93,7 +94,8 @@ async def test_a_stream_with_more_prompts_than_the_limit_leaves_room_for_others(
         status, text = await asyncio.wait_for(stream, 60.0)
     assert status == 200 and "[DONE]" in text
     assert single[0] == 200 and single[1] < 20.0, single
-    assert watched.calls[0]["weight"] == 6  # capped at the limit when granted
+    assert [c["weight"] for c in watched.calls] == [1] * 7  # six prompts and the single request
+    assert watched.idle()
 
 
 async def test_the_batch_route_is_bounded_by_the_queue_limit(daemon: Daemon, watched: Watched) -> None:
@@ -107,14 +109,19 @@ async def test_the_batch_route_is_bounded_by_the_queue_limit(daemon: Daemon, wat
     assert watched.idle()  # no pending place left behind by the conversations never run
 
 
-async def test_a_batch_priority_more_urgent_than_min_priority_is_not_served_at_it(
+async def test_a_batch_priority_more_urgent_than_min_priority_is_refused_before_the_gate(
     daemon: Daemon, watched: Watched
 ) -> None:
     conversations = [[{"role": "user", "content": "hello"}]] * 2
     body = {"model": "tiny", "messages": conversations, "max_tokens": 4, "priority": -1000}
     async with http_session() as s, s.post(url(daemon, "/v1/chat/completions/batch"), json=body) as r:
+        status, answer = r.status, await r.json()
+    assert (status, answer["error"]["param"]) == (400, "priority"), answer
+    assert watched.calls == [] and watched.idle()
+    del body["priority"]  # naming none: [admission] default_priority, not vLLM's 0
+    async with http_session() as s, s.post(url(daemon, "/v1/chat/completions/batch"), json=body) as r:
         assert r.status == 200, await r.text()
-    assert [c["priority"] for c in watched.calls] == [MIN_PRIORITY, MIN_PRIORITY]
+    assert [c["priority"] for c in watched.calls] == [1, 1]
 
 
 async def test_beam_search_steps_run_at_the_requests_priority(daemon: Daemon, watched: Watched) -> None:

@@ -12,14 +12,11 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import pytest_asyncio
-from fastapi import FastAPI
 
-from controller.engine.frontend import prompts, tickets
 from controller.lifecycle.daemon import Daemon
 from tests.assets import vllm_metric_names
 from tests.helpers import admin_url, http_session, running_daemon, stream_completion, url, write_config
@@ -155,20 +152,27 @@ async def test_queued_requests_leave_in_priority_order(daemon: Daemon) -> None:
         daemon.parts.actuator.set_admission_limit(4)
 
 
-async def test_admission_counts_a_prompt_as_vllm_will_prefill_it(daemon: Daemon) -> None:
-    """The gate's prefill term (under SLO steering) gets the prompt's length before vLLM tokenizes:
-    counted with a copy of the served tokenizer, it matches the prompt tokens vLLM reports."""
-    app: Any = daemon.parts.server.config.app if daemon.parts.server else None
-    while app is not None and not isinstance(app, FastAPI):
-        app = app.app  # the data plane's middlewares wrap vLLM's app
-    assert app is not None
-    servings = [s for s in vars(app.state)["_state"].values() if hasattr(s, "create_completion")]
-    own = tickets.tokenizer_of(servings[0])
-    assert own is not None
-    text = "count these words as the served model's tokenizer splits them, commas and all"
-    counted = await prompts.prompt_tokens(SimpleNamespace(prompt=text), own)
-    async with http_session() as s:
-        body = {"model": "tiny", "prompt": text, "max_tokens": 1}
-        async with s.post(url(daemon, "/v1/completions"), json=body) as r:
-            reported = (await r.json())["usage"]["prompt_tokens"]
-    assert counted is not None and reported - 1 <= counted <= reported  # vLLM's count may add a BOS
+async def test_admission_counts_a_prompt_as_vllm_prefills_it(daemon: Daemon) -> None:
+    """The gate's prefill term (under SLO steering) is the prompt's length as vLLM rendered it: what
+    vLLM reports as the request's prompt tokens, with no tokenizing of our own (the early check, at
+    vLLM's ``_preflight``, comes before any tokenizing and has none)."""
+    gate, seen = daemon.parts.gate, []
+    original = gate.check_admission
+
+    def check_admission(*args: Any, **kwargs: Any) -> None:
+        seen.append(kwargs.get("prompt_tokens"))
+        original(*args, **kwargs)
+
+    gate.check_admission = check_admission  # type: ignore[method-assign]
+    uses = type(gate.ttft).uses_prompt_length
+    type(gate.ttft).uses_prompt_length = property(lambda self: True)  # type: ignore[method-assign]
+    try:
+        text = "count these words as the served model's tokenizer splits them, commas and all"
+        async with http_session() as s:
+            body = {"model": "tiny", "prompt": text, "max_tokens": 1}
+            async with s.post(url(daemon, "/v1/completions"), json=body) as r:
+                reported = (await r.json())["usage"]["prompt_tokens"]
+    finally:
+        type(gate.ttft).uses_prompt_length = uses  # type: ignore[method-assign]
+        del gate.check_admission
+    assert seen == [None, reported]  # the early check before vLLM renders it, then its call

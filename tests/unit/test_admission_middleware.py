@@ -1,14 +1,16 @@
-"""The data plane's admission path without an engine: the middleware's ticket carries the request's
-priority into ``check_admission`` (which vLLM calls without it), refusals get their class's
-Retry-After, a deadline expiry answers 429 (streamed or not: a stream waits for its slot before its
-200), and a request vLLM refuses after admission (4xx) gives its pending place back. vLLM's serving
-object is replaced by a fake with the same entry-point shape."""
+"""The data plane's admission path without an engine: the request's context carries its priority
+into ``generate()`` (where the gate's rules run), refusals get their class's Retry-After, a deadline
+expiry answers 429 (streamed or not: the middleware holds a stream's 200 until its first chunk), and
+a request vLLM refuses after admission (4xx) gives its pending place back. vLLM's serving object is
+replaced by a fake with the same shape (``_get_priority``, ``_preflight``, a stream that turns an
+error into an error event, as vLLM's stream generators do)."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
 from http import HTTPStatus
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -19,9 +21,9 @@ from vllm.exceptions import GracefulHTTPError
 
 from controller.admission.classes import PriorityClass
 from controller.admission.gate import AdmissionGate
-from controller.engine.frontend import tickets
 from controller.engine.frontend.app import AdmissionMiddleware
 from controller.engine.frontend.client import GateRefusal, GovernedEngineClient
+from controller.engine.frontend.priority import resolve_priorities
 from tests.helpers import Events, FakeHost, Recorder
 
 
@@ -43,8 +45,8 @@ class Body(dict[str, Any]):
 
 
 class FakeServing:
-    """vLLM's GenerateBaseServing shape: _get_priority, _preflight, create_completion (a stream is
-    returned as its generator, as vLLM's handler does), create_error_response."""
+    """vLLM's GenerateBaseServing shape: _check_model, _get_priority, _preflight, create_completion
+    (a stream is returned as its generator, as vLLM's handler does), create_error_response."""
 
     def __init__(self, client: GovernedEngineClient) -> None:
         self.client = self.engine_client = client
@@ -58,7 +60,12 @@ class FakeServing:
     def _preflight(self, n: int = 1) -> None:
         self.client.check_admission(n)
 
+    async def _check_model(self, request: Any) -> Any:
+        return None
+
     async def create_completion(self, request: dict[str, Any], raw_request: Request | None = None) -> Any:
+        if (error := await self._check_model(SimpleNamespace(**request))) is not None:
+            return error
         self._preflight()
         if request.get("prompt_too_long"):
             return JSONResponse({"error": "prompt too long"}, status_code=400)  # vLLM's render fails
@@ -68,8 +75,18 @@ class FakeServing:
         return {"outputs": [x async for x in stream]}
 
     @staticmethod
-    def create_error_response(exc: GracefulHTTPError) -> JSONResponse:
-        return JSONResponse({"error": exc.message}, status_code=int(exc.http_status))
+    def create_error_response(message: str, param: str | None = None) -> JSONResponse:
+        return JSONResponse({"error": message, "param": param}, status_code=400)
+
+
+async def events(stream: AsyncIterator[Any]) -> AsyncIterator[str]:
+    """vLLM's stream generators: an error (the gate's refusal) becomes an error event in the 200."""
+    try:
+        async for x in stream:
+            yield f"data: {x}\n\n"
+    except Exception as exc:
+        yield f"data: {{'error': {str(exc)!r}}}\n\n"
+    yield "data: [DONE]\n\n"
 
 
 class StatusLines:
@@ -92,8 +109,8 @@ def make_app(gate: AdmissionGate, started: list[int] | None = None) -> httpx.Asy
     app = FastAPI()
     client = GovernedEngineClient(FakeHost(FakeLLM()), gate, lambda: None)  # type: ignore[arg-type]
     app.state.serving = FakeServing(client)
-    assert tickets.capture_priorities(app.state) == 1
-    assert tickets.capture_priorities(app.state) == 0  # idempotent (refresh after an engine swap)
+    assert resolve_priorities(app.state) == 1
+    assert resolve_priorities(app.state) == 0  # idempotent (refresh after an engine swap)
 
     @app.exception_handler(GracefulHTTPError)
     async def graceful(request: Request, exc: GracefulHTTPError) -> JSONResponse:
@@ -106,7 +123,7 @@ def make_app(gate: AdmissionGate, started: list[int] | None = None) -> httpx.Asy
         if body.get("drop_stream") and not isinstance(result, JSONResponse):
             return {"dropped": True}  # the stream never runs, as when its client leaves first
         if body.stream and not isinstance(result, JSONResponse):
-            return StreamingResponse(f"data: {x}\n\n" async for x in result)
+            return StreamingResponse(events(result))
         return result
 
     transport = httpx.ASGITransport(
@@ -180,7 +197,7 @@ def test_gate_refusal_tracebacks_are_dropped_from_the_serving_loggers(
 ) -> None:
     app = FastAPI()
     app.state.serving = FakeServing(GovernedEngineClient(FakeHost(FakeLLM()), make_gate()[0], lambda: None))  # type: ignore[arg-type]
-    tickets.capture_priorities(app.state, GateRefusal)
+    resolve_priorities(app.state, GateRefusal)
     logger = logging.getLogger(FakeServing.__module__)
     with caplog.at_level(logging.INFO, logger=FakeServing.__module__):
         for exc in (GateRefusal("waited too long", HTTPStatus.TOO_MANY_REQUESTS), RuntimeError("a real bug")):
@@ -222,7 +239,8 @@ async def test_a_stream_whose_deadline_passes_in_the_queue_gets_429_not_200() ->
     async with make_app(gate) as http:
         r = await http.post("/v1/completions", json={"priority": 0, "stream": True})
     assert r.status_code == 429, r.text
-    assert "past the interactive deadline" in r.json()["error"]
+    assert "past the interactive deadline" in r.json()["error"]["message"]  # vLLM's error body
+    assert r.json()["error"]["code"] == 429 and "[DONE]" not in r.text
     assert int(r.headers["retry-after"]) >= 1
     assert [cls for cls, _ in events.timed_out] == ["interactive"]
     assert gate.stats().queued == 0 and gate.stats().pending == 0
@@ -244,12 +262,12 @@ async def test_a_stream_waits_for_its_slot_before_its_200() -> None:
         gate.release(held)
         r = await answer
     assert r.status_code == 200 and started == [200]
-    assert r.text == "data: 0\n\ndata: 1\n\ndata: 2\n\n"
+    assert r.text == "data: 0\n\ndata: 1\n\ndata: 2\n\ndata: [DONE]\n\n"
     assert gate.stats().in_flight == 0 and gate.stats().pending == 0
     assert gate.stats().completed_total == 2  # the held slot and the stream's, each released once
 
 
-async def test_a_slot_acquired_for_a_stream_that_never_runs_goes_back() -> None:
+async def test_the_pending_place_of_a_stream_that_never_runs_goes_back() -> None:
     gate, _ = make_gate()
     async with make_app(gate) as http:
         for _ in range(3):  # more than the gate's one slot, if they leaked

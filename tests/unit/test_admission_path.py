@@ -3,9 +3,9 @@ passes the gate's rules, whatever route or call pattern makes it.
 
 ``FakeServing`` has the call patterns of vLLM's handlers: a completion (``_preflight(n)`` once, then
 one ``generate()`` per prompt, a stream returned before it runs; beam search calling ``generate()``
-without a priority, one step after another), and the batch chat route (its entry point is not one
-the data plane wraps: ``_preflight()`` once, then one ``generate()`` per conversation with the
-body's priority).
+without a priority, one step after another), and the batch chat route (it does not ask
+``_get_priority``: ``_preflight()`` once, then one ``generate()`` per conversation with the body's
+priority).
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from controller.admission.classes import PriorityBounds, PriorityClass
 from controller.admission.gate import AdmissionGate
 from controller.admission.ttft import TtftBounds
 from controller.clock import FakeClock
-from controller.engine.frontend import tickets
+from controller.engine.frontend import context
 from controller.engine.frontend.app import AdmissionMiddleware
 from controller.engine.frontend.client import GateRefusal, GovernedEngineClient
+from controller.engine.frontend.priority import resolve_priorities
 from tests.helpers import Events, FakeHost, Recorder, settle
 
 CLASSES = (
@@ -91,7 +92,12 @@ class FakeServing:
     def _preflight(self, n: int = 1) -> None:
         self.engine_client.check_admission(n)
 
+    async def _check_model(self, request: Any) -> Any:
+        return None
+
     async def create_completion(self, request: dict[str, Any], raw_request: Request | None = None) -> Any:
+        if (error := await self._check_model(SimpleNamespace(**request))) is not None:
+            return error
         n = int(request.get("n", 1))
         self._preflight(n)
         if request.get("beam_steps"):
@@ -117,6 +123,8 @@ class FakeServing:
     async def create_batch_chat_completion(
         self, request: dict[str, Any], raw_request: Request | None = None
     ) -> Any:
+        if (error := await self._check_model(SimpleNamespace(**request))) is not None:
+            return error
         self._preflight()
         streams = [
             self.engine_client.generate(
@@ -127,8 +135,8 @@ class FakeServing:
         return {"outputs": len([x async for x in merged(streams)])}
 
     @staticmethod
-    def create_error_response(exc: GracefulHTTPError) -> JSONResponse:
-        return JSONResponse({"error": exc.message}, status_code=int(exc.http_status))
+    def create_error_response(message: str, param: str | None = None) -> JSONResponse:
+        return JSONResponse({"error": message, "param": param}, status_code=400)
 
 
 def make_app(
@@ -136,7 +144,7 @@ def make_app(
 ) -> httpx.AsyncClient:
     app = FastAPI()
     app.state.serving = FakeServing(GovernedEngineClient(FakeHost(llm), gate, lambda: None))  # type: ignore[arg-type]
-    tickets.capture_priorities(app.state)
+    resolve_priorities(app.state)
 
     @app.exception_handler(GracefulHTTPError)
     async def graceful(request: Request, exc: GracefulHTTPError) -> JSONResponse:
@@ -204,15 +212,18 @@ async def test_the_batch_route_is_bounded_by_the_queue_limit() -> None:
     assert gate.stats().arrivals_total == 2
 
 
-async def test_a_batch_priority_more_urgent_than_allowed_runs_at_the_bound() -> None:
+async def test_a_batch_priority_more_urgent_than_allowed_is_refused_before_the_gate() -> None:
     gate, events = make_gate(limit=4)
     llm = CountingLLM()
     async with make_app(gate, llm, PriorityBounds(most_urgent=1, default=5)) as http:
         r = await http.post(
             "/v1/chat/completions/batch", json={"conversations": ["a", "b"], "priority": -1000}
         )
+        assert (r.status_code, r.json()["param"]) == (400, "priority"), r.text
+        assert llm.priorities == [] and events.admitted == events.rejected == []
+        r = await http.post("/v1/chat/completions/batch", json={"conversations": ["a", "b"]})
     assert r.status_code == 200, r.text
-    assert llm.priorities == [1, 1]
+    assert llm.priorities == [5, 5]  # naming none: the default, not vLLM's 0
     assert [cls for cls, _ in events.admitted] == ["batch", "batch"]
 
 
@@ -234,8 +245,7 @@ async def test_a_later_call_of_a_served_request_is_not_refused_by_its_ttft_bound
     gate = AdmissionGate(1, 100, CLASSES, clock=clock)
     gate.set_ttft(TtftBounds({"interactive": 2.0}))
     client = GovernedEngineClient(FakeHost(CountingLLM()), gate, lambda: None)  # type: ignore[arg-type]
-    ticket = tickets.Ticket(arrived_mono=clock())
-    token = tickets.current.set(ticket)
+    token = context.current.set(context.RequestContext(arrived_mono=clock()))
     try:
         client.check_admission()
         first = [x async for x in client.generate("p", None, "step-0")]
@@ -247,7 +257,7 @@ async def test_a_later_call_of_a_served_request_is_not_refused_by_its_ttft_bound
         gate.release(held)
         await asyncio.wait_for(step, timeout=5.0)
     finally:
-        tickets.current.reset(token)
+        context.current.reset(token)
     assert len(first) == 4
 
 
@@ -283,3 +293,32 @@ async def test_a_generator_that_never_runs_gives_its_pending_place_back() -> Non
 
 def test_refusals_of_a_generate_call_are_the_gates_http_errors() -> None:
     assert issubclass(GateRefusal, GracefulHTTPError)
+
+
+async def test_check_admission_refuses_before_vllm_renders_and_counts_nothing() -> None:
+    """vLLM calls ``check_admission`` before it tokenizes: a request the gate would refuse now is
+    refused there; one it admits is counted as one arrival and holds no place until its calls."""
+    gate, events = make_gate(limit=1, max_queue=0)
+    client = GovernedEngineClient(FakeHost(CountingLLM()), gate, lambda: None)  # type: ignore[arg-type]
+    held = await gate.acquire(0, from_pending=False)
+    refused = context.RequestContext()
+    token = context.current.set(refused)
+    try:
+        try:
+            client.check_admission()
+            raise AssertionError("admitted past a full gate")
+        except GateRefusal as exc:
+            assert exc.http_status == 429 and refused.refusal is not None
+    finally:
+        context.current.reset(token)
+    gate.release(held)
+    admitted = context.RequestContext()
+    token = context.current.set(admitted)
+    try:
+        client.check_admission()
+        assert gate.stats().pending == 0 and admitted.admitted
+        outputs = [x async for x in client.generate("p", SimpleNamespace(n=1), "r")]
+    finally:
+        context.current.reset(token)
+    assert len(outputs) == 4 and gate.stats().arrivals_total == 2  # the refused one and this one
+    assert [cls for cls, _ in events.rejected] == ["interactive"]

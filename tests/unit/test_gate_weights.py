@@ -86,17 +86,6 @@ async def test_a_heavy_head_is_not_starved_by_lighter_requests_of_a_lower_class(
     assert heavy.done() and sum(t.done() for t in light) == 1
 
 
-async def test_split_gives_each_call_its_part_and_every_part_returns() -> None:
-    gate = make_gate(limit=4)
-    slot = await gate.acquire(weight=6)  # six one-sequence prompts, capped at the limit
-    parts = gate.split(slot, [1] * 6)
-    assert [p.weight for p in parts] == [1, 1, 1, 1, 0, 0]
-    for part in parts:
-        gate.release(part)
-    stats = gate.stats()
-    assert (stats.in_flight, stats.admitted_total, stats.completed_total) == (0, 6, 6)
-
-
 def test_arrivals_count_each_request_once_whatever_its_n_or_outcome() -> None:
     gate = AdmissionGate(1, 1, ONE_CLASS, clock=FakeClock())
     gate.check_admission(0, 1)  # takes the free slot's place

@@ -22,9 +22,10 @@ from controller.admission.gate import AdmissionGate, GateRejected
 from controller.admission.ttft import TtftBounds
 from controller.clock import FakeClock, monotonic
 from controller.control.telemetry import TelemetryWindow
-from controller.engine.frontend import tickets
+from controller.engine.frontend import context
 from controller.engine.frontend.app import AdmissionMiddleware
 from controller.engine.frontend.client import GovernedEngineClient
+from controller.engine.frontend.priority import resolve_priorities
 from controller.engine.runtime.host import EngineHost
 from tests.helpers import FakeHost
 
@@ -102,7 +103,8 @@ class FakeCompletions:
         prompts = request.prompt if isinstance(request.prompt, list) else [request.prompt]
         if request.max_tokens == 0:
             return JSONResponse({"error": "max_tokens must be at least 1"}, status_code=400)
-        streams = [self.client.generate(p, None, f"cmpl-{i}", priority=0) for i, p in enumerate(prompts)]
+        params = SimpleNamespace(n=request.n or 1)  # vLLM's sampling params carry n
+        streams = [self.client.generate(p, params, f"cmpl-{i}", priority=0) for i, p in enumerate(prompts)]
 
         async def drain(stream: AsyncIterator[Any]) -> int:
             count = 0
@@ -119,7 +121,7 @@ def completions_app(gate: AdmissionGate) -> tuple[httpx.AsyncClient, FakeComplet
     app = FastAPI()
     serving = FakeCompletions(GovernedEngineClient(FakeHost(FakeLLM()), gate, lambda: None))  # type: ignore[arg-type]
     app.state.serving = serving
-    tickets.capture_priorities(app.state)
+    resolve_priorities(app.state)
 
     @app.exception_handler(GracefulHTTPError)
     async def graceful(request: Request, exc: GracefulHTTPError) -> JSONResponse:
@@ -347,12 +349,12 @@ async def test_under_a_ttft_bound_a_request_the_engine_died_under_still_waits_fo
     gate = AdmissionGate(1, 100, (PriorityClass("all", max_queue=100, queue_deadline_s=5.0),))
     gate.set_ttft(TtftBounds({"all": 1.0}, wait_share=0.8))
     client = GovernedEngineClient(engine_host(llm), gate, lambda: None)
-    ticket = tickets.Ticket(arrived_mono=monotonic() - 10.0)  # its bound passed long ago
-    token = tickets.current.set(ticket)
+    request = context.RequestContext(arrived_mono=monotonic() - 10.0)  # its bound passed long ago
+    token = context.current.set(request)
     try:
         task = asyncio.create_task(_outputs(client))
     finally:
-        tickets.current.reset(token)
+        context.current.reset(token)
     await asyncio.sleep(0)  # a free slot: granted at once, no queue, no deadline
     other = asyncio.create_task(gate.acquire(0, from_pending=False))  # queues behind it
     await asyncio.sleep(0)
@@ -364,12 +366,12 @@ async def test_under_a_ttft_bound_a_request_the_engine_died_under_still_waits_fo
     llm.streams[-1].outputs.put_nowait(SimpleNamespace(finished=True))
     assert [o.finished for o in await asyncio.wait_for(task, 1.0)] == [True]
     with pytest.raises(GracefulHTTPError):  # a first attempt that queues past its bound: 429
-        token = tickets.current.set(tickets.Ticket(arrived_mono=monotonic() - 10.0))
+        token = context.current.set(context.RequestContext(arrived_mono=monotonic() - 10.0))
         try:
             blocker = await gate.acquire(0, from_pending=False)
             await asyncio.wait_for(_outputs(client), 1.0)
         finally:
-            tickets.current.reset(token)
+            context.current.reset(token)
     gate.release(blocker)
 
 

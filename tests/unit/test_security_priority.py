@@ -1,8 +1,8 @@
 """Operators bound the priority clients may ask for (issue 16, security 10): ``[admission]
 min_priority`` (more urgent is refused with 400) and ``default_priority`` (a request naming none); a
 value past vLLM's int64 or not an integer is refused with 400 before the gate, so it never counts,
-queues or sheds. vLLM's serving object is replaced by a fake with the same entry-point shape and a
-pydantic request, as vLLM's own."""
+queues or sheds. vLLM's serving object is replaced by a fake with the same shape (``_check_model``
+first, as vLLM's handlers) and a pydantic request, as vLLM's own."""
 
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ from pydantic import BaseModel
 from controller.admission.classes import PRIORITY_MAX, PriorityBounds, PriorityClass, PriorityRefused
 from controller.admission.gate import AdmissionGate
 from controller.config.load import ConfigError, parse_config
-from controller.engine.frontend import tickets
 from controller.engine.frontend.app import AdmissionMiddleware
 from controller.engine.frontend.client import GovernedEngineClient
+from controller.engine.frontend.priority import resolve_priorities
 from tests.helpers import Events, FakeHost, Recorder
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,7 +43,8 @@ class FakeLLM:
 
 
 class FakeServing:
-    """vLLM's serving shape: _get_priority (header, else body), _preflight, create_error_response."""
+    """vLLM's serving shape: _check_model, _get_priority (header, else body), _preflight,
+    create_error_response."""
 
     def __init__(self, client: GovernedEngineClient) -> None:
         self.client = client
@@ -64,7 +65,12 @@ class FakeServing:
     def _preflight(self, n: int = 1) -> None:
         self.client.check_admission(n)
 
+    async def _check_model(self, request: CompletionRequest) -> Any:
+        return None
+
     async def create_completion(self, request: CompletionRequest, raw_request: Request | None = None) -> Any:
+        if (error := await self._check_model(request)) is not None:
+            return error
         self._preflight()
         stream = self.client.generate("p", None, "id", priority=self._get_priority(request, raw_request))
         return {"priority": [x async for x in stream]}
@@ -79,7 +85,7 @@ def make_app(bounds: PriorityBounds) -> tuple[httpx.AsyncClient, AdmissionGate, 
     gate = AdmissionGate(4, 100, classes, events=Recorder([], events))
     app = FastAPI()
     app.state.serving = FakeServing(GovernedEngineClient(FakeHost(FakeLLM()), gate, lambda: None))  # type: ignore[arg-type]
-    assert tickets.capture_priorities(app.state) == 1
+    assert resolve_priorities(app.state) == 1
 
     @app.post("/v1/completions")
     async def completions(raw_request: Request) -> Any:

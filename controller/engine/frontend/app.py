@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 from collections.abc import Callable, Iterator
+from http import HTTPStatus
 from typing import Any
 
 import uvicorn
@@ -16,10 +18,11 @@ from vllm.entrypoints.launchers.app import build_app
 
 from controller.admission.classes import PriorityBounds
 from controller.admission.gate import AdmissionGate
-from controller.engine.frontend import tickets
+from controller.engine.frontend import context
 from controller.engine.frontend.auth import with_api_key
 from controller.engine.frontend.client import GateRefusal, GovernedEngineClient
 from controller.engine.frontend.limits import DEFAULT_LIMITS, ClientLimits, Limits
+from controller.engine.frontend.priority import resolve_priorities
 
 ASGIApp = Callable[..., Any]
 
@@ -29,9 +32,16 @@ requests left at its deadline first (lifecycle/daemon.py ``END_GRACE_S`` is shor
 
 
 class AdmissionMiddleware:
-    """Gives each request an admission ticket (tickets.py) and adds ``Retry-After`` to 429/503
-    answers (vLLM's error responses carry none): the gate's own figure for the request's class when
-    the gate refused it, else the gate's estimate for the whole queue."""
+    """Gives each request its ``RequestContext`` (context.py), holds every response's status line
+    until its first body chunk, and adds ``Retry-After`` to 429/503 answers (vLLM's carry none).
+
+    Holding the status line is what lets a stream be refused with a status: vLLM's routes return a
+    stream's 200 before it runs, and its calls wait for their slots when it is first read. A stream
+    whose call the gate refused before any call was served (a queue deadline, a shed) has produced
+    only vLLM's error event: that is answered as the refusal's own status (429/503, vLLM's error
+    body) instead, and the rest of the stream is dropped. A stream's first chunk follows its first
+    token, so the client sees its headers when it would have seen that token anyway (with vLLM's
+    ``sse_keep_alive_interval`` set, a keep-alive comment can come first and the 200 with it)."""
 
     def __init__(
         self, app: ASGIApp, gate: AdmissionGate, bounds: Callable[[], PriorityBounds] = PriorityBounds
@@ -45,41 +55,64 @@ class AdmissionMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        bounds = self.bounds()  # the header's priority until an entry point resolves the body's
-        ticket = tickets.Ticket(
-            bounds.clamp(tickets.header_priority(scope.get("headers", []))), bounds=bounds
-        )
+        bounds = self.bounds()  # the header's priority until priority.py resolves the body's
+        request = context.for_request(scope.get("headers", []), bounds)
+        held: dict[str, Any] | None = None
+        answered = False  # the refusal went out in place of the stream: drop what vLLM sends
 
-        async def send_with_retry_after(message: dict[str, Any]) -> None:
-            if message["type"] == "http.response.start" and message["status"] in (429, 503):
-                retry = ticket.retry_after_s or self.gate.retry_after_s()
-                headers = [*message.get("headers", []), (b"retry-after", str(retry).encode())]
-                message = {**message, "headers": headers}
+        async def sending(message: dict[str, Any]) -> None:
+            nonlocal held, answered
+            if answered:
+                return
+            if message["type"] == "http.response.start":
+                held = message
+                return
+            if held is not None:
+                start, held = held, None
+                if start["status"] == 200 and request.refusal is not None and not request.served:
+                    answered = True
+                    await self._refuse(send, request, *request.refusal)
+                    return
+                await send(self._with_retry_after(start, request))
             await send(message)
 
-        token = tickets.current.set(ticket)
+        token = context.current.set(request)
         try:
-            await self.app(scope, receive, send_with_retry_after)
+            await self.app(scope, receive, sending)
+            if held is not None:  # a start without a body (not ASGI): sent as it is
+                await send(self._with_retry_after(held, request))
         finally:
-            tickets.current.reset(token)
-            if ticket.pending:  # vLLM answered without generating them all (4xx)
-                self.gate.cancel_pending(ticket.priority, ticket.pending)
-            for claim in ticket.claims:
-                if claim.slot is not None:  # acquired ahead for a stream the client left before
-                    slot, claim.slot = claim.slot, None
-                    self.gate.release(slot)
-                if claim.from_pending and not claim.started:  # a generator never iterated
-                    claim.from_pending = False
-                    self.gate.cancel_pending(
-                        claim.priority if claim.admitted_as is None else claim.admitted_as
-                    )
+            context.current.reset(token)
+            for call in request.calls:
+                if call.holds_place:  # admitted, never run (vLLM answered 4xx, the client left)
+                    call.holds_place = False
+                    self.gate.cancel_pending(call.priority, call.weight)
+
+    def _with_retry_after(self, start: dict[str, Any], request: context.RequestContext) -> dict[str, Any]:
+        """The gate's own figure for the request's class when the gate refused it, else the gate's
+        estimate for the whole queue."""
+        if start["status"] not in (429, 503):
+            return start
+        retry = request.retry_after_s or self.gate.retry_after_s()
+        return {**start, "headers": [*start.get("headers", []), (b"retry-after", str(retry).encode())]}
+
+    async def _refuse(
+        self, send: ASGIApp, request: context.RequestContext, status: int, message: str
+    ) -> None:
+        """The gate's refusal as vLLM answers an error (its ``ErrorResponse`` body)."""
+        error = {"message": message, "type": HTTPStatus(status).phrase, "param": None, "code": status}
+        body = json.dumps({"error": error}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        start = {"type": "http.response.start", "status": status, "headers": headers}
+        await send(self._with_retry_after(start, request))
+        await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 async def build_data_plane(client: GovernedEngineClient, args: argparse.Namespace) -> FastAPI:
     supported_tasks = await client.get_supported_tasks()
     app = build_app(args, supported_tasks, client.model_config)
     await init_app_state(client, app.state, args, supported_tasks)
-    tickets.capture_priorities(app.state, GateRefusal)
+    resolve_priorities(app.state, GateRefusal)
     return app
 
 
@@ -89,7 +122,7 @@ async def refresh_app_state(app: FastAPI, client: GovernedEngineClient, args: ar
     supported_tasks = await client.get_supported_tasks()
     server = app.state.server
     await init_app_state(client, app.state, args, supported_tasks)
-    tickets.capture_priorities(app.state, GateRefusal)
+    resolve_priorities(app.state, GateRefusal)
     app.state.server = server
 
 

@@ -16,11 +16,12 @@ from typing import Any
 
 from vllm.engine.protocol import EngineClient
 from vllm.exceptions import GracefulHTTPError, RetryableRequestError
+from vllm.renderers.inputs.preprocess import extract_prompt_len
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from controller.admission.gate import AdmissionGate, GateRejected, Slot
 from controller.clock import monotonic
-from controller.engine.frontend import tickets
+from controller.engine.frontend import context
 from controller.engine.frontend.pump import EngineStream
 from controller.engine.runtime.host import EngineHost
 
@@ -80,46 +81,23 @@ class GovernedEngineClient(EngineClient):
     def dead_error(self) -> BaseException:
         return self._host.llm.dead_error
 
-    @property
-    def counts_prompts(self) -> bool:
-        """Whether admission wants each request's prompt length (SLO steering's prefill term): the
-        ticket tokenizes the prompt only then."""
-        return self._gate.ttft.uses_prompt_length
-
     # -- the governed path ----------------------------------------------------------------------
     def check_admission(self, n: int = 1, request_id: str | None = None) -> None:
-        """vLLM calls this without the priority: the request's ticket carries it (tickets.py). Each
-        prompt is its own generate() call, each with ``n`` sequences: all are counted now."""
-        self._host.llm.check_admission(n, request_id)  # vLLM's own queue limits, if configured
-        ticket = tickets.current.get()
-        if ticket is None:
-            self._admit(None, 0, n, 1)
-        else:
-            self._admit(ticket, ticket.priority, n * ticket.calls, ticket.calls)
-
-    def _admit(
-        self, ticket: tickets.Ticket | None, priority: int, n: int, calls: int, later: bool = False
-    ) -> None:
-        """The gate's admission check for ``calls`` generate() calls of ``n`` sequences in all, each
-        then holding a pending place; a refusal is raised as the HTTP error. ``later``: further
-        calls of a request admitted before (not a new arrival)."""
+        """vLLM's own queue limits, if configured, then the gate's early refusal: vLLM calls this
+        (``_preflight``) before it renders the prompt, so a request the gate would refuse now (queue
+        bounds, shedding, the expected wait without its prefill) is refused before any tokenizing,
+        and before a route that generates lazily (``/v1/responses``) has sent its 200. Nothing is
+        counted here: each ``generate()`` call passes admission itself, with its own ``n`` and
+        prompt length (vLLM calls this once per request, whatever calls follow)."""
+        self._host.llm.check_admission(n, request_id)
+        request = context.current.get()
+        if request is None or request.admitted:
+            return
         try:
-            self._gate.check_admission(
-                priority,
-                n,
-                calls=calls,
-                prompt_tokens=None if ticket is None or later else ticket.prompt_tokens,
-                arrived_mono=None if ticket is None or ticket.served else ticket.arrived_mono,
-                later_call=later,
-                ttft_done=ticket is not None and ticket.served,
-            )
+            self._gate.check_admission(request.priority, n, calls=0, arrived_mono=request.arrived_mono)
         except GateRejected as exc:
-            if ticket is not None:
-                ticket.retry_after_s = exc.retry_after_s
-            raise _http_error(exc) from None
-        if ticket is not None:
-            ticket.admitted = True
-            ticket.pending += calls
+            raise self._refused(request, exc) from None
+        request.admitted = True  # its arrival is counted: its calls are not new arrivals
 
     def generate(  # type: ignore[override]
         self,
@@ -130,105 +108,86 @@ class GovernedEngineClient(EngineClient):
         priority: int = 0,
         **kwargs: Any,
     ) -> AsyncGenerator[Any, None]:
-        """A plain function, so that it claims the request's ticket when vLLM calls it (in the
-        handler's context), not when the stream is first iterated: every generation of every route
-        passes here (``_claim``), and a refusal is raised to the handler before anything is sent."""
+        """A plain function, so that admission runs when vLLM's handler calls it, before the handler
+        returns its answer: a refusal is raised to the handler (429/503 with Retry-After), and a call
+        admitted holds a pending place until its stream queues for a slot (``_generate``)."""
         weight = max(1, int(getattr(sampling_params, "n", 1) or 1))
-        ticket = tickets.current.get()
-        if ticket is None:  # no data-plane request (a caller of our own): the gate's wait only
-            claim = tickets.Claim(priority, False, weight=weight)
+        request = context.current.get()
+        if request is None:  # not a data-plane request (a caller of our own): the gate's wait only
+            call = context.Call(priority, weight)
         else:
-            claim = self._claim(ticket, priority, weight)
-        return self._generate(prompt, sampling_params, request_id, claim, ticket, kwargs)
+            call = self._admit(request, priority, weight, prompt)
+        return self._generate(prompt, sampling_params, request_id, call, request, kwargs)
 
-    def _claim(self, ticket: tickets.Ticket, asked: int, weight: int) -> tickets.Claim:
-        """One call of ``ticket``'s request. Its priority: the ticket's where an entry point resolved
-        it (so a beam search's steps, which name none, keep the client's), else the call's own kept
-        within the ``[admission]`` bounds (``PriorityBounds.clamp``: vLLM passes 0 for a body that
-        names none, so a refusal here would refuse clients that asked nothing). It takes one of the
-        request's pending places; past them (a batch's conversations, a beam search's steps: vLLM
-        checked admission once) it passes the gate's admission check itself: queue bounds,
-        shedding, and the expected wait unless the request has already held a slot."""
-        priority = ticket.priority if ticket.resolved else ticket.bounds.clamp(asked)
-        if ticket.pending > 0:
-            ticket.pending -= 1
-            claim = tickets.Claim(priority, True, admitted_as=ticket.priority, weight=weight)
-        else:
-            self._admit(ticket, priority, weight, 1, later=ticket.admitted)
-            ticket.pending -= 1
-            claim = tickets.Claim(priority, True, admitted_as=priority, weight=weight)
-        ticket.claims.append(claim)
-        return claim
-
-    async def acquire_ahead(self, ticket: tickets.Ticket) -> GateRefusal | None:
-        """A streamed request's slots, acquired before its response starts (tickets.py): the claims
-        not yet run take one slot of their weights together, all at once or none (a stream holding
-        some while it waits for the rest would hold them forever under a limit below its prompts),
-        split between them after; the gate's refusal (429 past the deadline, 503) is returned."""
-        waiting = [c for c in ticket.claims if not c.started and c.slot is None]
-        if not waiting:
-            return None
-        pending = [c for c in waiting if c.from_pending]
-        for c in pending[1:]:  # one acquire takes one pending place: the others go back now
-            self._gate.cancel_pending(self._admitted_as(c))
-            c.from_pending = False
-        first = pending[0] if pending else waiting[0]
+    def _admit(self, request: context.RequestContext, asked: int, weight: int, prompt: Any) -> context.Call:
+        """The gate's admission check for one call of ``request``. Its priority: the request's where
+        ``priority.py`` resolved it (so a beam search's steps, which name none, keep the client's),
+        else the call's own kept within the ``[admission]`` bounds (``PriorityBounds.clamp``: vLLM
+        passes 0 for a body that names none, so a refusal would refuse clients that asked nothing).
+        Its prefill is its prompt's length as vLLM rendered it (no tokenizing of our own). A request
+        that has held a slot (a beam search's later steps) is not refused by its TTFT bound."""
+        priority = request.priority if request.resolved else request.bounds.clamp(asked)
+        prompt_tokens = self._prompt_len(prompt)
         try:
-            slot = await self._gate.acquire(
-                first.priority,
-                first.from_pending,
-                self._admitted_as(first),
-                ticket.arrived_mono,
-                weight=sum(c.weight for c in waiting),
+            self._gate.check_admission(
+                priority,
+                weight,
+                calls=weight,  # a pending place per sequence: n > 1 counts n against the queue
+                prompt_tokens=None if request.served else prompt_tokens,
+                arrived_mono=None if request.served else request.arrived_mono,
+                later_call=request.admitted,
+                ttft_done=request.served,
             )
         except GateRejected as exc:
-            ticket.retry_after_s = exc.retry_after_s
-            return _http_error(exc)
-        finally:  # cancelled (the client left) too: the gate took the pending place either way
-            first.from_pending = False
-        ticket.served = True
-        for claim, part in zip(waiting, self._gate.split(slot, [c.weight for c in waiting]), strict=True):
-            claim.slot = part
-        return None
+            raise self._refused(request, exc) from None
+        request.admitted = True
+        call = context.Call(priority, weight, holds_place=True, prompt_tokens=prompt_tokens)
+        request.calls.append(call)
+        return call
+
+    def _prompt_len(self, prompt: Any) -> int | None:
+        """Tokens the prompt prefills, read off vLLM's rendered input (None where it does not say)."""
+        if not self._gate.ttft.uses_prompt_length:
+            return None
+        try:
+            return int(extract_prompt_len(self.model_config, prompt))
+        except Exception:  # a shape without token ids (embeddings, a raw text): no prefill term
+            return None
 
     @staticmethod
-    def _admitted_as(claim: tickets.Claim) -> int:
-        return claim.priority if claim.admitted_as is None else claim.admitted_as
+    def _refused(request: context.RequestContext | None, exc: GateRejected) -> GateRefusal:
+        if request is not None:
+            request.refusal, request.retry_after_s = (exc.status, exc.message), exc.retry_after_s
+        return _http_error(exc)
 
     async def _generate(
         self,
         prompt: Any,
         sampling_params: Any,
         request_id: str,
-        claim: tickets.Claim,
-        ticket: tickets.Ticket | None,
+        call: context.Call,
+        request: context.RequestContext | None,
         kwargs: dict[str, Any],
     ) -> AsyncGenerator[Any, None]:
-        """Wait for a slot (unless one was acquired ahead: a streamed request), then stream from the
-        engine. A request the engine died under before its first output goes back to the gate and
-        runs on the next engine; one that already streamed, or that a restart had to abort, ends
-        with a retryable error (503). A request whose queue deadline passes gets 429."""
-        claim.started = True
-        priority = claim.priority
+        """Wait for a slot, then stream from the engine. A request the engine died under before its
+        first output goes back to the gate and runs on the next engine; one that already streamed,
+        or that a restart had to abort, ends with a retryable error (503). A request whose queue
+        deadline passes gets 429 (a stream too: the middleware holds its 200 until its first chunk)."""
         # A TTFT bound counts from the request's arrival on its first attempt; one that the engine
         # died under waits for the next engine from when it queues again, as the guard promises, and
         # a later call of a request that has held a slot (a beam search's step) from when it queues.
-        arrived = ticket.arrived_mono if ticket is not None and not ticket.served else None
+        arrived = request.arrived_mono if request is not None and not request.served else None
         while True:
-            slot, claim.slot = claim.slot, None
             try:
-                if slot is None:
-                    slot = await self._gate.acquire(
-                        priority, claim.from_pending, self._admitted_as(claim), arrived, weight=claim.weight
-                    )
+                slot = await self._gate.acquire(
+                    call.priority, call.holds_place, arrived_mono=arrived, weight=call.weight
+                )
             except GateRejected as exc:
-                if ticket is not None:
-                    ticket.retry_after_s = exc.retry_after_s
-                raise _http_error(exc) from None
+                raise self._refused(request, exc) from None
             finally:
-                claim.from_pending = False  # the gate took its pending place either way
-            if ticket is not None:
-                ticket.served = True
+                call.holds_place = False  # the gate took its pending place either way
+            if request is not None:
+                request.served = True
             produced = False
             held = True
             key = next(self._keys)  # ours alone: two requests may carry the same X-Request-Id
@@ -245,14 +204,14 @@ class GovernedEngineClient(EngineClient):
             try:
                 llm = self._host.llm
                 self._host.in_flight[key] = (request_id, llm)
-                self._outcome_started(request_id, slot, ticket, sampling_params)
-                stream = llm.generate(prompt, sampling_params, request_id, priority=priority, **kwargs)
+                self._outcome_started(request_id, slot, request, sampling_params)
+                stream = llm.generate(prompt, sampling_params, request_id, priority=call.priority, **kwargs)
                 # aclosing: a disconnect closes us, and must close vLLM's generator now so it aborts
                 # the request in the engine, not whenever the garbage collector gets to it.
                 async with contextlib.aclosing(EngineStream(stream, engine_done).outputs()) as outputs:
                     async for output in outputs:
                         if not produced:
-                            self._first_token(output, slot, ticket)
+                            self._first_token(output, slot, call)
                         produced = True
                         if getattr(output, "finished", False):
                             engine_done()
@@ -275,16 +234,16 @@ class GovernedEngineClient(EngineClient):
             return
 
     def _outcome_started(
-        self, request_id: str, slot: Slot, ticket: tickets.Ticket | None, sampling_params: Any
+        self, request_id: str, slot: Slot, request: context.RequestContext | None, sampling_params: Any
     ) -> None:
         """Tell the outcome ledger (``control/outcomes.py``) the request's class and the time it spent
         before the engine (the front end and the gate's queue), which its judged TTFT includes."""
         outcomes = getattr(self._host, "outcomes", None)  # a host without a ledger counts nothing
         if outcomes is not None:
-            before = slot.granted_mono - (ticket.arrived_mono if ticket is not None else slot.granted_mono)
+            before = slot.granted_mono - (request.arrived_mono if request is not None else slot.granted_mono)
             outcomes.started(request_id, slot.cls, before, int(getattr(sampling_params, "n", 1) or 1))
 
-    def _first_token(self, output: Any, slot: Slot, ticket: tickets.Ticket | None) -> None:
+    def _first_token(self, output: Any, slot: Slot, call: context.Call) -> None:
         """Tell the gate how long the request took from its slot to its first token: vLLM's own
         figure (``RequestOutput.metrics.first_token_latency``, from the request's arrival in the
         engine client, just after the slot), else the time now unless this first output is already
@@ -293,7 +252,7 @@ class GovernedEngineClient(EngineClient):
         if not latency and getattr(output, "finished", False):
             return
         seconds = latency or monotonic() - slot.granted_mono
-        self._gate.after_slot.first_token(seconds, ticket.prompt_tokens if ticket else None)
+        self._gate.after_slot.first_token(seconds, call.prompt_tokens)
 
     # -- plain delegation -----------------------------------------------------------------------
     def encode(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]

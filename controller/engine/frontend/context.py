@@ -1,0 +1,78 @@
+"""What admission knows of one HTTP request while vLLM handles it: its ``RequestContext``, in a
+context variable that the middleware (app.py) sets and vLLM's handler tasks inherit, and its
+``Call`` list, one per ``generate()`` call the handler makes (client.py).
+
+vLLM calls ``generate()`` without the HTTP request, and some routes make several calls for one
+request (a completion's prompts, a batch's conversations, a beam search's steps): the context is how
+those calls share the request's arrival time, its resolved priority and whether it has been served.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+from controller.admission.classes import PriorityBounds
+from controller.clock import monotonic
+
+PRIORITY_HEADER = "x-vllm-priority"
+
+
+@dataclass
+class Call:
+    """One ``generate()`` call: admitted by the gate, holding a pending place until it queues."""
+
+    priority: int
+    weight: int = 1
+    """The sequences it runs in the engine (its sampling's ``n``): its slot's weight."""
+    prompt_tokens: int | None = None
+    """Tokens its prompt prefills, as vLLM rendered it (under SLO steering; else None)."""
+    holds_place: bool = False
+    """It holds pending places in its class, one per sequence (counted at admission, taken when it
+    queues); the middleware gives them back when the request ends without the call ever running."""
+
+
+@dataclass
+class RequestContext:
+    priority: int = 0
+    """The header's priority until ``priority.py`` resolves the body's (then ``resolved``)."""
+    header: str | None = None
+    """The ``X-Vllm-Priority`` header's text: it wins over the body's priority, as in vLLM."""
+    resolved: bool = False
+    """Resolved from the client's header or body: every call runs at it (beam search's steps name none)."""
+    bounds: PriorityBounds = field(default_factory=PriorityBounds)
+    """[admission] min_priority and default_priority in force when the request arrived."""
+    arrived_mono: float = field(default_factory=monotonic)
+    """When the request reached the server: a TTFT bound counts from here."""
+    admitted: bool = False
+    """A call has passed admission: later calls are not new arrivals."""
+    served: bool = False
+    """A call has held a slot: its TTFT has happened, later calls are not refused by it."""
+    calls: list[Call] = field(default_factory=list)
+    refusal: tuple[int, str] | None = None
+    """The gate's last refusal of a call (status, message): the middleware answers it as the
+    request's status when the response has not really started (a stream before its first chunk)."""
+    retry_after_s: int | None = None
+    """The Retry-After of the gate's refusal."""
+
+
+current: ContextVar[RequestContext | None] = ContextVar("autopilot_request", default=None)
+
+
+def priority_header(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """The text of a raw ASGI request's ``X-Vllm-Priority`` header; None without one."""
+    for name, value in headers:
+        if name.lower() == PRIORITY_HEADER.encode():
+            return value.decode("latin-1")
+    return None
+
+
+def for_request(headers: list[tuple[bytes, bytes]], bounds: PriorityBounds) -> RequestContext:
+    """A new request's context: its priority the header's until ``priority.py`` resolves it (a
+    header that is not an integer reads 0, as vLLM reads it), kept within ``bounds``."""
+    header = priority_header(headers)
+    try:
+        asked = None if header is None else int(header)
+    except ValueError:
+        asked = 0
+    return RequestContext(bounds.clamp(asked), bounds=bounds, header=header)
