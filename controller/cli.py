@@ -7,7 +7,6 @@ except ``serve``, whose options ``main`` hands to vLLM's own serve parser (confi
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 from collections.abc import Callable
@@ -37,10 +36,14 @@ def _serve(argv: list[str]) -> int:
     configure_logging()  # before anything imports vLLM (the parser does): vLLM logs through it
     config = _load_or_exit("vllm-autopilot serve", lambda: serve_config(argv))
     # Lazy: the daemon imports vLLM (~20 s), which no other subcommand needs.
+    import uvloop
+
     from controller.lifecycle.daemon import serve
 
     try:
-        return asyncio.run(serve(config))
+        # uvloop, as `vllm serve` runs its server: on asyncio's own loop the front end spent about 1 ms
+        # more CPU a request (py-spy, docs/results/frontend.md)
+        return uvloop.run(serve(config))
     except PolicyError as exc:
         print(f"{config.path}: {exc}", file=sys.stderr)
         return 1
