@@ -13,7 +13,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from controller.control.stepcost import FitSettings, StepCostModel
+from controller.control.stepcost import CostPrior, FitSettings, StepCostModel
 from controller.control.steps import EngineStep
 
 PRIOR_SAMPLES = 20.0
@@ -60,3 +60,14 @@ def fit_steps(steps: Sequence[EngineStep]) -> tuple[tuple[float, float, float, f
         if s.step_s > 0
     ]
     return coefficients, (statistics.median(errors) if errors else None)
+
+
+def seed_from_warm_up(
+    model: StepCostModel, steps: Sequence[EngineStep], seconds: float
+) -> tuple[tuple[float, float, float, float], float | None]:
+    """Seed ``model`` with the fit of a warm-up's ``steps`` (``seconds`` long) as a prior of
+    ``PRIOR_SAMPLES`` steps, as the daemon and the twin both do; the fit and its median error."""
+    coefficients, error = fit_steps(steps)
+    name = f"warm-up: {len(steps)} steps in {seconds:.1f} s"
+    model.reset(CostPrior(coefficients, name=name, prior_samples=PRIOR_SAMPLES))
+    return coefficients, error

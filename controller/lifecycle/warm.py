@@ -27,7 +27,7 @@ from typing import Any
 import structlog
 
 from controller.control.stepcost import CostPrior, StepCostModel
-from controller.control.warmfit import PRIOR_SAMPLES, fit_steps, plan
+from controller.control.warmfit import PRIOR_SAMPLES, plan, seed_from_warm_up
 from controller.engine.runtime import warmup
 from controller.engine.runtime.host import EngineHost
 from policies.cost import TERMS
@@ -125,9 +125,7 @@ async def warm_start(
     steps = await host.drain_steps()
     if len(steps) < 4:
         return WarmStart("none", f"warm-up measured {len(steps)} steps: too few to fit", seconds=ran.seconds)
-    coefficients, error = fit_steps(steps)
-    name = f"warm-up: {len(steps)} steps in {ran.seconds:.1f} s"
-    model.reset(CostPrior(coefficients, name=name, prior_samples=PRIOR_SAMPLES))
+    coefficients, error = seed_from_warm_up(model, steps, ran.seconds)
     skipped = f"; skipped {', '.join(ran.skipped)} (budget {budget_s:g} s)" if ran.skipped else ""
     warm = WarmStart(
         source="warm-up",

@@ -57,10 +57,10 @@ from controller.control.loop import Change, ControlLoop
 from controller.control.normalize import Normalizer
 from controller.control.observe import BudgetReading, build_observation
 from controller.control.outcomes import OutcomeLedger
-from controller.control.stepcost import CostPrior, CostReader, StepCostModel, prior_from
+from controller.control.stepcost import CostReader, StepCostModel, prior_from
 from controller.control.steps import EngineStep, StepFeed
 from controller.control.telemetry import TelemetryWindow
-from controller.control.warmfit import PRIOR_SAMPLES, fit_steps, plan
+from controller.control.warmfit import plan, seed_from_warm_up
 from controller.sim.engine import SimEngine, SimRequest, StepPlan
 from controller.sim.profile import Profile, load_profile
 from controller.sim.quantiles import LoadTables, QuantileTable
@@ -366,9 +366,7 @@ class Simulation:
             ran.append(phase.describe())
         steps = self.engine.drain_steps()
         self.engine.steps, self.engine.total_preemptions = steps0, preemptions0  # the workload's alone
-        coefficients, error = fit_steps(steps)
-        name = f"warm-up: {len(steps)} steps in {t:.1f} s"
-        self.cost.reset(CostPrior(coefficients, name=name, prior_samples=PRIOR_SAMPLES))
+        _, error = seed_from_warm_up(self.cost, steps, t)
         return {"phases": ran, "steps": len(steps), "seconds": round(t, 3), "median_rel_error": error}
 
     async def _drive(self, arrivals: Sequence[RequestSpec], draws: Sequence[float]) -> None:
