@@ -84,6 +84,8 @@ class Observation:
     missed_total: int = 0
     """Of ``served_total``, those that missed their class's ``[slo]`` TTFT or TPOT bound (0 without
     ``[slo]``)."""
+    refused_total: int = 0
+    """Requests refused with a 429 since the start (the same ledger): each one a request lost."""
     cost: CostEstimate | None = None
     """The online step-cost model's fit (``controller/control/stepcost.py``); None where none runs.
     A policy steering by it holds its knobs while ``cost.ready`` is False and says ``cost.reason``."""

@@ -64,9 +64,10 @@ class SloPolicy(Policy):
     The mean margin learns (under ``[slo]``): ``mean_margin`` is where it starts, and every
     ``margin_samples`` requests served since its last look (``Observation.served_total``), the share
     of them that missed a bound of their class (``missed_total``) steers it: above ``miss_high`` it
-    is multiplied by ``margin_down``; below ``miss_low``, where it bounded the concurrency at some
-    tick since that look (``runs`` below the cap: a larger margin would run more), by ``margin_up``;
-    always within ``[mean_margin_min, mean_margin_max]``. Between the two shares it holds. After a
+    is multiplied by ``margin_down``; below ``miss_low``, or with more requests refused since that
+    look (``refused_total``) than missed, where it bounded the concurrency at some tick since that
+    look (``runs`` below the cap: a larger margin would run more), by ``margin_up``; always within
+    ``[mean_margin_min, mean_margin_max]``. Between the two shares it holds. After a
     move, the requests then in flight (``in_flight``) end before the next count starts: they ran
     under the old margin, and judging the new one by them moves it twice for one cause. A too
     careful margin shows as no misses while the gate refuses (the queue is held short); a bold one as
@@ -154,8 +155,8 @@ class SloPolicy(Policy):
         self.margin_down = check_float("margin_down", margin_down, 0.0, 1.0, lo_open=True)
         self.margin_live = self.mean_margin
         """The learned mean margin, what ``_concurrency`` plans with."""
-        self._mark: tuple[int, int] | None = None
-        """(served, missed) totals at the margin's last look; None before the first tick."""
+        self._mark: tuple[int, int, int] | None = None
+        """(served, missed, refused) totals at the margin's last look; None before the first tick."""
         self._margin_bound = False
         """The margin bounded the concurrency (runs below the cap) at a tick since its last look."""
         self._settle_until = 0
@@ -256,32 +257,35 @@ class SloPolicy(Policy):
     def _learn_margin(self, obs: Observation) -> str:
         """Steer ``margin_live`` by the share of the requests served since its last look that missed
         a bound; a look needs ``margin_samples`` of them (each look starts a fresh count)."""
-        served, missed = obs.served_total, obs.missed_total
+        served, missed, refused = obs.served_total, obs.missed_total, obs.refused_total
         if self._mark is None or served < self._mark[0]:  # first tick, or another ledger's counts
-            self._mark, self._margin_bound, self._settle_until = (served, missed), False, served
+            self._mark, self._margin_bound, self._settle_until = (served, missed, refused), False, served
         m = self.margin_live
         if served < self._settle_until:  # those in flight at the last move ran under the old margin
-            self._mark, self._margin_bound = (served, missed), False
+            self._mark, self._margin_bound = (served, missed, refused), False
             return f"margin {m:.2f}: {self._settle_until - served} admitted before its move to end"
-        seen, miss = served - self._mark[0], missed - self._mark[1]
+        seen, miss, shed = served - self._mark[0], missed - self._mark[1], refused - self._mark[2]
         if seen < self.margin_samples:
             return f"margin {m:.2f}: {seen} of {self.margin_samples} served to judge it"
-        share = miss / seen
-        said = f"{miss} of {seen} served missed"
+        share, said = miss / seen, f"{miss} of {seen} served missed"
+        new = m
         if share > self.miss_high:
-            new, why = max(self.mean_margin_min, m * self.margin_down), f"> {self.miss_high:.0%}"
-        elif share < self.miss_low and self._margin_bound:
-            new = min(self.mean_margin_max, m * self.margin_up)
-            why = f"< {self.miss_low:.0%}, it bounded runs"
-        elif share < self.miss_low:
-            new, why = m, f"< {self.miss_low:.0%}, it did not bound runs"
+            new, said = max(self.mean_margin_min, m * self.margin_down), f"{said} > {self.miss_high:.0%}"
+        elif share < self.miss_low or shed > miss:
+            # a refusal loses a request as surely as a miss does: while the gate refuses more than
+            # the margin lets miss, a bolder margin (more running, a shorter queue) gains requests
+            said += f" < {self.miss_low:.0%}" if share < self.miss_low else f", fewer than the {shed} refused"
+            if self._margin_bound:
+                new, said = min(self.mean_margin_max, m * self.margin_up), f"{said}, it bounded runs"
+            else:
+                said += ", it did not bound runs"
         else:
-            new, why = m, f"within [{self.miss_low:.0%}, {self.miss_high:.0%}]"
+            said += f" within [{self.miss_low:.0%}, {self.miss_high:.0%}], {shed} refused"
         self.margin_live = new
-        self._mark, self._margin_bound = (served, missed), False
+        self._mark, self._margin_bound = (served, missed, refused), False
         if new != m:
             self._settle_until = served + obs.in_flight
-        return f"margin {m:.2f} -> {new:.2f}: {said} {why}" if new != m else f"margin {m:.2f}: {said} {why}"
+        return f"margin {m:.2f} -> {new:.2f}: {said}" if new != m else f"margin {m:.2f}: {said}"
 
     def _reserve(self, cost: CostEstimate, tau: float) -> int:
         """Prefill tokens every step keeps room for: ``min_prefill_tokens``, or on hardware where they

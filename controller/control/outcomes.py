@@ -77,6 +77,10 @@ class OutcomeLedger:
         self.missed_total = 0
         """Of ``served_total``, those that missed their class's TTFT or TPOT bound: what the slo
         policy's ``mean_margin`` is steered by (the share of admitted requests that miss)."""
+        self.refused_total = 0
+        """Requests refused with a 429 (a full queue, an expected wait past the bound, a deadline)
+        since the ledger started: set against ``missed_total``, whether a careful margin costs more
+        requests than it saves."""
 
     def configure(self, slo: SloTargets | None) -> None:
         """``[slo]`` in force (at build and on every reload)."""
@@ -114,6 +118,7 @@ class OutcomeLedger:
     def ended(self, cls: str, outcome: str) -> None:
         """Count one request of ``cls`` that ended with ``outcome`` (one of ``OUTCOMES``)."""
         self._count(cls, outcome)
+        self.refused_total += outcome == "refused"
         now = self._clock()
         self._ended.append((now, cls, outcome))
         self._trim(now)

@@ -168,8 +168,9 @@ def test_state_shows_the_windows_outcomes(tmp_path: Path) -> None:
     assert shown["goodput_rps"] == 0.0 and shown["unmatched"] == 0
 
 
-def test_each_observation_carries_the_served_and_missed_totals(tmp_path: Path) -> None:
+def test_each_observation_carries_the_served_missed_and_refused_totals(tmp_path: Path) -> None:
     """The loop's observer reads the daemon's ledger: the slo policy steers its mean margin by them."""
+    from controller.admin.metrics import GateMetrics
     from controller.config.load import load_config
     from controller.lifecycle.parts import build_parts
 
@@ -179,5 +180,8 @@ def test_each_observation_carries_the_served_and_missed_totals(tmp_path: Path) -
     for rid, tpot in (("a", 0.01), ("b", 0.2)):
         ledger.started(rid, "interactive", before_engine_s=0.0)
         ledger.served(rid, engine_ttft_s=0.1, tpot_s=tpot)
+    events = GateMetrics(parts.metrics)  # the gate's events, as build_parts wires them
+    events.rejected("batch", "queue_full")  # a 429
+    events.rejected("batch", "engine_unavailable")  # a 503: not a refusal the margin could avoid
     seen = parts.observer.observe()
-    assert (seen.served_total, seen.missed_total) == (2, 1)
+    assert (seen.served_total, seen.missed_total, seen.refused_total) == (2, 1, 1)

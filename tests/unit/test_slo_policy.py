@@ -242,6 +242,26 @@ def test_the_mean_margin_holds_between_the_shares_and_where_it_did_not_bound_run
     assert p.margin_live == 0.52  # capped at mean_margin_max
 
 
+def test_the_mean_margin_rises_while_the_gate_refuses_more_than_it_lets_miss() -> None:
+    p = policy(margin_samples=50)
+    p.decide(loaded(), 1.0)
+    # 2 of 50 missed (4 %) with 30 refused: above miss_high it falls, whatever the refusals
+    d = p.decide(loaded(served_total=50, missed_total=2, refused_total=30), 2.0)
+    assert "margin 0.50 -> 0.40: 2 of 50 served missed > 3%" in d.reason
+    p = policy(margin_samples=50)
+    p.decide(loaded(), 1.0)
+    # 1 of 50 missed (2 %, between the shares) with 3 refused: three requests lost at the door
+    # against one late, so the margin rises as if none had missed
+    d = p.decide(loaded(served_total=50, missed_total=1, refused_total=3), 2.0)
+    assert "margin 0.50 -> 0.53: 1 of 50 served missed, fewer than the 3 refused, it bounded runs" in d.reason
+    assert p.margin_live == pytest.approx(0.525)
+    # the 20 in flight at the move end (to 70), then of 50 served 1 missed and 1 refused: it holds
+    p.decide(loaded(served_total=69, missed_total=1, refused_total=3), 3.0)
+    d = p.decide(loaded(served_total=119, missed_total=2, refused_total=4), 4.0)
+    assert "margin 0.53: 1 of 50 served missed within [1%, 3%], 1 refused" in d.reason
+    assert p.margin_live == pytest.approx(0.525)
+
+
 def test_the_mean_margin_parameters_are_checked() -> None:
     with pytest.raises(PolicyError, match=r"mean_margin = 0\.1: must lie within"):
         policy(mean_margin=0.1)
