@@ -9,6 +9,9 @@ is comparable. Each server gets a warm-up burst (unrecorded), then ``--bursts`` 
 ``--streams`` concurrent streams, all sent at once, with fixed prompts and a forced output length; its run's
 figures are the medians over its bursts. The verdict is the median over pairs of daemon / vllm serve.
 
+``--layers`` measures instead, in this process, the CPU each layer of the daemon's request path adds per
+request, over a fake engine (``frontend_layers.py``): the front end's own cost, free of the box's noise.
+
 ``--lock FILE`` holds an flock on FILE for each pair (its two starts, bursts and stops), never between
 pairs, so that other users of a shared box can take turns. ``--profile-bursts N`` runs N more bursts
 after the recorded ones with py-spy sampling the server's processes (its API server, EngineCore and
@@ -76,6 +79,8 @@ def add_parser(cmds: Any) -> None:
     p.add_argument("--lock", type=Path, help="flock this file for each pair (a box shared with other runs)")
     p.add_argument("--profile-bursts", type=int, default=0,
                    help="after the recorded bursts, this many under py-spy (default 0: none)")  # fmt: skip
+    p.add_argument("--layers", action="store_true",
+                   help="no servers: each layer's CPU a request, fake engine, --pairs rounds")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -267,9 +272,26 @@ def profile_table(pairs: Sequence[dict[str, Any]], top: int = 8) -> str:
     return "\n".join(lines)
 
 
+def layers(args: argparse.Namespace) -> int:
+    """``--layers``: each layer's CPU per request, and the scheduler subclass's per step."""
+    from controller.bench import frontend_layers
+
+    stacks = frontend_layers.measure_stacks(args.streams, args.output_tokens, args.bursts, args.pairs)
+    step = frontend_layers.measure_step(args.streams, steps=2000, rounds=args.pairs)
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {"argv": sys.argv, "streams": args.streams, "outputs": args.output_tokens, "bursts": args.bursts,
+              "rounds": args.pairs, "us_per_request": stacks, "per_step_us": step}  # fmt: skip
+    (args.out / "layers.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(frontend_layers.report(stacks, step, args.streams, args.output_tokens))
+    print(f"\nwritten to {args.out / 'layers.json'}")
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
     if args.pairs < 1 or args.bursts < 1 or args.streams < 1:
         raise ValueError("--pairs, --bursts and --streams must be at least 1")
+    if args.layers:
+        return layers(args)
     if args.profile_bursts and pyspy.py_spy() is None:
         raise FileNotFoundError("--profile-bursts: py-spy is not installed (pip install py-spy)")
     model = args.model.resolve()

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from controller.bench import frontend
+from controller.bench import frontend, frontend_layers
 from controller.bench.records import RequestRecord, Status
 
 
@@ -119,3 +121,30 @@ def test_profile_summary_names_processes_by_role_and_counts_ms_per_request() -> 
     }
     engine = dict((label, ms) for label, ms in out["engine-core"]["top"])
     assert engine["schedule (vllm/v1/core/sched/scheduler.py)"] == pytest.approx(20.0)
+
+
+# -- --layers: the request path's layers over a fake engine ------------------------------------------
+
+
+@pytest.mark.parametrize("stack", frontend_layers.STACKS)
+async def test_every_layered_stack_serves_every_output_of_every_stream(stack: str) -> None:
+    app = frontend_layers.build(stack, streams=3, outputs=5)
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await asyncio.gather(*(app(dict(frontend_layers.SCOPE), receive, send) for _ in range(3)))
+    statuses = [m["status"] for m in sent if m["type"] == "http.response.start"]
+    bodies = [m for m in sent if m["type"] == "http.response.body"]
+    assert statuses == [200] * 3 and len(bodies) == 3 * (5 + 1)
+
+
+def test_the_layers_figures_name_each_stack_and_the_scheduler_step() -> None:
+    stacks = frontend_layers.measure_stacks(streams=2, outputs=3, bursts=1, rounds=1)
+    step = frontend_layers.measure_step(streams=4, steps=10, rounds=1)
+    assert set(stacks) == set(frontend_layers.STACKS) and all(v > 0 for v in stacks.values())
+    assert set(step) == {"vllm_stub_us", "subclass_us"}

@@ -7,21 +7,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
 from fastapi import FastAPI, Request
+from vllm.outputs import CompletionOutput, RequestOutput
 
 from controller.admission.classes import PriorityClass
 from controller.admission.gate import AdmissionGate
 from controller.clock import FakeClock
 from controller.engine.frontend.app import make_server
 from controller.engine.frontend.client import GovernedEngineClient
-from controller.engine.frontend.limits import ClientLimits, Limits, SendStalled
-from tests.helpers import FakeHost
+from controller.engine.frontend.limits import ClientLimits, Limits, SendStalled, SendWatch
+from controller.engine.frontend.pump import EngineStream
+from tests.helpers import FakeHost, settle
 
 
 def small_gate() -> AdmissionGate:
@@ -147,3 +149,189 @@ async def test_a_chunked_body_over_the_limit_gets_413_and_one_under_it_arrives_w
     assert r.status_code == 413
     ok = await post(app, chunks(3))
     assert ok.status_code == 200 and ok.json() == {"received": 900}
+
+
+# -- the send timeout's watch: one timer per response, exact on a fake clock ------------------------
+
+
+class FakeTimer:
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeTimers:
+    """An event loop's clock and timers that move only when told; ``made`` counts the timers armed."""
+
+    def __init__(self) -> None:
+        self.clock = FakeClock(0.0)
+        self.armed: list[tuple[float, Callable[[], object], FakeTimer]] = []
+        self.made = 0
+
+    def time(self) -> float:
+        return self.clock()
+
+    def call_at(self, when: float, callback: Callable[[], object], /) -> FakeTimer:
+        self.made += 1
+        timer = FakeTimer()
+        self.armed.append((when, callback, timer))
+        return timer
+
+    def advance_to(self, when: float) -> None:
+        self.clock.advance(when - self.clock())
+        while due := [t for t in self.armed if t[0] <= when]:
+            first = min(due, key=lambda t: t[0])
+            self.armed.remove(first)
+            if not first[2].cancelled:
+                first[1]()
+
+
+class FakeTask:
+    """A task's cancel count, as ``asyncio.Task`` keeps it."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def cancel(self, msg: Any = None) -> bool:
+        self.count += 1
+        return True
+
+    def cancelling(self) -> int:
+        return self.count
+
+    def uncancel(self) -> int:
+        self.count -= 1
+        return self.count
+
+
+def test_a_write_in_progress_for_send_timeout_cancels_its_task_then_and_not_before() -> None:
+    timers, task = FakeTimers(), FakeTask()
+    watch = SendWatch(30.0, timers)
+    timers.advance_to(5.0)
+    watch.begin(task)
+    timers.advance_to(34.999)
+    assert task.count == 0
+    timers.advance_to(35.0)
+    assert task.count == 1 and watch.owns(task) and task.count == 0
+
+
+def test_writes_that_complete_arm_one_timer_per_send_timeout_not_one_per_write() -> None:
+    timers, task = FakeTimers(), FakeTask()
+    watch = SendWatch(30.0, timers)
+    for i in range(1, 2001):  # a write every 10 ms for 20 s, each taken by the client at once
+        timers.advance_to(i * 0.01)
+        watch.begin(task)
+        watch.end()
+    assert timers.made == 1 and task.count == 0
+    timers.advance_to(31.0)  # the timer finds no write in progress: none is armed again
+    assert timers.made == 1 and task.count == 0 and not watch.owns(task)
+
+
+def test_a_write_begun_after_the_timer_was_armed_gets_its_whole_timeout() -> None:
+    timers, task = FakeTimers(), FakeTask()
+    watch = SendWatch(30.0, timers)
+    watch.begin(task)
+    timers.advance_to(10.0)
+    watch.end()
+    timers.advance_to(20.0)
+    watch.begin(task)  # this write stalls
+    timers.advance_to(30.0)  # the timer armed for the first write finds a later one: armed again
+    assert task.count == 0 and timers.made == 2
+    timers.advance_to(49.999)
+    assert task.count == 0
+    timers.advance_to(50.0)
+    assert task.count == 1 and watch.owns(task)
+
+
+def test_a_cancellation_from_elsewhere_during_the_watch_s_own_is_not_taken_back() -> None:
+    timers, task = FakeTimers(), FakeTask()
+    watch = SendWatch(30.0, timers)
+    watch.begin(task)
+    timers.advance_to(30.0)
+    task.cancel()  # the server's shutdown cancels the same task in the same turn
+    assert not watch.owns(task) and task.count == 1  # the shutdown's cancellation stands
+
+
+def test_a_closed_watch_leaves_no_timer_armed() -> None:
+    timers, task = FakeTimers(), FakeTask()
+    watch = SendWatch(30.0, timers)
+    watch.begin(task)
+    watch.end()
+    watch.close()
+    assert [t.cancelled for _, _, t in timers.armed] == [True]
+
+
+async def test_a_cancelled_request_is_cancelled_not_stalled_whatever_its_send_timeout() -> None:
+    started = asyncio.Event()
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"data: x\n\n", "more_body": True})
+
+    async def slow_send(message: dict[str, Any]) -> None:
+        started.set()
+        await asyncio.Event().wait()
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    limited = ClientLimits(app, Limits(send_timeout_s=30.0))
+    scope = {"type": "http", "path": "/v1/completions", "headers": []}
+    task = asyncio.create_task(limited(scope, receive, slow_send))
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+# -- the output pump: outputs the reader has not taken are merged as vLLM merges them --------------
+
+
+def delta(text: str, finished: bool = False) -> RequestOutput:
+    completion = CompletionOutput(0, text, [ord(c) for c in text], None, None)
+    return RequestOutput("r", None, [1], None, [completion], finished)
+
+
+async def test_delta_outputs_the_reader_has_not_taken_arrive_as_one_with_every_token() -> None:
+    async def engine() -> AsyncIterator[Any]:
+        for text in ("a", "b", "c"):
+            yield delta(text)
+        yield delta("d", finished=True)
+
+    finished: list[bool] = []
+    outputs = EngineStream(engine(), lambda: finished.append(True), aggregate=True).outputs()
+    first = await anext(outputs)
+    await settle()  # the pump reads the rest while the reader is busy elsewhere
+    rest = [o async for o in outputs]
+    assert first.outputs[0].text == "a" and finished
+    assert [(o.outputs[0].text, o.outputs[0].token_ids, o.finished) for o in rest] == [
+        ("bcd", [98, 99, 100], True)
+    ]
+
+
+async def test_outputs_that_cannot_merge_arrive_one_by_one_in_order() -> None:
+    async def engine() -> AsyncIterator[Any]:
+        for n in range(4):
+            yield SimpleNamespace(finished=n == 3, n=n)
+
+    outputs = EngineStream(engine(), lambda: None, aggregate=True).outputs()
+    first = await anext(outputs)
+    await settle()
+    assert [first.n] + [o.n async for o in outputs] == [0, 1, 2, 3]
+
+
+async def test_the_engine_s_error_comes_after_the_outputs_before_it() -> None:
+    async def engine() -> AsyncIterator[Any]:
+        yield SimpleNamespace(finished=False, n=0)
+        yield SimpleNamespace(finished=False, n=1)
+        raise RuntimeError("engine died")
+
+    outputs = EngineStream(engine(), lambda: None).outputs()
+    seen = [(await anext(outputs)).n]
+    await settle()
+    with pytest.raises(RuntimeError, match="engine died"):
+        async for o in outputs:
+            seen.append(o.n)
+    assert seen == [0, 1]

@@ -17,6 +17,7 @@ from typing import Any
 from vllm.engine.protocol import EngineClient
 from vllm.exceptions import GracefulHTTPError, RetryableRequestError
 from vllm.renderers.inputs.preprocess import extract_prompt_len
+from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from controller.admission.gate import AdmissionGate, GateRejected, Slot
@@ -214,7 +215,9 @@ class GovernedEngineClient(EngineClient):
                 stream = llm.generate(prompt, sampling_params, request_id, priority=call.priority, **kwargs)
                 # aclosing: a disconnect closes us, and must close vLLM's generator now so it aborts
                 # the request in the engine, not whenever the garbage collector gets to it.
-                async with contextlib.aclosing(EngineStream(stream, engine_done).outputs()) as outputs:
+                deltas = getattr(sampling_params, "output_kind", None) == RequestOutputKind.DELTA
+                pumped = EngineStream(stream, engine_done, aggregate=deltas)
+                async with contextlib.aclosing(pumped.outputs()) as outputs:
                     async for output in outputs:
                         if not produced:
                             self._first_token(output, slot, call)

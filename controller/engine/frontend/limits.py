@@ -10,7 +10,10 @@ write may wait for it to read.
 * ``send_timeout_s``: a write that a client does not take within this long ends the request: the
   connection is closed and vLLM's generator is closed with it (the engine aborts the request). Its
   admission slot came back when the engine finished it (pump.py); this frees the handler and the
-  outputs queued for the client.
+  outputs queued for the client. One timer per response watches its writes (``SendWatch``), not a
+  timeout context per write: a stream writes a message per token, and the context's timer handle,
+  made and cancelled per message, was the largest per-request cost of ours in the front end's
+  profile (docs/results/frontend.md).
 * ``max_connections``: open connections the server holds at once (uvicorn's ``limit_concurrency``;
   beyond it uvicorn answers 503).
 """
@@ -21,7 +24,7 @@ import asyncio
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
@@ -46,6 +49,95 @@ class SendStalled(Exception):
     """The client read nothing for ``send_timeout_s``: the response is abandoned."""
 
 
+class Timer(Protocol):
+    def cancel(self) -> None: ...
+
+
+class Timers(Protocol):
+    """What ``SendWatch`` needs of an event loop: its clock and a timer (a fake in tests)."""
+
+    def time(self) -> float: ...
+
+    def call_at(self, when: float, callback: Callable[[], object], /) -> Timer: ...
+
+
+class Cancellable(Protocol):
+    """What ``SendWatch`` needs of the task that writes: ``asyncio.Task``'s cancel count."""
+
+    def cancel(self, msg: Any = None) -> bool: ...
+
+    def cancelling(self) -> int: ...
+
+    def uncancel(self) -> int: ...
+
+
+class SendWatch:
+    """The send timeout of one response: a write in progress for ``timeout_s`` cancels the task that
+    writes, and ``owns`` tells that cancellation from any other (``_Exchange`` turns it into
+    ``SendStalled``, as ``asyncio.timeout`` turns its own into ``TimeoutError``).
+
+    A write records when it began (``begin``) and that it ended (``end``): no timer of its own. One
+    timer is armed at the first write for its start + ``timeout_s``; when it fires, the write then in
+    progress is the one it was armed for (the same start): stalled; a later one: armed again for
+    that write's start + ``timeout_s``; none: disarmed until the next write. So a response that
+    writes one message per token makes one timer per ``timeout_s`` of its life, and a write is
+    cancelled when it has lasted ``timeout_s``, by the loop's own timer."""
+
+    __slots__ = ("_armed_for", "_begun", "_cancelling", "_fired", "_task", "_timer", "_timers", "timeout_s")
+
+    def __init__(self, timeout_s: float, timers: Timers) -> None:
+        self.timeout_s = timeout_s
+        self._fired = False
+        """The watch cancelled a write that lasted ``timeout_s``, and ``owns`` has not yet said so."""
+        self._timers = timers
+        self._begun: float | None = None
+        """When the write in progress began (the loop's clock); None between writes."""
+        self._armed_for: float | None = None
+        self._task: Cancellable | None = None
+        self._cancelling = 0
+        self._timer: Timer | None = None
+
+    def begin(self, task: Cancellable) -> None:
+        """A write by ``task`` begins."""
+        self._begun = now = self._timers.time()
+        self._task, self._cancelling = task, task.cancelling()
+        if self._timer is None:
+            self._arm(now)
+
+    def end(self) -> None:
+        """The write in progress ended (written, failed or cancelled)."""
+        self._begun = self._task = None
+
+    def owns(self, task: Cancellable) -> bool:
+        """Whether the cancellation ``task`` is handling is the watch's own (then it is taken back,
+        and a cancellation from elsewhere at the same time still stands: ``asyncio.timeout``'s rule)."""
+        if not self._fired:
+            return False
+        self._fired = False
+        return task.uncancel() <= self._cancelling
+
+    def close(self) -> None:
+        """The response is over: its timer goes."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _arm(self, begun: float) -> None:
+        self._armed_for = begun
+        self._timer = self._timers.call_at(begun + self.timeout_s, self._fire)
+
+    def _fire(self) -> None:
+        self._timer = None
+        begun, task = self._begun, self._task
+        if begun is None or task is None:
+            return
+        if begun != self._armed_for:
+            self._arm(begun)
+            return
+        self._fired = True
+        task.cancel()
+
+
 class ClientLimits:
     """ASGI middleware: the body limit and the send timeout."""
 
@@ -58,11 +150,11 @@ class ClientLimits:
             await self.app(scope, receive, send)
             return
         exchange = _Exchange(receive, send, self.limits, scope.get("path", ""))
-        declared = _declared_length(scope.get("headers", []))
-        if declared is not None and declared > self.limits.max_body_bytes:
-            await exchange.too_large(declared)
-            return
         try:
+            declared = _declared_length(scope.get("headers", []))
+            if declared is not None and declared > self.limits.max_body_bytes:
+                await exchange.too_large(declared)
+                return
             await self.app(scope, exchange.receive, exchange.send)
         except Exception as e:
             if not exchange.answered:
@@ -70,6 +162,8 @@ class ClientLimits:
             # The app read a disconnect where its body went on (Starlette raises ClientDisconnect)
             # after the client had its 413: nothing is left to answer.
             log.debug("body_cut_app_ended", path=exchange.path, error=type(e).__name__)
+        finally:
+            exchange.watch.close()
 
 
 def _declared_length(headers: list[tuple[bytes, bytes]]) -> int | None:
@@ -87,6 +181,8 @@ class _Exchange:
 
     def __init__(self, receive: ASGIApp, send: ASGIApp, limits: Limits, path: str) -> None:
         self._receive, self._send, self.limits, self.path = receive, send, limits, path
+        self._loop = asyncio.get_running_loop()
+        self.watch = SendWatch(limits.send_timeout_s, self._loop)
         self.counted = 0
         self.started = False
         self.cut = False
@@ -108,20 +204,24 @@ class _Exchange:
         return message
 
     async def send(self, message: dict[str, Any]) -> None:
+        """The app's write (dropped once our 413 went out), bounded by the send timeout."""
         if self.answered:
             return
         if message["type"] == "http.response.start":
             self.started = True
-        await self._timed_send(message)
-
-    async def _timed_send(self, message: dict[str, Any]) -> None:
-        timeout = self.limits.send_timeout_s
+        task = asyncio.current_task(self._loop)
+        assert task is not None  # an ASGI app runs in a task
+        self.watch.begin(task)
         try:
-            async with asyncio.timeout(timeout):
-                await self._send(message)
-        except TimeoutError:
+            await self._send(message)
+        except asyncio.CancelledError:
+            if not self.watch.owns(task):
+                raise
+            timeout = self.limits.send_timeout_s
             log.warning("client_send_stalled", path=self.path, send_timeout_s=timeout)
             raise SendStalled(f"the client read nothing for {timeout:g}s (send_timeout_s)") from None
+        finally:
+            self.watch.end()
 
     async def too_large(self, size: int) -> None:
         """413 in vLLM's error shape; ``size`` is the declared length or the bytes counted so far."""
@@ -132,7 +232,6 @@ class _Exchange:
             {"error": {"message": message, "type": "RequestEntityTooLarge", "param": None, "code": 413}}
         ).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        self.started = True
-        await self._timed_send({"type": "http.response.start", "status": 413, "headers": headers})
-        await self._timed_send({"type": "http.response.body", "body": body})
+        await self.send({"type": "http.response.start", "status": 413, "headers": headers})
+        await self.send({"type": "http.response.body", "body": body})
         self.answered = True
