@@ -84,6 +84,8 @@ class Observation:
     missed_total: int = 0
     """Of ``served_total``, those that missed their class's ``[slo]`` TTFT or TPOT bound (0 without
     ``[slo]``)."""
+    queued_missed_total: int = 0
+    """Of ``missed_total``, TTFT misses whose time went mostly to the gate's queue, not the engine."""
     refused_total: int = 0
     """Requests refused with a 429 since the start (the same ledger): each one a request lost."""
     cost: CostEstimate | None = None

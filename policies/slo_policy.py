@@ -63,15 +63,16 @@ class SloPolicy(Policy):
 
     The mean margin learns (under ``[slo]``): ``mean_margin`` is where it starts, and every
     ``margin_samples`` requests served since its last look (``Observation.served_total``), the share
-    of them that missed a bound of their class (``missed_total``) steers it: above ``miss_high`` it
-    is multiplied by ``margin_down``; below ``miss_low``, or with more requests refused since that
-    look (``refused_total``) than missed, where it bounded the concurrency at some tick since that
-    look (``runs`` below the cap: a larger margin would run more), by ``margin_up``; always within
-    ``[mean_margin_min, mean_margin_max]``. Between the two shares it holds. After a
-    move, the requests then in flight (``in_flight``) end before the next count starts: they ran
-    under the old margin, and judging the new one by them moves it twice for one cause. A too
-    careful margin shows as no misses while the gate refuses (the queue is held short); a bold one as
-    misses among the admitted, which good requests then pay for in TPOT.
+    of them that missed a bound of their class in the engine (``missed_total`` less
+    ``queued_missed_total``: a TTFT miss spent mostly in the gate's queue counts as a refusal) steers
+    it: above ``miss_high`` it is multiplied by ``margin_down``; below ``miss_low``, or with more
+    requests refused since that look (``refused_total``, and the queued misses) than missed, where it
+    bounded the concurrency at some tick since that look (``runs`` below the cap: a larger margin
+    would run more), by ``margin_up``; always within ``[mean_margin_min, mean_margin_max]``. Between
+    the two it holds. After a move, the requests then in flight (``in_flight``) end before the next
+    count starts: they ran under the old margin, and judging the new one by them moves it twice for
+    one cause. A too careful margin shows as refusals and queued misses (the limit holds the queue
+    in the gate); a bold one as misses in the engine, which good requests then pay for in TPOT.
 
     Bands against churn: a budget or cap move smaller than ``band`` of the value in force is dropped, and
     a knob reverses its last direction only ``reverse_after_s`` after its last move (the normalize
@@ -257,7 +258,10 @@ class SloPolicy(Policy):
     def _learn_margin(self, obs: Observation) -> str:
         """Steer ``margin_live`` by the share of the requests served since its last look that missed
         a bound; a look needs ``margin_samples`` of them (each look starts a fresh count)."""
-        served, missed, refused = obs.served_total, obs.missed_total, obs.refused_total
+        # a TTFT miss spent waiting in the gate is a request the limit had no room for, as a refusal
+        # is: it asks for a bolder margin, not a more careful one (cutting it lengthens the queue)
+        queued = obs.queued_missed_total
+        served, missed, refused = obs.served_total, obs.missed_total - queued, obs.refused_total + queued
         if self._mark is None or served < self._mark[0]:  # first tick, or another ledger's counts
             self._mark, self._margin_bound, self._settle_until = (served, missed, refused), False, served
         m = self.margin_live
@@ -274,7 +278,8 @@ class SloPolicy(Policy):
         elif share < self.miss_low or shed > miss:
             # a refusal loses a request as surely as a miss does: while the gate refuses more than
             # the margin lets miss, a bolder margin (more running, a shorter queue) gains requests
-            said += f" < {self.miss_low:.0%}" if share < self.miss_low else f", fewer than the {shed} refused"
+            lost = f", fewer than the {shed} refused or late in the queue"
+            said += f" < {self.miss_low:.0%}" if share < self.miss_low else lost
             if self._margin_bound:
                 new, said = min(self.mean_margin_max, m * self.margin_up), f"{said}, it bounded runs"
             else:

@@ -36,6 +36,7 @@ class OutcomeTotals(Protocol):
 
     served_total: int
     missed_total: int
+    queued_missed_total: int
     refused_total: int
 
 
@@ -118,6 +119,7 @@ def build_observation(
         cost=cost,
         served_total=outcomes.served_total if outcomes else 0,
         missed_total=outcomes.missed_total if outcomes else 0,
+        queued_missed_total=outcomes.queued_missed_total if outcomes else 0,
         refused_total=outcomes.refused_total if outcomes else 0,
     )
 

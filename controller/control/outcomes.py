@@ -77,6 +77,9 @@ class OutcomeLedger:
         self.missed_total = 0
         """Of ``served_total``, those that missed their class's TTFT or TPOT bound: what the slo
         policy's ``mean_margin`` is steered by (the share of admitted requests that miss)."""
+        self.queued_missed_total = 0
+        """Of ``missed_total``, TTFT misses that spent most of their TTFT before the engine (in the
+        gate's queue): a shortfall of capacity, as a refusal is, not of the engine's pace."""
         self.refused_total = 0
         """Requests refused with a 429 (a full queue, an expected wait past the bound, a deadline)
         since the ledger started: set against ``missed_total``, whether a careful margin costs more
@@ -112,6 +115,7 @@ class OutcomeLedger:
             outcome = served_outcome(entry.before_engine_s + engine_ttft_s, tpot_s, bound)
             self.served_total += 1
             self.missed_total += outcome != "good"
+            self.queued_missed_total += outcome == "ttft_missed" and entry.before_engine_s > engine_ttft_s
         self.ended(entry.cls, outcome)
         return outcome
 

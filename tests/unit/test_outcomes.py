@@ -63,6 +63,10 @@ def test_the_time_before_the_engine_counts_toward_the_ttft() -> None:
     assert ledger.served("c", engine_ttft_s=0.3, tpot_s=0.06) == "good"
     assert counted == [("interactive", "good"), ("interactive", "ttft_missed"), ("batch", "good")]
     assert (ledger.served_total, ledger.missed_total) == (3, 1)  # what steers the slo policy's margin
+    assert ledger.queued_missed_total == 1  # b: 0.8 s of its 1.1 s before the engine
+    ledger.started("d", "interactive", before_engine_s=0.4)
+    assert ledger.served("d", engine_ttft_s=0.7, tpot_s=0.04) == "ttft_missed"
+    assert (ledger.missed_total, ledger.queued_missed_total) == (2, 1)  # d: most of it in the engine
 
 
 def test_each_of_n_sequences_ends_once_and_an_error_is_failed() -> None:

@@ -253,13 +253,24 @@ def test_the_mean_margin_rises_while_the_gate_refuses_more_than_it_lets_miss() -
     # 1 of 50 missed (2 %, between the shares) with 3 refused: three requests lost at the door
     # against one late, so the margin rises as if none had missed
     d = p.decide(loaded(served_total=50, missed_total=1, refused_total=3), 2.0)
-    assert "margin 0.50 -> 0.53: 1 of 50 served missed, fewer than the 3 refused, it bounded runs" in d.reason
+    said = "margin 0.50 -> 0.53: 1 of 50 served missed, fewer than the 3 refused or late in the queue"
+    assert f"{said}, it bounded runs" in d.reason
     assert p.margin_live == pytest.approx(0.525)
     # the 20 in flight at the move end (to 70), then of 50 served 1 missed and 1 refused: it holds
     p.decide(loaded(served_total=69, missed_total=1, refused_total=3), 3.0)
     d = p.decide(loaded(served_total=119, missed_total=2, refused_total=4), 4.0)
     assert "margin 0.53: 1 of 50 served missed within [1%, 3%], 1 refused" in d.reason
     assert p.margin_live == pytest.approx(0.525)
+
+
+def test_a_ttft_miss_spent_in_the_gates_queue_counts_as_a_refusal_not_a_miss() -> None:
+    p = policy(margin_samples=50)
+    p.decide(loaded(), 1.0)
+    # 4 of 50 missed (8 %), 3 of them waiting in the gate: 1 missed in the engine (2 %) against
+    # 3 lost to the queue, so the margin rises (cutting it would lengthen the queue)
+    d = p.decide(loaded(served_total=50, missed_total=4, queued_missed_total=3), 2.0)
+    said = "margin 0.50 -> 0.53: 1 of 50 served missed, fewer than the 3 refused or late in the queue"
+    assert f"{said}, it bounded runs" in d.reason
 
 
 def test_the_mean_margin_parameters_are_checked() -> None:
