@@ -8,7 +8,7 @@ of what they teach, so a budget that runs out drops the least informative. The p
 (``PASSES``) while the budget lasts: a fast engine fits on hundreds of steps, a slow one on what its
 first pass measured.
 
-The fit minimises the steps' absolute relative error (least squares reweighted to it, ``ROBUST``), not
+The fit minimises the steps' absolute relative error (least squares reweighted towards it, ``fit_rows``), not
 their squared error: a step's time on a shared CPU is its work plus delays that only ever add (a
 neighbour's burst, a GC pause, the front end's turn on the core), and squares let those few slow
 steps lift every coefficient, most of all the intercept of a model whose steps take a few
@@ -94,14 +94,23 @@ def fit_steps(steps: Sequence[EngineStep]) -> tuple[tuple[float, float, float, f
     kept = [s for s in steps if s.step_s > 0 and s.prefill_tokens + s.decode_seqs > 0]
     if not kept:
         return (0.0, 0.0, 0.0, 0.0), None
+    x = np.array([[1.0, s.prefill_tokens, s.decode_seqs, s.kv_tokens] for s in kept])
     y = np.array([s.step_s for s in kept])
-    rows = np.array([[1.0, s.prefill_tokens, s.decode_seqs, s.kv_tokens] for s in kept]) / SCALES / y[:, None]
+    coefficients = fit_rows(x, y)
+    return coefficients, float(np.median(np.abs(x @ np.array(coefficients) - y) / y))
+
+
+def fit_rows(x: np.ndarray, y: np.ndarray) -> tuple[float, float, float, float]:
+    """``fit_steps`` over features ``x`` (rows of 1, prefill tokens, decode sequences, KV tokens) and
+    positive times ``y``: least squares of the relative error, reweighted ``ROBUST_ITERATIONS`` times
+    by 1 / max(|relative error|, ``ROBUST_FLOOR``) towards the least absolute relative error."""
+    rows = x / SCALES / y[:, None]
     weights = np.ones(len(y))
     for _ in range(ROBUST_ITERATIONS + 1):
         theta = _weighted_fit(rows, weights)
         weights = 1.0 / np.maximum(np.abs(rows @ theta - 1.0), ROBUST_FLOOR)
     a, b, c, d = (float(v) for v in theta / SCALES)
-    return (a, b, c, d), float(np.median(np.abs(rows @ theta - 1.0)))
+    return a, b, c, d
 
 
 def _weighted_fit(rows: np.ndarray, weights: np.ndarray) -> np.ndarray:
