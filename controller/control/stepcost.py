@@ -128,8 +128,9 @@ class StepCostModel:
         self._log_var, self._spread_n = 0.0, 0
         """Moving mean of log(measured / predicted)^2, and how many steps it has seen."""
         self._recent: deque[tuple[float, float]] = deque(maxlen=self.settings.window)
-        self._kv_per_seq: float | None = None
-        """Moving mean of kv_tokens / decode_seqs over decoding steps (``CostEstimate.kv_tokens_per_seq``)."""
+        self._kv_sum = 0.0
+        """Sum of kv_tokens with the forgetting factor, over the steps of ``_mix``: over its decode
+        seqs, the KV a step reads per sequence it decodes (``CostEstimate.kv_tokens_per_seq``)."""
         self._mix = (0.0, 0.0, 0.0)
         """Sums of prefill tokens, decode seqs and steps, each with the forgetting factor
         (``CostEstimate.prefill_per_decode``)."""
@@ -165,17 +166,16 @@ class StepCostModel:
             self._track(float(yi), float(pi), step.t_mono)
 
     def _track_batch(self, steps: Sequence[EngineStep]) -> None:
-        """The KV a decoding sequence reads and the prefill/decode mix of the steps, as moving means
-        with the fit's forgetting factor."""
-        alpha = 1.0 - self.settings.forgetting
+        """The KV read and the prefill/decode mix of the steps, as sums with the fit's forgetting
+        factor. KV per decoding sequence is a ratio of the sums, not a mean of each step's ratio: a
+        step that decodes one sequence beside three prompts reads four requests' KV, and its ratio
+        (about 4x a decode's) would weigh as much as a step of forty decodes (a mean of ratios read
+        1,100-1,800 KV tokens a sequence on SmolLM2 where each held about 300)."""
+        lam = self.settings.forgetting
         for s in steps:
             p, d, n = self._mix
-            lam = self.settings.forgetting
             self._mix = (lam * p + s.prefill_tokens, lam * d + s.decode_seqs, lam * n + 1.0)
-            if s.decode_seqs > 0:
-                ratio = s.kv_tokens / s.decode_seqs
-                prev = self._kv_per_seq
-                self._kv_per_seq = ratio if prev is None else prev + alpha * (ratio - prev)
+            self._kv_sum = lam * self._kv_sum + s.kv_tokens
 
     def _is_outlier(self, y: float, pred: float) -> bool:
         s = self.settings
@@ -272,7 +272,7 @@ class StepCostModel:
         return CostEstimate(
             **coef, samples=self.samples, rejected=self.rejected, rel_error=rel, r2=r2, age_s=age,
             ready=reason == "ready", reason=reason, seed=self.prior.name if self.prior else "",
-            kv_tokens_per_seq=self._kv_per_seq,
+            kv_tokens_per_seq=self._kv_sum / self._mix[1] if self._mix[1] > 0 else None,
             prefill_per_decode=self._prefill_per_decode(),
         )  # fmt: skip
 

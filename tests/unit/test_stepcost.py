@@ -223,3 +223,17 @@ def test_reader_reads_at_its_clock() -> None:
     model.update(make_steps(10))
     now = [5.09]
     assert CostReader(model, lambda: now[0]).current().age_s == pytest.approx(5.0)
+
+
+def test_kv_per_decoding_sequence_is_a_ratio_of_sums_not_a_mean_of_each_steps_ratio() -> None:
+    """Decodes of 300 KV tokens each, in steps of 40, alternating with steps that decode one beside
+    three 288-token prompts: the load reads (12,000 + 1,164) / 41 = 321 a decode. A mean of each
+    step's ratio would read (300 + 1,164) / 2 = 732, and plan half the batch the KV allows."""
+    model = StepCostModel()
+    steps = []
+    for i in range(200):
+        steps.append(EngineStep(0.02 * i, 0, 40, 40 * 300, 0.05))
+        steps.append(EngineStep(0.02 * i + 0.01, 3 * 288, 1, 300 + 3 * 288, 0.05))
+    model.update(steps)
+    k = model.estimate(now_mono=4.0).kv_tokens_per_seq
+    assert k == pytest.approx(13_164 / 41, rel=0.01)
