@@ -24,6 +24,7 @@ from vllm.tokenizers.registry import get_tokenizer
 
 from controller.control.telemetry import TelemetryWindow
 from controller.engine.runtime import host as host_module
+from controller.engine.runtime.heap import NO_MALLOC_TRIM, TRIMMED, HeapTrim, trim_heap
 from controller.engine.runtime.host import EngineHost
 from tests.helpers import TINY_MODEL, FakeBuiltEngine
 
@@ -57,3 +58,48 @@ async def test_a_retired_renderers_tokenizer_is_freed_once_its_grace_ends(
     await asyncio.sleep(0.3)  # the grace ends: the host lets the retired engine go
     gc.collect()
     assert [r() is None for r in refs] == [True] * len(refs)
+
+
+async def test_the_heap_is_trimmed_once_the_retired_engine_can_be_freed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The trim runs after the grace, when nothing of ours holds the retired engine any more (the
+    grace's timer handle held it as an argument), so the collection inside the trim frees it."""
+    monkeypatch.setattr(host_module, "RENDERER_GRACE_S", 0.05)
+    old, new = FakeBuiltEngine(), FakeBuiltEngine()
+    old_ref = weakref.ref(old)
+    freed_at_trim: list[bool] = []
+
+    def trim() -> HeapTrim:
+        gc.collect()
+        freed_at_trim.append(old_ref() is None)
+        return HeapTrim(TRIMMED, 2 << 20, 1 << 20)
+
+    host = EngineHost(
+        argparse.Namespace(max_num_seqs=4), TelemetryWindow(), builder=lambda _args: new, heap_trim=trim
+    )
+    host._llm = old  # type: ignore[assignment]
+    del old
+    await host.restart({"kv_cache_memory_bytes": 1 << 20})
+    assert freed_at_trim == []  # the renderer's grace: the retired engine is still held
+    for _ in range(100):
+        if freed_at_trim:
+            break
+        await asyncio.sleep(0.01)
+    assert freed_at_trim == [True]
+
+
+def test_trim_heap_collects_then_trims_and_reports_the_rss() -> None:
+    readings = iter([300, 200])
+    calls: list[int] = []
+
+    def malloc_trim(pad: int) -> int:
+        calls.append(pad)
+        return 1
+
+    assert trim_heap(malloc_trim, lambda: next(readings)) == HeapTrim(TRIMMED, 300, 200)
+    assert calls == [0]  # 0: keep no padding at the top of the heap
+
+
+def test_trim_heap_without_malloc_trim_says_so() -> None:
+    assert trim_heap(None, lambda: 300) == HeapTrim(NO_MALLOC_TRIM, 300, 300)

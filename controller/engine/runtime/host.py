@@ -11,7 +11,10 @@ CPU: the KV cache is a fixed size in host memory) a config restart builds the ne
 swaps it in, so a bad value leaves the old engine serving untouched. Where they may not fit (a GPU:
 the new engine would measure the old one's memory as taken) and for every memory restart (its whole
 point is to free memory), the old engine goes first; a new build that fails is then followed by a
-build with the last settings that worked, so an engine serves again."""
+build with the last settings that worked, so an engine serves again.
+
+A retired engine's renderer lives on for ``RENDERER_GRACE_S``; when it is let go, the heap it freed is
+given back to the operating system (heap.py: else the daemon's RSS rises at each rebuild)."""
 
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from controller.control.telemetry import TelemetryWindow
 from controller.engine.runtime.args import engine_args
 from controller.engine.runtime.builds import build_in_thread
 from controller.engine.runtime.dtype import dtype_settings
+from controller.engine.runtime.heap import HeapTrim, trim_heap
 from controller.engine.runtime.ipc import plugin_problem, set_poll_sleep
 from controller.engine.runtime.scheduler import UTILITY_BUDGET, UTILITY_DRAIN, UTILITY_SET, scheduler_path
 from controller.engine.runtime.stats import OutcomeSink, stat_logger_factory
@@ -66,12 +70,15 @@ class EngineHost:
         poll_sleep_s: float = 0.0,
         builder: Callable[[argparse.Namespace], AsyncLLM] | None = None,
         two_engines_fit: bool | None = None,
+        heap_trim: Callable[[], HeapTrim] = trim_heap,
     ) -> None:
         self.args = args
         """The settings of the engine in force (the last that built)."""
         self._builder = builder or self._build
         self._two_fit = two_engines_fit
         """None: ask the platform (two fit on the CPU)."""
+        self._heap_trim = heap_trim
+        """Run when a retired engine is let go: its freed pages back to the OS (heap.py)."""
         self._window = window
         self.poll_sleep_s = poll_sleep_s
         """[server] engine_poll_sleep_s, handed to the engine's processes (engine/runtime/ipc.py)."""
@@ -238,6 +245,19 @@ class EngineHost:
             llm.renderer.shutdown()
             self._retired.remove(llm)
             forget_renderer_memos()
+            # on the next turn of the loop, when this callback's handle (its arguments hold the
+            # engine) is gone and the collection can free the engine
+            asyncio.get_running_loop().call_soon(self._trim_heap)
+
+    def _trim_heap(self) -> None:
+        trimmed = self._heap_trim()
+        log.info(
+            "heap_trimmed",
+            reason=trimmed.reason,
+            rss_before_mib=round(trimmed.rss_before / 2**20, 1),
+            rss_after_mib=round(trimmed.rss_after / 2**20, 1),
+            generation=self.generation,
+        )
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Shut the engine down and reap its EngineCore process (a build still running shuts its
