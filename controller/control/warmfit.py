@@ -4,9 +4,10 @@
 
 The phases excite each term of ``step = a + b*prefill + c*decode_seqs + d*kv_tokens`` apart: a prompt
 alone (``b``), batches of short streams (``c``), and a few streams over long prompts (``d``), in order
-of what they teach, so a budget that runs out drops the least informative. The plan repeats
-(``PASSES``) while the budget lasts: a fast engine fits on hundreds of steps, a slow one on what its
-first pass measured.
+of what they teach, so a budget that runs out drops the least informative. The plan runs once, on the
+engine just built: a warm engine stepping back to back is faster than one serving (on a 2-core CPU,
+the tiny model's decode steps in later passes fitted an intercept 15 % below the served steps',
+where the first pass fitted it within 6 %: docs/results/warmup.md).
 
 The fit minimises the steps' absolute relative error (least squares reweighted towards it, ``fit_rows``), not
 their squared error: a step's time on a shared CPU is its work plus delays that only ever add (a
@@ -27,11 +28,6 @@ from controller.control.steps import EngineStep
 
 PRIOR_SAMPLES = 20.0
 """The warm-up fit weighs as much as this many served steps."""
-PASSES = 4
-"""The plan runs up to this many times while the budget lasts. One pass of the tiny model takes
-0.75 s and measures about 90 steps of about 3 ms, whose fitted intercept moved by 18 % between two
-starts on a shared 2-core CPU; four rest it on about 360. SmolLM2 on that CPU spends the whole
-default budget on the first pass (docs/results/warmup.md)."""
 ROBUST_ITERATIONS = 30
 """Reweightings of the least-squares fit towards the least absolute relative error."""
 ROBUST_FLOOR = 0.01
@@ -51,12 +47,9 @@ class Phase:
         return f"{self.streams}x{self.prompt_tokens}+{self.output_tokens}"
 
 
-def plan(
-    max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, passes: int = PASSES
-) -> list[Phase]:
-    """``passes`` times one pass of phases, most informative first, sized within the engine's limits:
-    prefill alone at three sizes, decode batches from 1 to the batch ceiling, and decodes over long
-    prompts. A runner starts each phase only while its budget lasts."""
+def plan(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> list[Phase]:
+    """The phases, most informative first, sized within the engine's limits: prefill alone at three
+    sizes, decode batches from 1 to the batch ceiling, and decodes over long prompts."""
     room = max(2, max_model_len - 17)  # a prompt and its 16 output tokens fit the model's length
     chunk = max(1, min(max_num_batched_tokens, room))
 
@@ -67,25 +60,7 @@ def plan(
     phases = [Phase(1, prompt(64), 1), Phase(1, 16, 16), Phase(1, prompt(256), 1)]
     phases += [Phase(b, 16, 16) for b in batches if b > 1]
     phases += [Phase(1, prompt(1024), 1), Phase(min(4, max_num_seqs), prompt(512), 16)]
-    return phases * passes
-
-
-def describe(ran: Sequence[str], phases: Sequence[Phase]) -> str:
-    """What a warm-up finished (``ran``, in order) of its plan ``phases``, in passes."""
-    passes = _passes(phases)
-    one = len(phases) // passes
-    done, extra = divmod(len(ran), one)
-    text = f"{done} of {passes} passes of {', '.join(p.describe() for p in phases[:one])}"
-    return text + (f" and {extra} phases of the next" if extra else "")
-
-
-def _passes(phases: Sequence[Phase]) -> int:
-    """How many times the plan's first pass repeats in it."""
-    n = len(phases)
-    for one in range(1, n + 1):
-        if n % one == 0 and list(phases[:one]) * (n // one) == list(phases):
-            return n // one
-    return 1
+    return phases
 
 
 def fit_steps(steps: Sequence[EngineStep]) -> tuple[tuple[float, float, float, float], float | None]:

@@ -27,7 +27,7 @@ from typing import Any
 import structlog
 
 from controller.control.stepcost import CostPrior, StepCostModel
-from controller.control.warmfit import PRIOR_SAMPLES, describe, plan, seed_from_warm_up
+from controller.control.warmfit import PRIOR_SAMPLES, plan, seed_from_warm_up
 from controller.engine.runtime import warmup
 from controller.engine.runtime.host import EngineHost
 from policies.cost import TERMS
@@ -126,9 +126,10 @@ async def warm_start(
     if len(steps) < 4:
         return WarmStart("none", f"warm-up measured {len(steps)} steps: too few to fit", seconds=ran.seconds)
     coefficients, error = seed_from_warm_up(model, steps, ran.seconds)
+    skipped = f"; skipped {', '.join(ran.skipped)} (budget {budget_s:g} s)" if ran.skipped else ""
     warm = WarmStart(
         source="warm-up",
-        detail=f"{describe(ran.phases, phases)} within {budget_s:g} s",
+        detail=f"phases {', '.join(ran.phases)}{skipped}",
         coefficients=_named(coefficients),
         steps=len(steps),
         seconds=round(ran.seconds, 2),

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from controller.control.steps import EngineStep
-from controller.control.warmfit import Phase, describe, fit_steps, plan
+from controller.control.warmfit import Phase, fit_steps, plan
 from controller.engine.runtime.warmup import hardware
 from controller.lifecycle.warm import WarmStart, read_state, state_dir, state_path, write_state
 
@@ -26,21 +26,11 @@ ONE_PASS = [
 
 
 def test_the_plan_excites_each_term_within_the_engine_limits() -> None:
-    assert plan(64, 2048, 2048, passes=1) == ONE_PASS
+    assert plan(64, 2048, 2048) == ONE_PASS
     small = plan(4, 128, 300)
     assert max(p.prompt_tokens for p in small) == 128  # the per-step token ceiling
     assert max(p.streams for p in small) == 4  # the batch ceiling
     assert all(p.prompt_tokens + p.output_tokens <= 300 for p in small)
-
-
-def test_the_plan_repeats_its_pass_and_says_how_far_a_warm_up_got() -> None:
-    phases = plan(64, 2048, 2048)
-    assert phases == ONE_PASS * 4
-    names = [p.describe() for p in phases]
-    one = "1x64+1, 1x16+16, 1x256+1, 8x16+16, 32x16+16, 64x16+16, 1x1024+1, 4x512+16"
-    assert describe(names, phases) == f"4 of 4 passes of {one}"
-    assert describe(names[:10], phases) == f"1 of 4 passes of {one} and 2 phases of the next"
-    assert describe(names[:3], phases) == f"0 of 4 passes of {one} and 3 phases of the next"
 
 
 def steps_of(a: float, b: float, c: float, d: float, noise: float = 0.03) -> list[EngineStep]:

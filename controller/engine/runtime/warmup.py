@@ -6,9 +6,8 @@ The requests are random token ids (never a prefix the cache holds), sent straigh
 (no gate: nothing serves yet), with ``ignore_eos`` so each runs exactly its planned tokens. The
 phases excite each term of ``step = a + b*prefill + c*decode_seqs + d*kv_tokens`` apart: a prompt
 alone (``b``), batches of short streams (``c``), and a few streams over long prompts (``d``). They run
-in order of what they teach, in passes (``warmfit.plan``), and a phase starts only while the time
-budget lasts, so a fast engine repeats the pass and a slow box (SmolLM2 on a 2-core AVX2 CPU
-prefills at ~7 ms a token) does fewer phases rather than more seconds.
+in order of what they teach, and a phase starts only while the time budget lasts, so a slow box
+(SmolLM2 on a 2-core AVX2 CPU prefills at ~7 ms a token) does fewer phases rather than more seconds.
 The steps themselves are measured inside the EngineCore (``scheduler.py``) and drained by the host.
 """
 
