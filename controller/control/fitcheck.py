@@ -9,9 +9,8 @@ the load never sends, a KV term from lengths it never reaches) shows as a gap be
 
 The error is the median of ``|predicted - measured| / measured`` per step (the median, because a step
 that waited on a GC pause or the event loop is no fault of the fit, and the model weighs each step by
-its relative error too). Beside the two, the best fit of the same form over the same steps (the
-warm-up's own fit, ``warmfit.fit_rows``: the least absolute relative error, so the error a median asks
-about) gives the floor the steps' own noise sets, and each error is also taken over the steps
+its relative error too). Beside the two, the best fit of the same form over the same steps (relative
+least squares) gives the floor the steps' own noise sets, and each error is also taken over the steps
 that prefilled and those that only decoded, so a gap points at a term (``b``, or ``a``/``c``/``d``).
 The steps are kept in a fixed ring (``capacity``), so a /state read costs one 4-column least-squares
 solve and a few medians over at most that many steps, however long the daemon runs.
@@ -26,7 +25,6 @@ from typing import Any
 import numpy as np
 
 from controller.control.steps import EngineStep
-from controller.control.warmfit import fit_rows
 from policies.cost import TERMS
 
 CAPACITY = 5000
@@ -81,13 +79,14 @@ class FitCheck:
         return float(np.median(np.abs(pred - y) / y))
 
     def best_fit(self) -> tuple[float, float, float, float] | None:
-        """The non-negative coefficients of this form closest to the kept steps in absolute relative
-        error (the warm-up's fit, made on these very steps): the floor a fit of this form reaches on
-        them, which tells the start fit's bias from the steps' own noise."""
+        """The coefficients of this form closest to the kept steps in relative least squares (the
+        loss the model minimises, unconstrained and unforgetting): the floor a fit of this form
+        reaches on them, which tells the start fit's bias from the steps' own noise."""
         x, y = self._kept("all")
         if len(y) < 4:
             return None
-        return fit_rows(x, y)
+        coefficients, *_ = np.linalg.lstsq(x / y[:, None], np.ones(len(y)), rcond=None)
+        return _four(coefficients)
 
     def report(self, live: Sequence[float]) -> dict[str, Any]:
         """For /state: the steps seen since the start, and the start, live and best fits' median

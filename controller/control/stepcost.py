@@ -215,7 +215,7 @@ class StepCostModel:
         self._theta = (vecs / vals) @ (vecs.T @ rhs)
         self._p = (vecs / vals) @ vecs.T
         if (self._theta < 0).any():
-            self._theta = nonnegative(self._theta, self._p)
+            self._theta = _nonnegative(self._theta, self._p)
         self._bound_covariance()
 
     def _cap(self) -> float:
@@ -293,7 +293,7 @@ class StepCostModel:
         return rel, r2
 
 
-def nonnegative(theta: np.ndarray, p: np.ndarray) -> np.ndarray:
+def _nonnegative(theta: np.ndarray, p: np.ndarray) -> np.ndarray:
     """The non-negative coefficients nearest ``theta`` in the metric of covariance ``p``: over every
     set of terms held at 0, the others conditioned on it (the Gaussian conditional mean), the feasible
     one with the smallest Mahalanobis distance. Four terms: fifteen small solves at most."""

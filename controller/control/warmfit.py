@@ -5,34 +5,22 @@
 The phases excite each term of ``step = a + b*prefill + c*decode_seqs + d*kv_tokens`` apart: a prompt
 alone (``b``), batches of short streams (``c``), and a few streams over long prompts (``d``), in order
 of what they teach, so a budget that runs out drops the least informative. The plan runs once, on the
-engine just built: a warm engine stepping back to back is faster than one serving (on a 2-core CPU,
-the tiny model's decode steps in later passes fitted an intercept 15 % below the served steps',
-where the first pass fitted it within 6 %: docs/results/warmup.md).
-
-The fit minimises the steps' absolute relative error (least squares reweighted towards it, ``fit_rows``), not
-their squared error: a step's time on a shared CPU is its work plus delays that only ever add (a
-neighbour's burst, a GC pause, the front end's turn on the core), and squares let those few slow
-steps lift every coefficient, most of all the intercept of a model whose steps take a few
-milliseconds, while the typical step, the one the median error asks about, is the fast one.
+engine just built: a warm engine stepping back to back is faster than a served one, so repeating it
+fits an intercept below the served steps' (the tiny model on a 2-core CPU: 1.73 ms on later passes,
+2.04 ms on the first, 2.20 ms on the load after it; docs/results/warmup.md).
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
-from controller.control.stepcost import SCALES, CostPrior, StepCostModel, nonnegative
+from controller.control.stepcost import CostPrior, FitSettings, StepCostModel
 from controller.control.steps import EngineStep
 
 PRIOR_SAMPLES = 20.0
 """The warm-up fit weighs as much as this many served steps."""
-ROBUST_ITERATIONS = 30
-"""Reweightings of the least-squares fit towards the least absolute relative error."""
-ROBUST_FLOOR = 0.01
-"""A step's weight is 1 / max(|relative error|, this): steps fitted closer than 1 % weigh alike, so
-the reweighting stays finite and converges."""
 
 
 @dataclass(frozen=True)
@@ -64,40 +52,17 @@ def plan(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> 
 
 
 def fit_steps(steps: Sequence[EngineStep]) -> tuple[tuple[float, float, float, float], float | None]:
-    """The step-cost model's coefficients (non-negative) that fit ``steps`` with the least absolute
-    relative error (the module docstring says why), and the median relative error over them."""
-    kept = [s for s in steps if s.step_s > 0 and s.prefill_tokens + s.decode_seqs > 0]
-    if not kept:
-        return (0.0, 0.0, 0.0, 0.0), None
-    x = np.array([[1.0, s.prefill_tokens, s.decode_seqs, s.kv_tokens] for s in kept])
-    y = np.array([s.step_s for s in kept])
-    coefficients = fit_rows(x, y)
-    return coefficients, float(np.median(np.abs(x @ np.array(coefficients) - y) / y))
-
-
-def fit_rows(x: np.ndarray, y: np.ndarray) -> tuple[float, float, float, float]:
-    """``fit_steps`` over features ``x`` (rows of 1, prefill tokens, decode sequences, KV tokens) and
-    positive times ``y``: least squares of the relative error, reweighted ``ROBUST_ITERATIONS`` times
-    by 1 / max(|relative error|, ``ROBUST_FLOOR``) towards the least absolute relative error."""
-    rows = x / SCALES / y[:, None]
-    weights = np.ones(len(y))
-    for _ in range(ROBUST_ITERATIONS + 1):
-        theta = _weighted_fit(rows, weights)
-        weights = 1.0 / np.maximum(np.abs(rows @ theta - 1.0), ROBUST_FLOOR)
-    a, b, c, d = (float(v) for v in theta / SCALES)
-    return a, b, c, d
-
-
-def _weighted_fit(rows: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """The non-negative ``theta`` minimising ``sum(weights * (rows @ theta - 1)^2)``: the normal
-    equations solved with their eigenvalues floored (a term no phase excited stays finite), and a
-    negative term projected away in their metric (``stepcost.nonnegative``)."""
-    info = (rows * weights[:, None]).T @ rows
-    vals, vecs = np.linalg.eigh(info)
-    vals = np.maximum(vals, float(vals.max()) * 1e-12)
-    cov = (vecs / vals) @ vecs.T
-    theta = cov @ (rows.T @ weights)
-    return nonnegative(theta, cov) if (theta < 0).any() else theta
+    """The step-cost model fitted to ``steps`` alone (no forgetting, no prior), and its median
+    relative error over them."""
+    model = StepCostModel(FitSettings(forgetting=1.0, max_rejects=len(steps) + 1))
+    model.update(steps)
+    coefficients = model.coefficients
+    errors = [
+        abs(s.step_s - model.predict_step(s.prefill_tokens, s.decode_seqs, s.kv_tokens)) / s.step_s
+        for s in steps
+        if s.step_s > 0
+    ]
+    return coefficients, (statistics.median(errors) if errors else None)
 
 
 def seed_from_warm_up(
