@@ -160,6 +160,8 @@ class SloPolicy(Policy):
         """(served, missed, refused) totals at the margin's last look; None before the first tick."""
         self._margin_bound = False
         """The margin bounded the concurrency (runs below the cap) at a tick since its last look."""
+        self._ever_bound: bool | None = None
+        """The margin has bounded the concurrency at some tick; None before the first."""
         self._settle_until = 0
         """After a move, the served total at which the requests then in flight have ended: the
         next look counts only requests admitted under the new margin."""
@@ -183,6 +185,11 @@ class SloPolicy(Policy):
         budget, budget_why = self._budget(obs, cost, budget_tau, k, cap, reserve)
         margin_why = self._learn_margin(obs)
         runs, runs_why = self._concurrency(cost, k, cap)
+        if runs < cap and self._ever_bound is False:
+            # the margin binds for the first time: those admitted before ran under the cap alone (at
+            # a start, before the load's prefill mix is measured), so they do not judge the margin
+            self._settle_until = obs.served_total + obs.in_flight
+        self._ever_bound = bool(self._ever_bound) or runs < cap
         self._margin_bound = self._margin_bound or runs < cap
         limit, limit_why = self._limit(obs, runs)
         self._terms = {"tau_s": tau, "kv_tokens_per_seq": k, "cap": cap, "budget": budget, "limit": limit}
@@ -272,20 +279,22 @@ class SloPolicy(Policy):
         if seen < self.margin_samples:
             return f"margin {m:.2f}: {seen} of {self.margin_samples} served to judge it"
         share, said = miss / seen, f"{miss} of {seen} served missed"
-        new = m
+        new, move = m, 0
         if share > self.miss_high:
-            new, said = max(self.mean_margin_min, m * self.margin_down), f"{said} > {self.miss_high:.0%}"
+            move, said = -1, f"{said} > {self.miss_high:.0%}"
         elif share < self.miss_low or shed > miss:
             # a refusal loses a request as surely as a miss does: while the gate refuses more than
             # the margin lets miss, a bolder margin (more running, a shorter queue) gains requests
             lost = f", fewer than the {shed} refused or late in the queue"
-            said += f" < {self.miss_low:.0%}" if share < self.miss_low else lost
-            if self._margin_bound:
-                new, said = min(self.mean_margin_max, m * self.margin_up), f"{said}, it bounded runs"
-            else:
-                said += ", it did not bound runs"
+            move, said = 1, said + (f" < {self.miss_low:.0%}" if share < self.miss_low else lost)
         else:
             said += f" within [{self.miss_low:.0%}, {self.miss_high:.0%}], {shed} refused"
+        if move and not self._margin_bound:  # the cap or the KV bound what ran: not the margin's doing
+            said += ", it did not bound runs"
+        elif move > 0:
+            new, said = min(self.mean_margin_max, m * self.margin_up), f"{said}, it bounded runs"
+        elif move < 0:
+            new = max(self.mean_margin_min, m * self.margin_down)
         self.margin_live = new
         self._mark, self._margin_bound = (served, missed, refused), False
         if new != m:

@@ -273,6 +273,22 @@ def test_a_ttft_miss_spent_in_the_gates_queue_counts_as_a_refusal_not_a_miss() -
     assert f"{said}, it bounded runs" in d.reason
 
 
+def test_misses_while_the_margin_did_not_bound_runs_leave_it_and_its_first_bind_restarts_the_count() -> None:
+    no_mix = cost(prefill_per_decode=None)  # a start: no prefill mix yet, the engine runs the cap
+    p = policy(margin_samples=50)
+    p.decide(loaded(cost=no_mix), 1.0)
+    d = p.decide(loaded(served_total=50, missed_total=10, cost=no_mix), 2.0)  # 20 % missed
+    assert "margin 0.50: 10 of 50 served missed > 3%, it did not bound runs" in d.reason
+    assert p.margin_live == 0.5  # what ran was the cap's doing
+    # the mix is measured and the margin binds (runs 99 < cap 180): the 22 in flight were admitted
+    # under the cap alone, so they end (at 82 served) before its first count starts
+    p.decide(loaded(served_total=60, missed_total=12), 3.0)
+    d = p.decide(loaded(served_total=79, missed_total=15), 4.0)
+    assert "margin 0.50: 3 admitted before its move to end" in d.reason and p.margin_live == 0.5
+    d = p.decide(loaded(served_total=132, missed_total=15), 5.0)  # counted from the last tick before
+    assert "margin 0.50 -> 0.53: 0 of 53 served missed < 1%, it bounded runs" in d.reason
+
+
 def test_the_mean_margin_parameters_are_checked() -> None:
     with pytest.raises(PolicyError, match=r"mean_margin = 0\.1: must lie within"):
         policy(mean_margin=0.1)
