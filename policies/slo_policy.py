@@ -81,7 +81,7 @@ class SloPolicy(Policy):
     Parameters (defaults): ``margin`` 0.9; ``kv_target`` 0.9; ``kv_min_running`` 4;
     ``min_prefill_tokens`` 64; ``headroom`` 0.1; ``min_headroom`` 2; ``min_limit`` 1; ``min_cap`` 1;
     ``band`` 0.1; ``reverse_after_s`` 30.0; ``stale_after_s`` 5.0; ``knee_share`` 0.05;
-    ``mean_margin`` 0.5, ``mean_margin_min`` 0.2, ``mean_margin_max`` 1.0, ``margin_samples`` 50,
+    ``mean_margin`` 0.7, ``mean_margin_min`` 0.2, ``mean_margin_max`` 1.0, ``margin_samples`` 50,
     ``miss_low`` 0.01, ``miss_high`` 0.03, ``margin_up`` 1.05, ``margin_down`` 0.8. ``slo`` is passed
     by the builder from ``[slo]`` (not a ``[control.params]`` key).
 
@@ -104,7 +104,7 @@ class SloPolicy(Policy):
         initial_limit: int,
         slo: SloTargets | None = None,
         margin: float = 0.9,
-        mean_margin: float = 0.5,
+        mean_margin: float = 0.7,
         budget_margin: float = 0.9,
         ttft_wait_share: float = 0.8,
         kv_target: float = 0.9,

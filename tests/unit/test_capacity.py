@@ -230,7 +230,7 @@ async def test_the_daemon_computes_it_each_tick_and_shows_it(tmp_path: Path) -> 
     parts = build_parts(load_config(path))
     meter = parts.capacity
     assert meter is not None and meter.slo == parts.config.slo
-    assert meter.policy is parts.loop.policy and tpot_share_of(meter.policy) == 0.5
+    assert meter.policy is parts.loop.policy and tpot_share_of(meter.policy) == 0.7  # where the margin starts
     assert meter.on_tick in parts.loop._subscribers
     assert state(parts)["capacity"]["reason"] == "not started"
     meter.on_tick(obs(now_mono=1.0), [])

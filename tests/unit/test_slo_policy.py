@@ -29,7 +29,8 @@ def cost(**overrides: Any) -> CostEstimate:
 
 
 def policy(**params: Any) -> SloPolicy:
-    built = build_policy("slo", params, max_num_seqs=256, initial_limit=50, slo=SLO)
+    """The policy with ``mean_margin`` 0.5 unless given: the figures below are worked from it."""
+    built = build_policy("slo", {"mean_margin": 0.5} | params, max_num_seqs=256, initial_limit=50, slo=SLO)
     assert isinstance(built, SloPolicy)
     return built
 
@@ -287,6 +288,11 @@ def test_misses_while_the_margin_did_not_bound_runs_leave_it_and_its_first_bind_
     assert "margin 0.50: 3 admitted before its move to end" in d.reason and p.margin_live == 0.5
     d = p.decide(loaded(served_total=132, missed_total=15), 5.0)  # counted from the last tick before
     assert "margin 0.50 -> 0.53: 0 of 53 served missed < 1%, it bounded runs" in d.reason
+
+
+def test_the_mean_margin_starts_at_0_7() -> None:
+    p = build_policy("slo", {}, max_num_seqs=256, initial_limit=50, slo=SLO)
+    assert isinstance(p, SloPolicy) and p.margin_live == 0.7
 
 
 def test_the_mean_margin_parameters_are_checked() -> None:
