@@ -69,9 +69,10 @@ class SloPolicy(Policy):
     requests refused since that look (``refused_total``, and the queued misses) than missed, where it
     bounded the concurrency at some tick since that look (``runs`` below the cap: a larger margin
     would run more), by ``margin_up``; always within ``[mean_margin_min, mean_margin_max]``. Between
-    the two it holds. After a move, the requests then in flight (``in_flight``) end before the next
-    count starts: they ran under the old margin, and judging the new one by them moves it twice for
-    one cause. A too careful margin shows as refusals and queued misses (the limit holds the queue
+    the two it holds, and a look where the margin never bound what ran holds it either way (the cap
+    or the KV did). After a move, and at its first bind, the requests then in flight (``in_flight``)
+    end before the next count starts: they ran under the old margin (or the cap alone), and judging
+    the new one by them moves it twice for one cause. A too careful margin shows as refusals and queued misses (the limit holds the queue
     in the gate); a bold one as misses in the engine, which good requests then pay for in TPOT.
 
     Bands against churn: a budget or cap move smaller than ``band`` of the value in force is dropped, and
