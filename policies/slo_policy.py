@@ -72,8 +72,9 @@ class SloPolicy(Policy):
     the two it holds, and a look where the margin never bound what ran holds it either way (the cap
     or the KV did). After a move, and at its first bind, the requests then in flight (``in_flight``)
     end before the next count starts: they ran under the old margin (or the cap alone), and judging
-    the new one by them moves it twice for one cause. A too careful margin shows as refusals and queued misses (the limit holds the queue
-    in the gate); a bold one as misses in the engine, which good requests then pay for in TPOT.
+    the new one by them moves it twice for one cause. A too careful margin shows as refusals and
+    queued misses (the limit holds the queue in the gate); a bold one as misses in the engine, which
+    good requests then pay for in TPOT.
 
     Bands against churn: a budget or cap move smaller than ``band`` of the value in force is dropped, and
     a knob reverses its last direction only ``reverse_after_s`` after its last move (the normalize
