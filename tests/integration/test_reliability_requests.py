@@ -19,13 +19,14 @@ from tests.helpers import http_session, running_daemon, write_config
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 MAX_QUEUE = 16
+LIMIT = 2
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> AsyncIterator[Daemon]:
     path = write_config(
         tmp_path_factory.mktemp("cfg") / "config.toml",
-        admission={"limit": 2, "max_queue": MAX_QUEUE},
+        admission={"limit": LIMIT, "max_queue": MAX_QUEUE},
         control={"tick_seconds": 3600.0, "policy": "static"},
     )
     async with running_daemon(path) as d:
@@ -61,6 +62,9 @@ async def test_a_40_prompt_completion_is_refused_and_the_queue_stays_within_boun
                 assert len((await r.json())["choices"]) == 10
     finally:
         watcher.cancel()
-    assert peak <= MAX_QUEUE
+    # pending places count the calls admitted and not yet at the gate: up to LIMIT of them go
+    # straight to a free slot, the rest may queue, so the waiting never passes the queue bound plus
+    # the free slots (a burst of calls admitted before the event loop turns shows all of them)
+    assert peak <= MAX_QUEUE + LIMIT
     stats = gate.stats()
     assert (stats.queued, stats.pending, stats.in_flight) == (0, 0, 0)
