@@ -17,6 +17,7 @@ from controller.admission.gate import AdmissionGate
 from controller.clock import FakeClock
 from controller.config.load import GuardConfig, load_config
 from controller.control.samplers import FakeHostSource
+from controller.lifecycle import tasks as tasks_module
 from controller.lifecycle.guard import Guard, read_oom_kills
 from controller.lifecycle.parts import Parts
 from controller.lifecycle.tasks import BackgroundTasks
@@ -189,15 +190,26 @@ async def test_shutdown_closes_gate_engine_and_control_plane_when_a_background_t
     assert closed == ["gate", "engine", "admin"]
 
 
-async def test_a_failed_background_task_is_logged_and_forgotten() -> None:
+async def test_a_failed_background_task_is_logged_and_forgotten(monkeypatch: pytest.MonkeyPatch) -> None:
+    logged: list[tuple[str, dict[str, Any]]] = []
+
+    class Recorder:
+        def error(self, event: str, **fields: Any) -> None:
+            logged.append((event, fields))
+
+    monkeypatch.setattr(tasks_module, "log", Recorder())
     tasks = BackgroundTasks()
 
     async def boom() -> None:
         raise RuntimeError("boom")
 
-    tasks.spawn(boom())
+    failed = tasks.spawn(boom())
     await settle()
-    await tasks.cancel_all()  # must not raise
+    assert failed.done()
+    assert logged == [("background_task_failed", {"task": failed.get_name(), "error": "RuntimeError: boom"})]
+    assert tasks._tasks == set()  # forgotten: shutdown has nothing of it left to cancel
+    await tasks.cancel_all()  # must not raise, nor log the failure a second time
+    assert len(logged) == 1
 
 
 # -- item 14: the OOM killer's counter is the service's own cgroup's --------------------------------
