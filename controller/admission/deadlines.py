@@ -7,7 +7,7 @@ class's queue deadline (under a TTFT bound, cut by the measured time from a slot
 as the guard promises, but one never waits without bound through failed rebuilds. Its total wait is
 at most ``queue_deadline_s + max_pause_s``. Each waiter has one timer on the event loop; a fake clock
 in tests moves deadlines without waiting (the gate's ``expire_overdue`` then refuses the overdue
-ones). ``Pausing`` is the gate's pause, resume and drain.
+ones).
 """
 
 from __future__ import annotations
@@ -78,40 +78,3 @@ class Deadlines:
             self.arm(w)  # the loop's clock ran ahead of ours
         else:
             self._on_expire(w)
-
-
-class Pausing:
-    """Mixed into ``AdmissionGate``: an engine restart holds every new slot while the deadlines
-    stand still, and a drain waits for the slots in flight to come back."""
-
-    _deadlines: Deadlines
-    _in_flight_total: int
-
-    def _wake(self) -> None:
-        raise NotImplementedError
-
-    def set_restart_wait(self, seconds: float) -> None:
-        """[guard] max_restart_wait_s."""
-        self._deadlines.max_pause_s = seconds
-
-    def pause(self) -> None:
-        """Hold every new slot: requests wait in the queue (not refused, their deadlines stopped)
-        until ``resume``."""
-        self._deadlines.pause()
-
-    def resume(self) -> None:
-        self._deadlines.resume()
-        self._wake()
-
-    @property
-    def paused(self) -> bool:
-        """Slots are held (an engine restart)."""
-        return self._deadlines.paused
-
-    async def wait_idle(self, timeout_s: float) -> bool:
-        """Wait until nothing is in flight; False when the deadline passed first."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while self._in_flight_total > 0 and loop.time() < deadline:
-            await asyncio.sleep(0.05)
-        return self._in_flight_total == 0

@@ -8,6 +8,14 @@ early with 429 when its class queue is full or its expected wait (position / the
 at, ``classes.CompletionRate``) exceeds its class's queue deadline; past it in the queue, 429 too.
 When the whole gate is full, the least urgent class sheds first. No vLLM import: the engine client in
 ``controller/engine`` adapts the gate's errors to HTTP.
+
+Beside the load, three states turn requests away with 503, each a stored ``GateRejected`` raised
+afresh per request (``GateRejected.fresh``): shutdown (new requests refused, queued ones go on;
+``close`` refuses those too), the restart budget spent (``refuse_all``: everyone without a slot,
+until ``reopen``), and no engine able to serve while the guard rebuilds one (``refuse_new``: new
+requests get 503 with Retry-After instead of queueing without bound; those already queued keep their
+place). An engine restart pauses the gate: every new slot is held while the queue deadlines stand
+still (``deadlines.py``), and a drain waits for the slots in flight to come back.
 """
 
 from __future__ import annotations
@@ -21,10 +29,9 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 from controller.admission.classes import DEFAULT_CLASSES, CompletionRate, GateEvents, NoEvents, PriorityClass
-from controller.admission.deadlines import Deadlines, Pausing
+from controller.admission.deadlines import Deadlines
 from controller.admission.order import capped, next_queue
-from controller.admission.queues import ClassQueue, GateRejected, GateStats, Slot, Waiter
-from controller.admission.refusals import Refusals
+from controller.admission.queues import ClassQueue, GateRejected, GateStats, Slot, Waiter, shutting_down
 from controller.admission.shedding import shed_order
 from controller.admission.ttft import NO_BOUNDS, AfterSlot, TtftBounds
 from controller.clock import Clock, monotonic
@@ -32,7 +39,7 @@ from controller.clock import Clock, monotonic
 __all__ = ["AdmissionGate", "GateRejected", "GateStats", "Slot"]
 
 
-class AdmissionGate(Refusals, Pausing):
+class AdmissionGate:
     """A runtime-adjustable concurrency limit with per-class strict-priority queues.
 
     ``check_admission`` runs before a response starts (vLLM calls it from its handlers); it counts
@@ -56,7 +63,6 @@ class AdmissionGate(Refusals, Pausing):
     ) -> None:
         if limit < 1:
             raise ValueError(f"admission limit must be >= 1, got {limit}")
-        super().__init__()
         self._limit = limit
         self.max_queue = max_queue
         self.aging_s = aging_s
@@ -72,6 +78,10 @@ class AdmissionGate(Refusals, Pausing):
         self._deadlines = Deadlines(clock, self._expire, max_restart_wait_s, self.after_slot.queue_deadline_s)
         self.admitted_total = self.rejected_total = self.completed_total = self.timed_out_total = 0
         self.arrivals_total = 0
+        self._refuse_new: GateRejected | None = None
+        self._refuse_queued: GateRejected | None = None
+        self._unavailable: GateRejected | None = None
+        """The refusal ``refuse_new`` set (lifted only by ``refuse_new(None)``)."""
 
     # -- limit and classes ------------------------------------------------------------------------
     @property
@@ -364,10 +374,63 @@ class AdmissionGate(Refusals, Pausing):
         self.timed_out_total += 1
         self._events.timed_out(spec.name, wait)
 
-    # -- refusals (refusals.py) and pauses (deadlines.Pausing) --------------------------------------
-    def _live_waiters(self) -> list[Waiter]:
-        return [w for q in self._order for w in q.live()]
+    # -- refusals while the engine cannot serve, and at shutdown -----------------------------------
+    def stop_admitting(self) -> None:
+        """Refuse new requests (503); queued and in-flight ones go on (graceful drain)."""
+        self._refuse_new = shutting_down()
 
+    def close(self) -> None:
+        """Refuse new requests; those already queued are refused too (503), in-flight ones finish."""
+        self.refuse_all(shutting_down())
+
+    def refuse_all(self, error: GateRejected) -> None:
+        """Refuse every request that has no slot yet with ``error``, until ``reopen``."""
+        self._refuse_new = self._refuse_queued = error
+        waiting = [w for q in self._order for w in q.live()]  # each drop compacts its queue
+        for w in waiting:
+            self._drop(w, error.fresh())
+
+    def reopen(self) -> None:
+        """Admit again after ``refuse_all`` (the engine is back)."""
+        self._refuse_new = None
+        self._refuse_queued = None
+
+    def refuse_new(self, error: GateRejected | None) -> None:
+        """Refuse new requests with ``error`` while no engine can serve (queued ones keep waiting);
+        None admits again. Never replaces or lifts a refusal it did not set (shutdown's)."""
+        if error is not None and self._refuse_new is None:
+            self._refuse_new = self._unavailable = error
+        elif error is None and self._refuse_new is not None and self._refuse_new is self._unavailable:
+            self._refuse_new = self._unavailable = None
+
+    # -- pauses of an engine restart, and the drain ------------------------------------------------
+    def set_restart_wait(self, seconds: float) -> None:
+        """[guard] max_restart_wait_s."""
+        self._deadlines.max_pause_s = seconds
+
+    def pause(self) -> None:
+        """Hold every new slot: requests wait in the queue (not refused, their deadlines stopped)
+        until ``resume``."""
+        self._deadlines.pause()
+
+    def resume(self) -> None:
+        self._deadlines.resume()
+        self._wake()
+
+    @property
+    def paused(self) -> bool:
+        """Slots are held (an engine restart)."""
+        return self._deadlines.paused
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until nothing is in flight; False when the deadline passed first."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._in_flight_total > 0 and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        return self._in_flight_total == 0
+
+    # -- what /state, the metrics and the control loop read ----------------------------------------
     def queued_by_class(self) -> dict[str, int]:
         """Requests waiting now, per class (every class present, most urgent first)."""
         return {q.spec.name: q.queued for q in self._order}
