@@ -48,11 +48,11 @@ class StatusParts(Protocol):
     @property
     def data_plane_up(self) -> bool: ...
     @property
-    def cost(self) -> CostReader | None: ...
+    def cost(self) -> CostReader: ...
     @property
-    def capacity(self) -> CapacityMeter | None: ...
+    def capacity(self) -> CapacityMeter: ...
     @property
-    def fit_check(self) -> FitCheck | None: ...
+    def fit_check(self) -> FitCheck: ...
     @property
     def metrics(self) -> Metrics: ...
 
@@ -71,11 +71,9 @@ def health(d: StatusParts) -> tuple[bool, str]:
     return True, "serving"
 
 
-def cost_model(d: StatusParts) -> dict[str, Any] | None:
+def cost_model(d: StatusParts) -> dict[str, Any]:
     """The step-cost model's estimate, how it started, and how that start fits the steps served since."""
-    if d.cost is None:
-        return None
-    check = d.fit_check.report(d.cost.model.coefficients) if d.fit_check is not None else None
+    check = d.fit_check.report(d.cost.model.coefficients)
     return {**d.cost.current().as_dict(), "warm_start": d.cost.warm_start, "fit_check": check}
 
 
@@ -122,7 +120,7 @@ def state(d: StatusParts) -> dict[str, Any]:
         "diagnosis": dataclasses.asdict(d.diagnosis) if d.diagnosis else None,
         "slo": describe_slo(d.config.slo, d.config.admission.classes),
         "cost_model": cost_model(d),
-        "capacity": d.capacity.last.as_dict() if d.capacity is not None else None,
+        "capacity": d.capacity.last.as_dict(),
         "outcomes": d.metrics.outcomes.state(),
         "config": describe(d.config),
         "pending_config_changes": d.pending_changes,

@@ -68,6 +68,13 @@ class Parts:
     scheduler: AsyncIOScheduler
     notifier: Notifier
     tasks: BackgroundTasks
+    cost: CostReader
+    """The online step-cost model, read by /state and the metrics (fed by ``loop.steps``)."""
+    capacity: CapacityMeter
+    """The SLO capacity and saturation, computed each tick (a loop subscriber), read by /state and
+    the metrics."""
+    fit_check: FitCheck
+    """The step-cost model's starting fit against its live one over the steps served since (/state)."""
     pending_changes: dict[str, list[str]] = field(default_factory=dict)
     """Changed keys per table that wait for a restart (set by the last reload)."""
     starting: bool = False
@@ -75,13 +82,6 @@ class Parts:
     draining: bool = False
     server: Any = None
     """The data plane's uvicorn server, once it was started."""
-    cost: CostReader | None = None
-    """The online step-cost model, read by /state and the metrics (fed by ``loop.steps``)."""
-    capacity: CapacityMeter | None = None
-    """The SLO capacity and saturation, computed each tick (a loop subscriber), read by /state and
-    the metrics."""
-    fit_check: FitCheck | None = None
-    """The step-cost model's starting fit against its live one over the steps served since (/state)."""
 
     @property
     def data_plane_up(self) -> bool:
@@ -144,22 +144,38 @@ def build_parts(
     subscribers = [diagnoser.on_tick, capacity.on_tick, watch_memory(guard, tasks), metrics.count_decisions]
     history, steps = config.control.history, StepFeed(host)
     loop = ControlLoop(policy, normalizer, observer.observe, actuator, subscribers, history, steps)
-    metrics.live.read_from(gate, host, loop)
     fit_check = FitCheck()  # the start fit against the live one, over the steps served since
     if loop.steps is not None:  # the engine's per-step figures, pulled at each tick before observing
         loop.steps.subscribe(cost_model.update)
         loop.steps.subscribe(fit_check.update)
-    parts = Parts(
-        config, registry, metrics, window, gate, args, host, guard, gpu, hostsrc, observer, actuator,
-        diagnoser, loop, AsyncIOScheduler(), Notifier(), tasks,
-    )  # fmt: skip
-    guard.on_engine_args = parts.adopt_engine
-    parts.cost = CostReader(
+    cost = CostReader(
         cost_model, monotonic, lambda: host.token_budget, lambda: window.finished_mix().cached_share
     )
-    gate.set_ttft(ttft_for(policy, config.slo, a.classes, parts.cost))  # SLO steering's TTFT bounds
-    metrics.live.read_cost(parts.cost)
-    parts.capacity = capacity
-    parts.fit_check = fit_check
+    gate.set_ttft(ttft_for(policy, config.slo, a.classes, cost))  # SLO steering's TTFT bounds
+    metrics.live.read_from(gate, host, loop)
+    metrics.live.read_cost(cost)
     metrics.live.read_capacity(capacity)
+    parts = Parts(
+        config=config,
+        registry=registry,
+        metrics=metrics,
+        window=window,
+        gate=gate,
+        args=args,
+        host=host,
+        guard=guard,
+        gpu_source=gpu,
+        host_source=hostsrc,
+        observer=observer,
+        actuator=actuator,
+        diagnoser=diagnoser,
+        loop=loop,
+        scheduler=AsyncIOScheduler(),
+        notifier=Notifier(),
+        tasks=tasks,
+        cost=cost,
+        capacity=capacity,
+        fit_check=fit_check,
+    )
+    guard.on_engine_args = parts.adopt_engine
     return parts
