@@ -45,8 +45,10 @@ class StaticPolicy(Policy):
                 raise PolicyError(f"preset = {preset!r}: use one of {', '.join(PRESETS)}")
             base = dict(PRESETS[preset])
         for key, value in (
-            ("batch_cap", batch_cap), ("admission_limit", admission_limit), ("token_budget", token_budget)
-        ):  # fmt: skip
+            ("batch_cap", batch_cap),
+            ("admission_limit", admission_limit),
+            ("token_budget", token_budget),
+        ):
             if value is not None:
                 if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                     raise PolicyError(f"{key} = {value!r}: must be an integer >= 1")
@@ -61,6 +63,8 @@ class StaticPolicy(Policy):
 
     def params(self) -> dict[str, Any]:
         return {
-            "preset": self.preset, "batch_cap": self.batch_cap, "admission_limit": self.admission_limit,
+            "preset": self.preset,
+            "batch_cap": self.batch_cap,
+            "admission_limit": self.admission_limit,
             "token_budget": self.token_budget,
-        }  # fmt: skip
+        }

@@ -102,9 +102,14 @@ class Daemon:
     def _start_background(self) -> None:
         p = self.parts
         p.scheduler.add_job(
-            p.loop.tick, "interval", seconds=self.config.control.tick_seconds,
-            max_instances=1, coalesce=True, misfire_grace_time=None, id=TICK_JOB,
-        )  # fmt: skip
+            p.loop.tick,
+            "interval",
+            seconds=self.config.control.tick_seconds,
+            max_instances=1,
+            coalesce=True,
+            misfire_grace_time=None,
+            id=TICK_JOB,
+        )
         p.scheduler.start()
         p.tasks.spawn(self._reload_on_hup())
         p.tasks.spawn(p.guard.watch())
