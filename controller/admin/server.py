@@ -1,9 +1,9 @@
-"""The control plane (aiohttp): /metrics, /state, /healthz, /reload, and the status page at /.
+"""The control plane (aiohttp): /metrics, /state, /healthz, /livez, /reload, and the status page at /.
 
 The gauges need no refresh here: the registry holds a Collector that reads the live values at
 each scrape (``controller.admin.metrics.LiveGauges``). An optional bearer token (``[admin] token``)
-guards /state and /reload; /metrics and /healthz stay open for scrapers and probes, and so does the
-status page (``controller.admin.page``: a static file, its data fetched from /state with the token).
+guards /state and /reload; /metrics, /healthz and /livez stay open for scrapers and probes, and so
+does the status page (``controller.admin.page``: a static file, its data fetched from /state with the token).
 
 Without a token (on loopback only: ``config/load.py`` refuses it elsewhere) a web page the operator
 visits must not drive the control plane, so:
@@ -126,6 +126,20 @@ async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"ok": ok, "reason": reason}, status=200 if ok else 503)
 
 
+BEYOND_RECOVERY = frozenset({"restart_budget_spent"})
+"""/healthz reasons after which the daemon no longer recovers by itself (``lifecycle.guard`` gives
+up restarting the engine): only a new process helps, so /livez fails on them."""
+
+
+async def livez(request: web.Request) -> web.Response:
+    """Liveness for a supervisor (the kubelet): 200 while the daemon can still serve again by itself
+    (an engine restart or a drain is the daemon doing its job), 503 once it cannot. /healthz is
+    readiness: failing liveness on it would kill a pod in the middle of its own recovery."""
+    _, reason = request.app[HEALTH]()
+    alive = reason not in BEYOND_RECOVERY
+    return web.json_response({"ok": alive, "reason": reason}, status=200 if alive else 503)
+
+
 async def reload(request: web.Request) -> web.Response:
     if not _authorized(request):
         return _unauthorized()
@@ -167,6 +181,7 @@ def make_admin_app(
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/state", state)
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/livez", livez)
     app.router.add_post("/reload", reload)
     return app
 

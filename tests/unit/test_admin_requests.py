@@ -15,7 +15,14 @@ from prometheus_client import CollectorRegistry
 
 from controller.admin.server import RELOAD_HEADER, make_admin_app
 
-ROUTES = [("GET", "/"), ("GET", "/metrics"), ("GET", "/state"), ("GET", "/healthz"), ("POST", "/reload")]
+ROUTES = [
+    ("GET", "/"),
+    ("GET", "/metrics"),
+    ("GET", "/state"),
+    ("GET", "/healthz"),
+    ("GET", "/livez"),
+    ("POST", "/reload"),
+]
 JSON = {"Content-Type": "application/json"}
 
 
