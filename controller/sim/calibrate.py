@@ -199,13 +199,19 @@ def describe_fit(profile: Profile, path: Path) -> list[str]:
     ]
     if v.frontend:
         f = v.frontend
-        lines.append(f"front end over {f.samples} probes: p50 {f.sample(0.5) * 1e3:.2f} ms, "
-                     f"p99 {f.sample(0.99) * 1e3:.2f} ms, max {f.values[-1] * 1e3:.2f} ms")  # fmt: skip
+        lines.append(
+            f"front end over {f.samples} probes: p50 {f.sample(0.5) * 1e3:.2f} ms, "
+            f"p99 {f.sample(0.99) * 1e3:.2f} ms, max {f.values[-1] * 1e3:.2f} ms"
+        )
     if v.step:
-        lines.append(f"step / mean step over {v.step.samples} gaps: p1 {v.step.sample(0.01):.2f}, "
-                     f"p50 {v.step.sample(0.5):.2f}, p99 {v.step.sample(0.99):.2f}")  # fmt: skip
+        lines.append(
+            f"step / mean step over {v.step.samples} gaps: p1 {v.step.sample(0.01):.2f}, "
+            f"p50 {v.step.sample(0.5):.2f}, p99 {v.step.sample(0.99):.2f}"
+        )
     if v.frontend_loaded:
         for level, t in zip(v.frontend_loaded.levels, v.frontend_loaded.tables, strict=True):
-            lines.append(f"front end with >= {level} in flight over {t.samples} requests: "
-                         f"p50 {t.sample(0.5) * 1e3:.2f} ms, p99 {t.sample(0.99) * 1e3:.2f} ms")  # fmt: skip
+            lines.append(
+                f"front end with >= {level} in flight over {t.samples} requests: "
+                f"p50 {t.sample(0.5) * 1e3:.2f} ms, p99 {t.sample(0.99) * 1e3:.2f} ms"
+            )
     return lines

@@ -41,8 +41,12 @@ def add_simulate_parser(sub: Any) -> None:
         "history at --rate for --duration (controller/bench/sessions.py)",
     )
     p.add_argument("--rate", type=float, help="requests per second of --workload")
-    p.add_argument("--output-tokens", type=int, default=SharedPrefix.output_tokens,
-                   help=f"--workload: mean answer length (default {SharedPrefix.output_tokens})")  # fmt: skip
+    p.add_argument(
+        "--output-tokens",
+        type=int,
+        default=SharedPrefix.output_tokens,
+        help=f"--workload: mean answer length (default {SharedPrefix.output_tokens})",
+    )
     add_shared_prefix_args(p)
     p.add_argument("--start", type=float, default=0.0, help="window start, seconds of trace time")
     p.add_argument(
@@ -61,30 +65,58 @@ def add_simulate_parser(sub: Any) -> None:
     p.add_argument(
         "--policy", default=None, help="policy name or module:Class (default: --config's, else slo)"
     )
-    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
-                   help="a policy parameter (TOML value: 0.8, \"mean\", true); repeatable")  # fmt: skip
-    p.add_argument("--config", type=Path, default=None,
-                   help="a config.toml: its [engine] limits, [admission], [control] apply")  # fmt: skip
-    p.add_argument("--slo-ttft", type=float, required=True,
-                   help="TTFT SLO, seconds: goodput's, and [slo] if --config has none")  # fmt: skip
-    p.add_argument("--slo-tpot", type=float, required=True,
-                   help="TPOT SLO, seconds: goodput's, and [slo] if --config has none")  # fmt: skip
+    p.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help='a policy parameter (TOML value: 0.8, "mean", true); repeatable',
+    )
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="a config.toml: its [engine] limits, [admission], [control] apply",
+    )
+    p.add_argument(
+        "--slo-ttft",
+        type=float,
+        required=True,
+        help="TTFT SLO, seconds: goodput's, and [slo] if --config has none",
+    )
+    p.add_argument(
+        "--slo-tpot",
+        type=float,
+        required=True,
+        help="TPOT SLO, seconds: goodput's, and [slo] if --config has none",
+    )
     add_alternate_args(p)
-    p.add_argument("--grid", nargs="+", metavar="AXIS=V1,V2",
-                   help="run --policy, vLLM's defaults and every static point of limit=.. budget=.. "
-                        "deadline=.. (all three axes); write grid.json and grid.md, with ratios")  # fmt: skip
+    p.add_argument(
+        "--grid",
+        nargs="+",
+        metavar="AXIS=V1,V2",
+        help="run --policy, vLLM's defaults and every static point of limit=.. budget=.. "
+        "deadline=.. (all three axes); write grid.json and grid.md, with ratios",
+    )
     p.add_argument("--grid-runs", action="store_true", help="with --grid: also write each run's directory")
     p.add_argument("--jobs", type=int, default=1, help="with --grid: runs at once (processes)")
     p.add_argument("--out", type=Path, required=True, help="output directory")
     p.add_argument("--seed", type=int, default=0, help="seed of the front-end and step-time draws")
-    p.add_argument("--jitter", type=float, default=0.0,
-                   help="extra Gaussian step-time noise, e.g. 0.05 = 5 %% (0: none)")  # fmt: skip
-    p.add_argument("--no-variance", action="store_true",
-                   help="ignore the profile's [variance]: constant frontend_s, mean steps")  # fmt: skip
+    p.add_argument(
+        "--jitter", type=float, default=0.0, help="extra Gaussian step-time noise, e.g. 0.05 = 5 %% (0: none)"
+    )
+    p.add_argument(
+        "--no-variance",
+        action="store_true",
+        help="ignore the profile's [variance]: constant frontend_s, mean steps",
+    )
     p.add_argument("--no-report", action="store_true", help="skip the plots and report.md in DIR/report")
-    p.add_argument("--compare", action="store_true",
-                   help="run the static presets and every policy with its defaults instead of one "
-                        "--policy; write DIR/<config>/, compare.json, compare.md and plots")  # fmt: skip
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="run the static presets and every policy with its defaults instead of one "
+        "--policy; write DIR/<config>/, compare.json, compare.md and plots",
+    )
     p.set_defaults(func=run_simulate)
 
 
@@ -100,9 +132,13 @@ def add_calibrate_parser(bench_sub: Any) -> None:
         "b*prefill_tokens + c*decode_seqs + d*kv_tokens_read by least squares (controller/sim/calibrate.py).",
     )
     p.add_argument("--url", default=None, help="base URL of a running OpenAI API, e.g. http://127.0.0.1:8000")
-    p.add_argument("--config", type=Path, default=None,
-                   help="instead of --url: start our daemon with this config.toml (free ports, the bench's "
-                        "launcher), fit against it, stop it")  # fmt: skip
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="instead of --url: start our daemon with this config.toml (free ports, the bench's "
+        "launcher), fit against it, stop it",
+    )
     p.add_argument("--out", type=Path, required=True, help="profile file to write (.toml)")
     p.add_argument("--name", default=None, help="profile name (default: the file's stem)")
     p.add_argument("--metrics-url", default=None, help="Prometheus endpoint (default URL/metrics)")
@@ -112,19 +148,39 @@ def add_calibrate_parser(bench_sub: Any) -> None:
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV capacity when /metrics lacks it")
     p.add_argument("--max-concurrency", type=int, default=64, help="largest decode batch to measure")
     p.add_argument("--repeats", type=int, default=5, help="measurements of each point (the median is fitted)")
-    p.add_argument("--prefill-prompts", type=prompt_list, default=plan.prefill_prompts,
-                   help="prompt lengths of the prefill points, comma-separated (default 32,...,1536); the "
-                        "fit is linear in prefill tokens, and on a CPU long prompts cost more a token "
-                        "(attention), so measure the lengths the traffic has")  # fmt: skip
-    p.add_argument("--frontend-probes", type=int, default=200,
-                   help="light-load requests timing the front end's spread (0: no [variance])")  # fmt: skip
-    p.add_argument("--load-in-flight", type=in_flight_list, default=plan.load_in_flight,
-                   help="in-flight targets of the open-loop phases that time the front end under load "
-                        "('' for none; default 2,6,12,24)")  # fmt: skip
-    p.add_argument("--load-phase-s", type=float, default=plan.load_phase_s,
-                   help="seconds per load phase, at least (default 30)")  # fmt: skip
-    p.add_argument("--load-requests", type=int, default=plan.load_requests,
-                   help="requests per load phase, at least (default 300)")  # fmt: skip
+    p.add_argument(
+        "--prefill-prompts",
+        type=prompt_list,
+        default=plan.prefill_prompts,
+        help="prompt lengths of the prefill points, comma-separated (default 32,...,1536); the "
+        "fit is linear in prefill tokens, and on a CPU long prompts cost more a token "
+        "(attention), so measure the lengths the traffic has",
+    )
+    p.add_argument(
+        "--frontend-probes",
+        type=int,
+        default=200,
+        help="light-load requests timing the front end's spread (0: no [variance])",
+    )
+    p.add_argument(
+        "--load-in-flight",
+        type=in_flight_list,
+        default=plan.load_in_flight,
+        help="in-flight targets of the open-loop phases that time the front end under load "
+        "('' for none; default 2,6,12,24)",
+    )
+    p.add_argument(
+        "--load-phase-s",
+        type=float,
+        default=plan.load_phase_s,
+        help="seconds per load phase, at least (default 30)",
+    )
+    p.add_argument(
+        "--load-requests",
+        type=int,
+        default=plan.load_requests,
+        help="requests per load phase, at least (default 300)",
+    )
     p.add_argument("--hardware", default="", help="recorded in the profile")
     p.add_argument("--model", default="", help="recorded in the profile")
     p.set_defaults(func=run_calibrate)
@@ -178,9 +234,14 @@ def run_simulate(args: argparse.Namespace) -> int:
             _quiet_logs()
             return run_compare(args, profile, control, admission, specs, slo)
         sim = build_simulation(
-            profile, control, admission, seed=args.seed, jitter=args.jitter,
-            use_variance=not args.no_variance, slo=slo,
-        )  # fmt: skip
+            profile,
+            control,
+            admission,
+            seed=args.seed,
+            jitter=args.jitter,
+            use_variance=not args.no_variance,
+            slo=slo,
+        )
     except ConfigError as exc:
         print(f"{args.config}: invalid config: {'; '.join(exc.errors)}", file=sys.stderr)
         return 1
@@ -234,9 +295,15 @@ def _specs(args: argparse.Namespace) -> list[Any]:
         )
         return specs
     specs, args.workload_desc = trace_load(
-        args.trace, start_s=args.start, duration_s=args.duration, time_scale=args.time_scale,
-        token_scale=args.token_scale, alternates=args.alternate, phase_s=args.phase_s, total_s=args.total_s,
-    )  # fmt: skip
+        args.trace,
+        start_s=args.start,
+        duration_s=args.duration,
+        time_scale=args.time_scale,
+        token_scale=args.token_scale,
+        alternates=args.alternate,
+        phase_s=args.phase_s,
+        total_s=args.total_s,
+    )
     return specs
 
 
@@ -268,8 +335,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
     from controller.sim.measure import CalibrationPlan, our_daemon
 
     if (args.url is None) == (args.config is None):
-        print("bench calibrate: give --url URL (a running server) or --config PATH (start our daemon)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "bench calibrate: give --url URL (a running server) or --config PATH (start our daemon)",
+            file=sys.stderr,
+        )
         return 2
     overrides = {
         "max_num_seqs": args.max_num_seqs,

@@ -35,9 +35,19 @@ CONFIGS: list[tuple[str, str, dict[str, Any]]] = [
     ("slo", "slo", {}),
 ]
 KEYS = (
-    "requests", "refused", "goodput_rps", "slo_attainment", "throughput_tok_s", "ttft_p50", "ttft_p99",
-    "tpot_p99", "engine_preemptions", "limit_changes", "queue_depth_max", "sim_wall_s",
-)  # fmt: skip
+    "requests",
+    "refused",
+    "goodput_rps",
+    "slo_attainment",
+    "throughput_tok_s",
+    "ttft_p50",
+    "ttft_p99",
+    "tpot_p99",
+    "engine_preemptions",
+    "limit_changes",
+    "queue_depth_max",
+    "sim_wall_s",
+)
 CELLS: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
     ("config", lambda r: str(r["config"])),
     ("goodput req/s", lambda r: f"{r['goodput_rps']:.2f}"),
@@ -73,11 +83,19 @@ def run_compare(
     rows = []
     for name, policy, params in CONFIGS:
         run = dataclasses.replace(control, policy=policy, params=params)
-        sim = build_simulation(profile, run, admission, seed=args.seed, jitter=args.jitter,
-                               use_variance=not args.no_variance, slo=slo)  # fmt: skip
+        sim = build_simulation(
+            profile,
+            run,
+            admission,
+            seed=args.seed,
+            jitter=args.jitter,
+            use_variance=not args.no_variance,
+            slo=slo,
+        )
         res = results[name] = asyncio.run(sim.run(specs))
-        res.extra.update(kind="sim", policy=policy, policy_params=params, trace=str(args.trace),
-                         time_scale=args.time_scale)  # fmt: skip
+        res.extra.update(
+            kind="sim", policy=policy, policy_params=params, trace=str(args.trace), time_scale=args.time_scale
+        )
         summary = res.summary(args.slo_ttft, args.slo_tpot)
         summary["target"] = f"twin:{profile.name}:{name}"
         write_result(args.out / name, res, summary)

@@ -75,8 +75,9 @@ Job = tuple[Run, Profile, SloTargets | None, Sequence[RequestSpec], dict[str, An
 def _one(job: Job) -> dict[str, Any]:
     """One configuration through the twin (a process pool's task): its summary row."""
     run, profile, slo, specs, opts = job
-    sim = build_simulation(profile, run.control, run.admission, seed=opts["seed"], slo=slo,
-                           use_variance=opts["use_variance"])  # fmt: skip
+    sim = build_simulation(
+        profile, run.control, run.admission, seed=opts["seed"], slo=slo, use_variance=opts["use_variance"]
+    )
     result = asyncio.run(sim.run(specs))
     result.extra.update(kind="sim", policy=run.control.policy, policy_params=dict(run.control.params))
     summary = result.summary(opts["slo_ttft"], opts["slo_tpot"])
@@ -95,8 +96,13 @@ def run_grid(
 ) -> int:
     """Every configuration of ``runs``; the table, the best grid point and the ratios."""
     todo = runs(parse_grid(args.grid), control, admission)
-    opts = {"seed": args.seed, "use_variance": not args.no_variance, "slo_ttft": args.slo_ttft,
-            "slo_tpot": args.slo_tpot, "out": args.out if args.grid_runs else None}  # fmt: skip
+    opts = {
+        "seed": args.seed,
+        "use_variance": not args.no_variance,
+        "slo_ttft": args.slo_ttft,
+        "slo_tpot": args.slo_tpot,
+        "out": args.out if args.grid_runs else None,
+    }
     jobs = [(r, profile, slo, specs, opts) for r in todo]
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         rows = []
@@ -111,8 +117,13 @@ def run_grid(
         "best grid point / defaults": _ratio(best, defaults),
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"profile": profile.name, "slo_ttft_s": args.slo_ttft, "slo_tpot_s": args.slo_tpot,
-            "grid": args.grid, "workload": args.workload_desc}  # fmt: skip
+    meta = {
+        "profile": profile.name,
+        "slo_ttft_s": args.slo_ttft,
+        "slo_tpot_s": args.slo_tpot,
+        "grid": args.grid,
+        "workload": args.workload_desc,
+    }
     body = {"meta": meta, "runs": rows, "best": best["config"], "ratios": ratios}
     (args.out / "grid.json").write_text(json.dumps(body, indent=2) + "\n")
     lines = [table(rows), "", *(f"- {k}: {v:.3f}" for k, v in ratios.items())]

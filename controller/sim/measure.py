@@ -199,9 +199,14 @@ async def measure(
             cost = fit(samples)[0]
             for k, target in enumerate(plan.load_in_flight):
                 specs = load_workload(
-                    cost, limits, target, plan.load_requests, server.rng, plan.load_phase_s,
+                    cost,
+                    limits,
+                    target,
+                    plan.load_requests,
+                    server.rng,
+                    plan.load_phase_s,
                     max_prompt=max(plan.prefill_prompts),
-                )  # fmt: skip
+                )
                 phases.append(await load_phase(server, specs))
                 ok = len(phases[-1].ttft_s)
                 log(f"load phase {k + 1}: {len(specs)} requests for ~{target} in flight, {ok} answered")

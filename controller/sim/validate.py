@@ -70,8 +70,13 @@ def add_parser(bench_sub: Any) -> None:
     p.add_argument(
         "--repeats", type=int, default=1, help="real replays of each scale; the real figures are their median"
     )
-    p.add_argument("--real-from", type=Path, nargs="+", default=None,
-                   help="previous validation.json files: their real runs pooled, no engine")  # fmt: skip
+    p.add_argument(
+        "--real-from",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="previous validation.json files: their real runs pooled, no engine",
+    )
     p.set_defaults(func=main)
 
 
@@ -93,19 +98,30 @@ def main(args: argparse.Namespace) -> int:
 
             url = stack.enter_context(our_daemon(args.config, args.out / "logs")).base_url
         for ts in args.time_scale:
-            window = trace_window(rows, start_s=args.start, duration_s=args.duration, time_scale=ts,
-                                  token_scale=args.token_scale)  # fmt: skip
+            window = trace_window(
+                rows,
+                start_s=args.start,
+                duration_s=args.duration,
+                time_scale=ts,
+                token_scale=args.token_scale,
+            )
             specs = clamp_lengths(window, 2048)
             if url is None:
                 runs = previous[ts]
             else:
                 keep = args.out / f"real-x{ts:g}"
-                runs = [replay_real(url, specs, keep / f"run{k}" if args.repeats > 1 else keep,
-                                    warm=not out and k == 0)  # the engine's first replay
-                        for k in range(args.repeats)]  # fmt: skip
+                dirs = [keep / f"run{k}" for k in range(args.repeats)] if args.repeats > 1 else [keep]
+                # the engine's first replay (first scale, first repeat) warms it up
+                runs = [replay_real(url, specs, d, warm=not out and k == 0) for k, d in enumerate(dirs)]
             real = median_figures(runs)
-            out.append({"time_scale": ts, "real": real, "real_runs": runs,
-                        **twin_rows(specs, real, profile, admission)})  # fmt: skip
+            out.append(
+                {
+                    "time_scale": ts,
+                    "real": real,
+                    "real_runs": runs,
+                    **twin_rows(specs, real, profile, admission),
+                }
+            )
             print(json.dumps(out[-1]), flush=True)
     print_table(out)
     (args.out / "validation.json").write_text(json.dumps(out, indent=2) + "\n")
@@ -124,8 +140,10 @@ def pooled_runs(paths: list[Path]) -> dict[float, list[dict[str, Any]]]:
 
 def median_figures(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Each figure's median over ``runs`` (one run: that run's figures)."""
-    return {k: statistics.median(vals) if (vals := [r[k] for r in runs if r.get(k) is not None]) else None
-            for k in FIGURES}  # fmt: skip
+    return {
+        k: statistics.median(vals) if (vals := [r[k] for r in runs if r.get(k) is not None]) else None
+        for k in FIGURES
+    }
 
 
 def daemon_admission(config: Path) -> AdmissionConfig:
@@ -145,8 +163,15 @@ def refit(profile: Profile, config: Path, out: Path) -> Profile:
     keys = ("max_num_seqs", "max_num_batched_tokens", "scheduling_policy")
     overrides = {k: engine.get(k) for k in keys}
     with our_daemon(config, out / "calibrate-logs") as server:
-        refitted = calibrate(server.base_url, server.metrics_url, path, profile.name, CalibrationPlan(),
-                             overrides, (profile.hardware, profile.model))  # fmt: skip
+        refitted = calibrate(
+            server.base_url,
+            server.metrics_url,
+            path,
+            profile.name,
+            CalibrationPlan(),
+            overrides,
+            (profile.hardware, profile.model),
+        )
     print("\n".join(describe_fit(refitted, path)), flush=True)
     return refitted
 
@@ -200,11 +225,18 @@ async def replay(url: str, specs: list[RequestSpec], warm: bool) -> tuple[list[R
     target = Target(url, str((await model_info(url))["id"]))
     for n, prompt in WARM_UP if warm else ():
         warm_up = [RequestSpec(10_000 + k, 0.0, prompt, 16) for k in range(n)]
-        await run_open_loop(target, warm_up, token_ids, run_start=time.monotonic(), timeout_s=900,
-                            max_connections=MAX_CONNECTIONS)  # fmt: skip
+        await run_open_loop(
+            target,
+            warm_up,
+            token_ids,
+            run_start=time.monotonic(),
+            timeout_s=900,
+            max_connections=MAX_CONNECTIONS,
+        )
     start = time.monotonic() + 0.5
-    records = await run_open_loop(target, specs, token_ids, run_start=start, timeout_s=900,
-                                  max_connections=MAX_CONNECTIONS)  # fmt: skip
+    records = await run_open_loop(
+        target, specs, token_ids, run_start=start, timeout_s=900, max_connections=MAX_CONNECTIONS
+    )
     return records, time.monotonic() - start
 
 
