@@ -20,7 +20,7 @@ import sys
 import time
 import tomllib
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -239,6 +239,16 @@ async def settle() -> None:
     """Let every ready task run until it blocks again (a few loop iterations, no real time)."""
     for _ in range(5):
         await asyncio.sleep(0)
+
+
+async def until(condition: Callable[[], bool], turns: int = 10_000) -> None:
+    """Turn the loop until ``condition`` holds (each turn a ``sleep(0)``: no real time passes on the
+    test's side); fail after ``turns`` turns."""
+    for _ in range(turns):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"still false after {turns} turns of the loop")
 
 
 class Events:

@@ -24,7 +24,7 @@ from controller.admission.gate import AdmissionGate
 from controller.engine.frontend.app import AdmissionMiddleware
 from controller.engine.frontend.client import GateRefusal, GovernedEngineClient
 from controller.engine.frontend.priority import resolve_priorities
-from tests.helpers import Events, FakeHost, Recorder
+from tests.helpers import Events, FakeHost, Recorder, until
 
 
 class FakeLLM:
@@ -254,10 +254,7 @@ async def test_a_stream_waits_for_its_slot_before_its_200() -> None:
     held, started = await gate.acquire(0), []
     async with make_app(gate, started) as http:
         answer = asyncio.create_task(http.post("/v1/completions", json={"priority": 0, "stream": True}))
-        for _ in range(50):
-            await asyncio.sleep(0.01)
-            if gate.stats().queued:
-                break
+        await until(lambda: gate.stats().queued > 0)
         assert gate.stats().queued == 1 and started == []  # no status line while it waits
         gate.release(held)
         r = await answer

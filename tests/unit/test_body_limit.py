@@ -10,13 +10,13 @@ upload; the last ones go through a real uvicorn server with each HTTP parser.
 from __future__ import annotations
 
 import asyncio
+import socket
 from typing import Any
 
 import pytest
 import uvicorn
 
 from controller.engine.frontend.limits import ClientLimits, Limits
-from tests.helpers import free_port
 
 LIMIT = 1024
 
@@ -173,15 +173,14 @@ async def post_chunked(port: int, encoding: bytes, size: int) -> bytes:
 
 @pytest.mark.parametrize("parser", ["httptools", "h11"])
 async def test_a_real_server_answers_413_to_a_chunked_body_past_the_limit(parser: str) -> None:
-    port = free_port()
+    listening = socket.create_server(("127.0.0.1", 0))  # connections wait in its backlog until served
+    port = listening.getsockname()[1]
     app = ClientLimits(echo_length, Limits(max_body_bytes=LIMIT))
     server = uvicorn.Server(
-        uvicorn.Config(app, port=port, http=parser, log_level="warning", lifespan="off", log_config=None)
+        uvicorn.Config(app, http=parser, log_level="warning", lifespan="off", log_config=None)
     )
-    task = asyncio.create_task(server.serve())
+    task = asyncio.create_task(server.serve(sockets=[listening]))
     try:
-        while not server.started:
-            await asyncio.sleep(0.01)
         answers = {
             (encoding, size): await post_chunked(port, encoding, size)
             for encoding in (b"chunked", b"gzip, chunked")

@@ -11,7 +11,6 @@ engine builder is a fake; the host is real."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import copy
 import gc
 import weakref
@@ -26,7 +25,7 @@ from controller.control.telemetry import TelemetryWindow
 from controller.engine.runtime import host as host_module
 from controller.engine.runtime.heap import NO_MALLOC_TRIM, TRIMMED, HeapTrim, trim_heap
 from controller.engine.runtime.host import EngineHost
-from tests.helpers import TINY_MODEL, FakeBuiltEngine
+from tests.helpers import TINY_MODEL, FakeBuiltEngine, settle
 
 
 def served_tokenizer() -> tuple[Any, list[weakref.ref[Any]]]:
@@ -45,7 +44,7 @@ def served_tokenizer() -> tuple[Any, list[weakref.ref[Any]]]:
 async def test_a_retired_renderers_tokenizer_is_freed_once_its_grace_ends(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(host_module, "RENDERER_GRACE_S", 0.05)
+    monkeypatch.setattr(host_module, "RENDERER_GRACE_S", 0.0)  # it ends on the loop's next turn
     tokenizer, refs = served_tokenizer()
     assert len(refs) == 4
     old, new = FakeBuiltEngine(tokenizer), FakeBuiltEngine()
@@ -55,7 +54,7 @@ async def test_a_retired_renderers_tokenizer_is_freed_once_its_grace_ends(
     await host.restart({"kv_cache_memory_bytes": 1 << 20})  # the crash path: old engine first
     assert host.llm is new
     del old
-    await asyncio.sleep(0.3)  # the grace ends: the host lets the retired engine go
+    await settle()  # the grace ends: the host lets the retired engine go
     gc.collect()
     assert [r() is None for r in refs] == [True] * len(refs)
 
@@ -65,7 +64,7 @@ async def test_the_heap_is_trimmed_once_the_retired_engine_can_be_freed(
 ) -> None:
     """The trim runs after the grace, when nothing of ours holds the retired engine any more (the
     grace's timer handle held it as an argument), so the collection inside the trim frees it."""
-    monkeypatch.setattr(host_module, "RENDERER_GRACE_S", 0.05)
+    monkeypatch.setattr(host_module, "RENDERER_GRACE_S", 0.0)  # it ends on the loop's next turn
     old, new = FakeBuiltEngine(), FakeBuiltEngine()
     old_ref = weakref.ref(old)
     freed_at_trim: list[bool] = []
@@ -82,10 +81,7 @@ async def test_the_heap_is_trimmed_once_the_retired_engine_can_be_freed(
     del old
     await host.restart({"kv_cache_memory_bytes": 1 << 20})
     assert freed_at_trim == []  # the renderer's grace: the retired engine is still held
-    for _ in range(100):
-        if freed_at_trim:
-            break
-        await asyncio.sleep(0.01)
+    await settle()  # the grace ends, then the trim runs on the turn after
     assert freed_at_trim == [True]
 
 

@@ -27,7 +27,7 @@ from controller.engine.frontend.app import AdmissionMiddleware
 from controller.engine.frontend.client import GovernedEngineClient
 from controller.engine.frontend.priority import resolve_priorities
 from controller.engine.runtime.host import EngineHost
-from tests.helpers import FakeHost
+from tests.helpers import FakeHost, until
 
 ONE_CLASS = (PriorityClass("all", max_queue=100_000, queue_deadline_s=1e6),)
 
@@ -379,10 +379,10 @@ async def test_under_a_ttft_bound_a_request_the_engine_died_under_still_waits_fo
     other = asyncio.create_task(gate.acquire(0, from_pending=False))  # queues behind it
     await asyncio.sleep(0)
     llm.streams[-1].outputs.put_nowait(EngineDeadError())  # died before its first output
-    await asyncio.sleep(0.01)  # the other request took the slot; the retry queues behind it
-    gate.release(await other)
-    await asyncio.sleep(0.01)
-    assert len(llm.streams) == 2
+    slot = await other  # the dead attempt's slot went to the request queued behind it
+    await until(lambda: gate.stats().queued == 1)  # the retry queues behind that one
+    gate.release(slot)
+    await until(lambda: len(llm.streams) == 2)  # then runs on the next engine
     llm.streams[-1].outputs.put_nowait(SimpleNamespace(finished=True))
     assert [o.finished for o in await asyncio.wait_for(task, 1.0)] == [True]
     with pytest.raises(GracefulHTTPError):  # a first attempt that queues past its bound: 429

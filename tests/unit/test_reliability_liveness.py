@@ -76,25 +76,37 @@ def test_a_stall_timeout_of_zero_never_reports_a_stall() -> None:
 
 
 async def test_a_stalled_engine_is_marked_failed_and_recovered_by_the_watcher() -> None:
+    """The watcher's own interval paces it; the test waits for its checks and its restart, each an
+    event, and moves the engine's quiet time on the fake clock."""
     clock, engine, reasons = FakeClock(), FakeEngine(), []
     g = gate(clock)
     slot = await g.acquire(0, from_pending=False)  # a request inside the engine
-    age = [0.0]
+    age, checked, restarted = [0.0], asyncio.Event(), asyncio.Event()
+
+    def last_step_age() -> float:
+        checked.set()
+        return age[0]
+
+    def on_restart(reason: str, _duration_s: float) -> None:
+        reasons.append(reason)
+        restarted.set()
+
     guard = Guard(
         GuardConfig(stall_timeout_s=5.0, check_interval_s=0.05, backoff_initial_s=0.0),
-        g, engine, lambda reason, _d: reasons.append(reason), clock, lambda: None,
-        last_step_age=lambda: age[0],
-    )  # fmt: skip
+        g,
+        engine,
+        on_restart,
+        clock,
+        lambda: None,
+        last_step_age=last_step_age,
+    )
     watcher = asyncio.create_task(guard.watch())
     try:
-        await asyncio.sleep(0.15)
-        assert engine.failed == []  # busy, but the engine stepped just now
+        await asyncio.wait_for(checked.wait(), 5.0)
+        assert engine.failed == [] and reasons == []  # busy, but the engine stepped just now
         clock.advance(6.0)
         age[0] = 6.0
-        for _ in range(40):
-            await asyncio.sleep(0.05)
-            if reasons:
-                break
+        await asyncio.wait_for(restarted.wait(), 5.0)
         assert len(engine.failed) == 1 and "no engine step" in engine.failed[0]
         assert reasons == ["engine_stalled"] and engine.restarts == [{}] and not engine.dead
         assert not g.paused

@@ -1,4 +1,4 @@
-"""The renderer grace of a swap (issue 16, item 2): a retired engine's renderer stays up until
+"""The renderer grace of a swap: a retired engine's renderer stays up until
 ``RENDERER_GRACE_S`` after the swap has finished, not after the old engine was retired. A GPU build
 takes minutes; requests arriving meanwhile still preprocess with the retired renderer (the app's
 serving objects are rebuilt only when the new engine is in), so a grace that ran out during the build
@@ -17,17 +17,21 @@ import pytest
 from controller.control.telemetry import TelemetryWindow
 from controller.engine.runtime import host as host_module
 from controller.engine.runtime.host import EngineHost
-from tests.helpers import FakeBuiltEngine
+from tests.helpers import FakeBuiltEngine, settle
 
 
 async def test_the_renderer_grace_starts_when_the_swap_finishes_not_when_the_old_engine_retires(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(host_module, "RENDERER_GRACE_S", 0.1)
-    old, new, build_may_end = FakeBuiltEngine(), FakeBuiltEngine(), threading.Event()
+    """A grace of zero ends on the loop's next turn, so when it starts shows without waiting it out:
+    one started at the retirement would have shut the renderer while the build still runs."""
+    monkeypatch.setattr(host_module, "RENDERER_GRACE_S", 0.0)
+    old, new = FakeBuiltEngine(), FakeBuiltEngine()
+    build_started, build_may_end = threading.Event(), threading.Event()
 
     def slow_build(_args: argparse.Namespace) -> Any:
-        build_may_end.wait(10.0)  # a GPU build: many times the grace
+        build_started.set()
+        build_may_end.wait(10.0)  # a GPU build: minutes
         return new
 
     host = EngineHost(argparse.Namespace(max_num_seqs=4), TelemetryWindow(), builder=slow_build)
@@ -39,10 +43,11 @@ async def test_the_renderer_grace_starts_when_the_swap_finishes_not_when_the_old
 
     host.on_new_engine = rebuild_serving_state
     restart = asyncio.create_task(host.restart({"kv_cache_memory_bytes": 1 << 20}))  # old engine first
-    await asyncio.sleep(0.5)  # five graces into the build: requests still tokenize with ``old``
-    assert not old.renderer_shut
+    assert await asyncio.to_thread(build_started.wait, 10.0)  # the old engine is retired
+    await settle()
+    assert not old.renderer_shut  # during the build, requests still tokenize with ``old``
     build_may_end.set()
-    await asyncio.wait_for(restart, 5.0)
+    await asyncio.wait_for(restart, 10.0)
     assert swapped == [False] and host.llm is new  # the serving objects moved with the renderer up
-    await asyncio.sleep(0.3)
-    assert old.renderer_shut  # released a grace after the swap
+    await settle()
+    assert old.renderer_shut  # released when the grace after the swap ended

@@ -6,13 +6,16 @@ import asyncio
 import contextlib
 import os
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from controller.lifecycle import notify as notify_module
 from controller.lifecycle.notify import (
     Notifier,
     monotonic_usec,
@@ -20,6 +23,7 @@ from controller.lifecycle.notify import (
     watchdog_interval_s,
     watchdog_loop,
 )
+from tests.helpers import settle
 
 
 @pytest.fixture
@@ -131,40 +135,81 @@ def test_watchdog_interval(env: dict[str, str], expected: float | None) -> None:
     assert watchdog_interval_s(env) == expected
 
 
-async def test_watchdog_loop_pings_until_cancelled(systemd: socket.socket) -> None:
-    task = asyncio.create_task(watchdog_loop(Notifier(), 0.02))
-    await asyncio.sleep(0.11)
+class Ticks:
+    """The watchdog's sleep, on the test's command: each ``sleep`` records the interval it was asked
+    for and returns when the test gives it a tick."""
+
+    def __init__(self) -> None:
+        self.asked: list[float] = []
+        self._ticks: asyncio.Queue[None] = asyncio.Queue()
+
+    async def sleep(self, seconds: float) -> None:
+        self.asked.append(seconds)
+        await self._ticks.get()
+
+    def tick(self, n: int = 1) -> None:
+        for _ in range(n):
+            self._ticks.put_nowait(None)
+
+
+async def test_watchdog_loop_pings_at_once_then_once_per_interval_until_cancelled(
+    systemd: socket.socket,
+) -> None:
+    ticks = Ticks()
+    task = asyncio.create_task(watchdog_loop(Notifier(), 0.02, ticks.sleep))
+    await settle()
+    assert drain(systemd) == ["WATCHDOG=1"] and ticks.asked == [0.02]  # one at once
+    ticks.tick(5)
+    await settle()
+    assert drain(systemd) == ["WATCHDOG=1"] * 5 and ticks.asked == [0.02] * 6  # one per interval
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    pings = drain(systemd)
-    assert set(pings) == {"WATCHDOG=1"}
-    assert 3 <= len(pings) <= 7  # one at once, then one per 20 ms (~6)
-    await asyncio.sleep(0.05)
+    ticks.tick()
+    await settle()
     assert drain(systemd) == []  # cancelled: no more pings
 
 
-async def test_a_stuck_loop_stops_the_pings(systemd: socket.socket) -> None:
-    task = asyncio.create_task(watchdog_loop(Notifier(), 0.02))
-    await asyncio.sleep(0)  # first ping
-    time.sleep(0.1)  # the event loop is blocked: no ping may go out meanwhile
-    assert drain(systemd) == ["WATCHDOG=1"]
+async def test_every_ping_is_sent_by_the_task_on_the_event_loop_so_a_stuck_loop_stops_them(
+    systemd: socket.socket,
+) -> None:
+    """No thread of its own pings systemd: a loop that stops turning stops the pings, and systemd's
+    watchdog restarts the daemon."""
+    senders: list[tuple[int, asyncio.Task[Any] | None]] = []
+
+    class Recording(Notifier):
+        def watchdog(self) -> bool:
+            senders.append((threading.get_ident(), asyncio.current_task()))
+            return super().watchdog()
+
+    ticks = Ticks()
+    task = asyncio.create_task(watchdog_loop(Recording(), 0.02, ticks.sleep))
+    await settle()
+    ticks.tick(2)
+    await settle()
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+    assert senders == [(threading.get_ident(), task)] * 3
+    assert drain(systemd) == ["WATCHDOG=1"] * 3
 
 
-async def test_start_watchdog(systemd: socket.socket, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_start_watchdog_pings_every_half_of_watchdog_usec(
+    systemd: socket.socket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started: list[float] = []
+
+    async def loop(_notifier: Notifier, interval_s: float) -> None:
+        started.append(interval_s)
+
+    monkeypatch.setattr(notify_module, "watchdog_loop", loop)
     monkeypatch.delenv("WATCHDOG_USEC", raising=False)
     assert start_watchdog(Notifier()) is None
     monkeypatch.setenv("WATCHDOG_USEC", "40000")
     task = start_watchdog(Notifier())
-    assert task is not None
-    await asyncio.sleep(0.05)
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    assert len(drain(systemd)) >= 2
+    assert task is not None and task.get_name() == "sd_watchdog"
+    await task
+    assert started == [0.02]  # half of WatchdogSec=40ms, as sd_watchdog_enabled(3) advises
 
 
 async def test_start_watchdog_needs_a_socket(monkeypatch: pytest.MonkeyPatch) -> None:
