@@ -11,8 +11,11 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from controller.bench import client as client_module
 from controller.bench.client import Target, parse_event, payload, run_open_loop
+from controller.bench.records import RequestRecord
 from controller.bench.workload import RequestSpec
+from tests.helpers import settle
 
 BODIES = web.AppKey("bodies", list[dict[str, Any]])
 ALL_SENT = web.AppKey("all_sent", asyncio.Event)
@@ -103,3 +106,25 @@ async def test_connection_error_is_a_failed_record() -> None:
         target, [RequestSpec(0, 0.0, 1, 1)], lambda s: ("x", 1), run_start=time.monotonic()
     )
     assert rec.status == "failed" and rec.http_status is None and rec.error
+
+
+async def test_concurrency_caps_the_requests_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every arrival is due at once; a send holds its place for a few turns of the loop, in which
+    every other arrival not held back by the cap would start its own."""
+    in_flight, most = [0], [0]
+
+    async def send(_session: Any, _target: Target, spec: RequestSpec, *_args: Any) -> RequestRecord:
+        in_flight[0] += 1
+        most[0] = max(most[0], in_flight[0])
+        await settle()
+        in_flight[0] -= 1
+        return RequestRecord(spec.index, 0, 1, 1, 1, 0.0, "ok")
+
+    monkeypatch.setattr(client_module, "send", send)
+    specs = [RequestSpec(i, 0.0, 1, 1) for i in range(6)]
+    target = Target("http://127.0.0.1:9", "tiny")  # nothing is sent
+    records = await run_open_loop(
+        target, specs, lambda s: ("x", 1), run_start=time.monotonic(), concurrency=2
+    )
+    assert [r.index for r in records] == list(range(6))
+    assert most == [2]

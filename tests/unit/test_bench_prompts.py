@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-from controller.bench.options import build_specs
+from controller.bench.options import add_slo_args, add_workload_args, build_specs, run_config
 from controller.bench.prompts import _WORDS as WORDS
 from controller.bench.prompts import PromptBuilder, TokenizerError, load_tokenizer, tokenizer_path
 from controller.bench.workload import WorkloadError
@@ -71,3 +71,15 @@ def test_build_specs_choices(tmp_path: Path) -> None:
         build_specs(_ns(), tok, 100)
     with pytest.raises(WorkloadError, match="needs --rate R and --duration S"):
         build_specs(_ns(rate=1.0), tok, 100)
+
+
+def test_the_closed_workload_sends_every_request_at_once_under_the_concurrency_cap() -> None:
+    parser = argparse.ArgumentParser()
+    add_workload_args(parser)
+    add_slo_args(parser)
+    args = parser.parse_args(
+        ["--workload", "closed", "--requests", "5", "--output-tokens", "16", "--concurrency", "2"]
+    )
+    specs = build_specs(args, None, 2048)  # type: ignore[arg-type]  # closed needs no tokenizer
+    assert [(s.arrival_s, s.prompt_tokens, s.output_tokens) for s in specs] == [(0.0, 128, 16)] * 5
+    assert run_config(args, None).concurrency == 2  # type: ignore[arg-type]

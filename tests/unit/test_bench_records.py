@@ -143,9 +143,17 @@ def test_itl_max_is_the_longest_gap_of_any_served_stream() -> None:
     assert summarize(records, 1.0, None, None)["itl_max"] == pytest.approx(0.25)
 
 
+def test_throughput_is_the_served_tokens_over_the_duration() -> None:
+    records = [rec(0, out=100), rec(1, out=100), rec(2, status="failed", out=100, e2e=1.0)]
+    s = summarize(records, 4.0, None, None)
+    assert (s["requests"], s["failed"], s["output_tokens"]) == (3, 1, 200)  # the failed one's count none
+    assert s["throughput_tok_s"] == pytest.approx(50.0)
+    assert summarize(records, 0.0, None, None)["throughput_tok_s"] == 0.0  # no duration: no rate
+
+
 def test_empty_run_summarizes_to_nulls() -> None:
     s = summarize([], 10.0, 1.0, 0.1)
-    assert s["requests"] == 0 and s["goodput_rps"] == 0.0
+    assert s["requests"] == 0 and s["goodput_rps"] == 0.0 and s["throughput_tok_s"] == 0.0
     assert s["ttft_p99"] is None and s["ttft_max"] is None and s["itl_max"] is None
     assert s["kv_usage_mean"] is None and s["preemptions"] is None
     json.dumps(s, allow_nan=False)
