@@ -46,11 +46,19 @@ def add_parser(cmds: Any) -> None:
     p.add_argument("--rate", type=float, default=2.0, help="mean arrivals per second (default 2)")
     p.add_argument("--output-tokens", type=int, default=32, help="tokens per request (default 32)")
     p.add_argument("--fault-every", type=float, default=30.0, help="seconds between faults (default 30)")
-    p.add_argument("--recovery-timeout", type=float, default=600.0,
-                   help="seconds an engine rebuild after a kill may take (default 600)")  # fmt: skip
-    p.add_argument("--allowance", type=float, default=120.0,
-                   help="a request's deadline is its class's queue deadline + [guard] max_restart_wait_s "
-                   "+ this (default 120 s)")  # fmt: skip
+    p.add_argument(
+        "--recovery-timeout",
+        type=float,
+        default=600.0,
+        help="seconds an engine rebuild after a kill may take (default 600)",
+    )
+    p.add_argument(
+        "--allowance",
+        type=float,
+        default=120.0,
+        help="a request's deadline is its class's queue deadline + [guard] max_restart_wait_s "
+        "+ this (default 120 s)",
+    )
     p.add_argument("--warmup", type=float, default=60.0, help="seconds of RSS left out of the fit")
     p.add_argument("--max-rss-growth", type=float, default=0.10, help="allowed RSS rise (default 0.10)")
     p.add_argument("--seed", type=int, default=0)
@@ -124,8 +132,10 @@ async def _soak(server: Launched, args: argparse.Namespace, end: EndState) -> tu
             run_load(target, shape, args.duration, deadline_for, args.seed, str(server.state_url)),
             inject_faults(injector, args.duration, args.fault_every),
         )
-        print(f"chaos: load stopped after {time.monotonic() - injector.t0:.0f} s; {len(outcomes)} requests",
-              flush=True)  # fmt: skip
+        print(
+            f"chaos: load stopped after {time.monotonic() - injector.t0:.0f} s; {len(outcomes)} requests",
+            flush=True,
+        )
         end.gate = await _gate_settles(str(server.state_url), 60.0)
         end.served_at_end, end.final_detail = await _serves(server, shape, args.recovery_timeout)
     finally:
@@ -168,11 +178,17 @@ def main(args: argparse.Namespace) -> int:
     limits = Limits(args.warmup, args.max_rss_growth)
     passed, reasons, figures = verdict(outcomes, injector.records, end, limits)
     report = {
-        "passed": passed, "reasons": reasons, "figures": figures, "duration_s": args.duration,
-        "rate": args.rate, "fault_every_s": args.fault_every, "limits": asdict(limits),
-        "faults": [f.as_dict() for f in injector.records], "outcomes": [o.as_dict() for o in outcomes],
+        "passed": passed,
+        "reasons": reasons,
+        "figures": figures,
+        "duration_s": args.duration,
+        "rate": args.rate,
+        "fault_every_s": args.fault_every,
+        "limits": asdict(limits),
+        "faults": [f.as_dict() for f in injector.records],
+        "outcomes": [o.as_dict() for o in outcomes],
         "rss": end.rss,
-    }  # fmt: skip
+    }
     (args.out / RESULT).write_text(json.dumps(report, indent=2) + "\n")
     print(f"chaos {'PASSED' if passed else 'FAILED'}" + "".join(f"\n  - {r}" for r in reasons))
     print(json.dumps(figures, indent=2))

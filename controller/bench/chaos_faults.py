@@ -33,8 +33,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from controller.bench.servers import Launched, to_toml
 
 FAULTS = (
-    "reload_valid", "reload_broken_toml", "reload_bad_engine", "reload_not_utf8", "reload_nan", "kill_engine",
-)  # fmt: skip
+    "reload_valid",
+    "reload_broken_toml",
+    "reload_bad_engine",
+    "reload_not_utf8",
+    "reload_nan",
+    "kill_engine",
+)
 """In this order, so that even a short soak tries every reload before the long engine rebuild."""
 RELOAD_WAIT_S = 20.0
 """How long a reload may take to be counted (the daemon acts on SIGHUP at its next run-loop turn)."""
@@ -127,11 +132,13 @@ class Injector:
 
     async def inject(self, fault: str) -> FaultRecord:
         acts: dict[str, Callable[[], Awaitable[tuple[str, str, bool]]]] = {
-            "kill_engine": self._kill_engine, "reload_valid": self._reload_valid,
+            "kill_engine": self._kill_engine,
+            "reload_valid": self._reload_valid,
             "reload_broken_toml": lambda: self._reload_refused(b"[engine\nmodel = ", "broken TOML"),
             "reload_not_utf8": lambda: self._reload_refused(b"\xff\xfe[engine]\n", "not UTF-8"),
-            "reload_bad_engine": self._reload_bad_engine, "reload_nan": self._reload_nan,
-        }  # fmt: skip
+            "reload_bad_engine": self._reload_bad_engine,
+            "reload_nan": self._reload_nan,
+        }
         at = time.monotonic() - self.t0
         expected, observed, ok = await acts[fault]()
         record = FaultRecord(round(at, 1), fault, expected, observed, ok)
@@ -196,8 +203,10 @@ class Injector:
         took = time.monotonic() - start
         taken = await self._wait(lambda: self._reloads("ok") > reloads, RELOAD_WAIT_S)
         self.watch_engines()
-        observed = (f"engine {'back' if up else 'NOT back'} after {took:.0f} s; "
-                    f"reload during the rebuild {'taken' if taken else 'NOT taken'}")  # fmt: skip
+        observed = (
+            f"engine {'back' if up else 'NOT back'} after {took:.0f} s; "
+            f"reload during the rebuild {'taken' if taken else 'NOT taken'}"
+        )
         return expected, observed, up and taken
 
     async def _reload_valid(self) -> tuple[str, str, bool]:
@@ -222,12 +231,14 @@ class Injector:
         same_engine = self._generation() == generation
         serving = http_get(f"{self._admin}/healthz")[0] == 200
         kept = bool(config_before) and self._state().get("config") == config_before  # every key, as shown
-        observed = ", ".join((
-            "refused" if refused else "NOT refused",
-            "old config kept" if kept else "old config NOT kept",
-            "engine kept" if same_engine else "engine restarted",
-            "serving" if serving else "NOT serving",
-        ))  # fmt: skip
+        observed = ", ".join(
+            (
+                "refused" if refused else "NOT refused",
+                "old config kept" if kept else "old config NOT kept",
+                "engine kept" if same_engine else "engine restarted",
+                "serving" if serving else "NOT serving",
+            )
+        )
         ok = refused and kept and same_engine and serving
         return f"{what}: refused, old config kept, engine kept", observed, ok
 

@@ -19,7 +19,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import aiohttp
 
@@ -27,13 +27,18 @@ from controller.bench.client import Target, parse_event, payload
 from controller.bench.workload import RequestSpec
 
 Kind = Literal[
-    "stream", "disconnect", "stall", "same_id", "multi_prompt",
-    "stream_over_limit", "chat_batch", "beam_search", "n_choices", "n_over_limit",
-]  # fmt: skip
-KINDS: tuple[Kind, ...] = (
-    "stream", "disconnect", "stall", "same_id", "multi_prompt",
-    "stream_over_limit", "chat_batch", "beam_search", "n_choices", "n_over_limit",
-)  # fmt: skip
+    "stream",
+    "disconnect",
+    "stall",
+    "same_id",
+    "multi_prompt",
+    "stream_over_limit",
+    "chat_batch",
+    "beam_search",
+    "n_choices",
+    "n_over_limit",
+]
+KINDS: tuple[Kind, ...] = get_args(Kind)
 OVER_LIMIT: tuple[Kind, ...] = ("stream_over_limit", "n_over_limit")
 """Kinds sized from the admission limit the daemon reports when they are sent."""
 End = Literal["completed", "error_event", "http_error", "client_disconnect", "cut", "hung"]
@@ -163,10 +168,12 @@ class Sender:
             return "/v1/completions", body, n, note
         if kind == "chat_batch":
             body = {
-                "model": self.target.model, "priority": priority, "temperature": 0.0,
+                "model": self.target.model,
+                "priority": priority,
+                "temperature": 0.0,
                 "max_tokens": self.shape.output_tokens,
                 "messages": [[{"role": "user", "content": f"{i}: {prompt}"}] for i in range(many)],
-            }  # fmt: skip
+            }
             return "/v1/chat/completions/batch", body, many, note
         return "/v1/completions", self._body(priority, prompt, True), None, note
 
@@ -178,8 +185,9 @@ class Sender:
             )
         except TimeoutError:
             end, status, clear, detail = "hung", None, False, f"no end within {deadline_s:.0f} s"
-        return Outcome(kind, priority, start - self.t0, time.monotonic() - start, deadline_s, end,
-                       status, clear, detail)  # fmt: skip
+        return Outcome(
+            kind, priority, start - self.t0, time.monotonic() - start, deadline_s, end, status, clear, detail
+        )
 
     async def _exchange(self, kind: Kind, priority: int, prompt: str, rid: str) -> Ending:
         route, body, choices, note = await self._request(kind, priority, prompt)

@@ -84,8 +84,11 @@ class HeldGate:
 
 
 def held_gate(outcomes: Sequence[Outcome]) -> HeldGate:
-    spans = [(o.start_s, o.start_s + o.elapsed_s) for o in outcomes
-             if o.kind == "stream_over_limit" and o.status == 200]  # fmt: skip
+    spans = [
+        (o.start_s, o.start_s + o.elapsed_s)
+        for o in outcomes
+        if o.kind == "stream_over_limit" and o.status == 200
+    ]
     during = [o for o in outcomes if o.kind == "stream" and any(a <= o.start_s < b for a, b in spans)]
     served = sum(o.end == "completed" for o in during)
     refused = sum(o.end == "http_error" and o.status == 429 for o in during)

@@ -45,9 +45,16 @@ def bench_main(args: argparse.Namespace) -> int:
     """Run the ``bench`` subcommand that ``add_bench_commands`` registered."""
     from controller.bench import chaos, compare, frontend, overload, report, soak, sweep
 
-    handlers = {"run": _run, "chaos": chaos.main, "compare": compare.main, "sweep": sweep.main,
-                "soak": soak.main, "overload": overload.main, "report": report.main,
-                "frontend": frontend.main}  # fmt: skip
+    handlers = {
+        "run": _run,
+        "chaos": chaos.main,
+        "compare": compare.main,
+        "sweep": sweep.main,
+        "soak": soak.main,
+        "overload": overload.main,
+        "report": report.main,
+        "frontend": frontend.main,
+    }
     try:
         return handlers[args.bench_command](args)
     except (WorkloadError, TokenizerError, FileNotFoundError, ValueError) as exc:
@@ -80,9 +87,14 @@ async def _run_async(args: argparse.Namespace) -> int:
     else:
         endpoints = Endpoints(args.metrics_url or f"{args.url.rstrip('/')}/metrics")
     summary = await run_workload(
-        Target(args.url, model), specs, PromptBuilder(tokenizer, seed=args.seed), run_config(args, args.out),
-        endpoints, label=args.label or args.out.name, extra={"argv": sys.argv},
-    )  # fmt: skip
+        Target(args.url, model),
+        specs,
+        PromptBuilder(tokenizer, seed=args.seed),
+        run_config(args, args.out),
+        endpoints,
+        label=args.label or args.out.name,
+        extra={"argv": sys.argv},
+    )
     print(format_summary(summary))
     print(f"run written to {args.out}")
     return 0 if summary["ok"] > 0 else 1

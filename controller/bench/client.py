@@ -120,9 +120,13 @@ async def send(
                 body = (await resp.text())[:200]
                 status: Status = "refused" if resp.status in REFUSED_HTTP else "failed"
                 return RequestRecord(
-                    **base, output_tokens=0, status=status, http_status=resp.status,
-                    e2e_s=time.monotonic() - start, error=f"HTTP {resp.status}: {body}",
-                )  # fmt: skip
+                    **base,
+                    output_tokens=0,
+                    status=status,
+                    http_status=resp.status,
+                    e2e_s=time.monotonic() - start,
+                    error=f"HTTP {resp.status}: {body}",
+                )
             async for line in resp.content:
                 event = parse_event(line)
                 if event is not None:

@@ -43,12 +43,13 @@ def add_parser(cmds: Any) -> None:
     )
     add_server_args(p)
     p.add_argument(
-        "--targets", default="all",
+        "--targets",
+        default="all",
         help="comma list of: vllm-serve, static:PRESET, static:all, best, policy:NAME, policy:all "
         "(default all: every one of them); also daemon (the config as it is, admission limit = "
         "max_num_seqs, so nothing queues in the gate) and vllm-serve:engine (vllm serve with the same "
         "[engine], tuned settings included)",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--best",
         action="append",
@@ -56,8 +57,12 @@ def add_parser(cmds: Any) -> None:
         help="[engine] setting of the best swept setting (repeatable), e.g. max_num_seqs=32",
     )
     p.add_argument("--best-from", type=Path, help="take --best from a sweep's sweep.json recommendation")
-    p.add_argument("--policy-param", action="append", metavar="POLICY.KEY=VALUE",
-                   help="a parameter for one policy (repeatable), e.g. pid.setpoint=0.9")  # fmt: skip
+    p.add_argument(
+        "--policy-param",
+        action="append",
+        metavar="POLICY.KEY=VALUE",
+        help="a parameter for one policy (repeatable), e.g. pid.setpoint=0.9",
+    )
     add_workload_args(p)
     add_slo_args(p)
 
@@ -146,8 +151,15 @@ def _expand(
             return [ServerSpec(f"best:{VLLM_SERVE}:{named}", "vllm-serve", {**engine, **setting})]
         label = f"best:{named}"
         limit = {"limit": setting["max_num_seqs"]} if "max_num_seqs" in setting else {}
-        return [ServerSpec(label, "daemon", {**engine, **setting}, {"policy": "static", "params": {}},
-                           {**admission, **limit})]  # fmt: skip
+        return [
+            ServerSpec(
+                label,
+                "daemon",
+                {**engine, **setting},
+                {"policy": "static", "params": {}},
+                {**admission, **limit},
+            )
+        ]
     if kind == "policy" and name:
         names = policies() if name == "all" else [name]
         params = policy_params(args.policy_param or [])
@@ -205,12 +217,16 @@ def write_phases(out: Path, dirs: Sequence[Path], args: argparse.Namespace) -> N
 def write_table(out: Path, summaries: Sequence[dict[str, Any]], bench: Bench) -> None:
     ref = best_static(summaries)
     workload = summaries[0].get("workload") if summaries else None
-    text = "\n".join([
-        table(summaries), "",
-        f"Ratios are to the best static server ({ref['target'] if ref else 'none run'}): "
-        "the static preset or swept setting with the highest goodput. TTFT p99 x below 1 is better.",
-        f"Workload: {json.dumps(workload)}; SLO TTFT {bench.args.slo_ttft} s, TPOT {bench.args.slo_tpot} s.",
-    ])  # fmt: skip
+    text = "\n".join(
+        [
+            table(summaries),
+            "",
+            f"Ratios are to the best static server ({ref['target'] if ref else 'none run'}): "
+            "the static preset or swept setting with the highest goodput. TTFT p99 x below 1 is better.",
+            f"Workload: {json.dumps(workload)}; "
+            f"SLO TTFT {bench.args.slo_ttft} s, TPOT {bench.args.slo_tpot} s.",
+        ]
+    )
     (out / TABLE).write_text(text + "\n")
     (out / RESULT).write_text(
         json.dumps({"best_static": ref and ref["target"], "runs": list(summaries)}, indent=2) + "\n"

@@ -64,11 +64,19 @@ def add_parser(cmds: Any) -> None:
     )
     p.add_argument("--model", type=Path, default=Path("models/tiny"), help="local model dir (default tiny)")
     p.add_argument("--out", type=Path, required=True, help=f"directory for {RESULT}, the logs and profiles")
-    p.add_argument("--engine", action="append", metavar="KEY=VALUE",
-                   help="an engine setting for both servers (repeatable); defaults: "
-                   + ", ".join(f"{k}={v}" for k, v in ENGINE_DEFAULTS.items()))  # fmt: skip
-    p.add_argument("--daemon-arg", action="append", metavar="ARG",
-                   help="a daemon argument (repeatable), e.g. --daemon-arg=--config=x.toml")  # fmt: skip
+    p.add_argument(
+        "--engine",
+        action="append",
+        metavar="KEY=VALUE",
+        help="an engine setting for both servers (repeatable); defaults: "
+        + ", ".join(f"{k}={v}" for k, v in ENGINE_DEFAULTS.items()),
+    )
+    p.add_argument(
+        "--daemon-arg",
+        action="append",
+        metavar="ARG",
+        help="a daemon argument (repeatable), e.g. --daemon-arg=--config=x.toml",
+    )
     p.add_argument("--pairs", type=int, default=5, help="interleaved pairs (default 5)")
     p.add_argument("--bursts", type=int, default=5, help="recorded bursts per server start (default 5)")
     p.add_argument("--streams", type=int, default=64, help="concurrent streams in a burst (default 64)")
@@ -77,10 +85,17 @@ def add_parser(cmds: Any) -> None:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a stream may take")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for health")
     p.add_argument("--lock", type=Path, help="flock this file for each pair (a box shared with other runs)")
-    p.add_argument("--profile-bursts", type=int, default=0,
-                   help="after the recorded bursts, this many under py-spy (default 0: none)")  # fmt: skip
-    p.add_argument("--layers", action="store_true",
-                   help="no servers: each layer's CPU a request, fake engine, --pairs rounds")  # fmt: skip
+    p.add_argument(
+        "--profile-bursts",
+        type=int,
+        default=0,
+        help="after the recorded bursts, this many under py-spy (default 0: none)",
+    )
+    p.add_argument(
+        "--layers",
+        action="store_true",
+        help="no servers: each layer's CPU a request, fake engine, --pairs rounds",
+    )
 
 
 @dataclass(frozen=True)
@@ -179,8 +194,9 @@ def started(
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("wb") as out:
         argv = server_argv(kind, engine, port, admin_port, extra)
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
     base = f"http://{HOST}:{port}"
     urls = [f"{base}/health"] + ([f"http://{HOST}:{admin_port}/healthz"] if kind == DAEMON else [])
     try:
@@ -202,8 +218,9 @@ def specs_for(args: argparse.Namespace, output_tokens: int) -> list[RequestSpec]
     return [RequestSpec(i, 0.0, args.prompt_tokens, output_tokens) for i in range(args.streams)]
 
 
-def serve_and_burst(kind: str, pair: int, engine: dict[str, Any], args: argparse.Namespace,
-                    builder: PromptBuilder) -> dict[str, Any]:  # fmt: skip
+def serve_and_burst(
+    kind: str, pair: int, engine: dict[str, Any], args: argparse.Namespace, builder: PromptBuilder
+) -> dict[str, Any]:
     """One server's run: start, a warm-up burst, the recorded bursts, stop."""
     log = args.out / "logs" / f"{pair}-{kind}.log"
     specs, warm = specs_for(args, args.output_tokens), specs_for(args, 8)
@@ -216,17 +233,23 @@ def serve_and_burst(kind: str, pair: int, engine: dict[str, Any], args: argparse
         if args.profile_bursts:  # after the recorded ones: sampling slows the server it samples
             stacks = args.out / "profile" / f"{pair}-{kind}.txt"
             with pyspy.record(pid, stacks):
-                profiled = [asyncio.run(burst(target, specs, builder, args.timeout))
-                            for _ in range(args.profile_bursts)]  # fmt: skip
+                profiled = [
+                    asyncio.run(burst(target, specs, builder, args.timeout))
+                    for _ in range(args.profile_bursts)
+                ]
             profile = pyspy.summarize(stacks.read_text(), len(specs) * args.profile_bursts)
     failed = sum(b.failed for b in bursts)
     if failed:
         print(f"{kind}: {failed} streams failed; log {log}:\n{log_tail(log, 10)}", file=sys.stderr)
     return {
-        "kind": kind, "pid": pid, "startup_s": startup_s, "figures": run_figures(bursts),
-        "bursts": [asdict(b) for b in bursts], "profiled_bursts": [asdict(b) for b in profiled],
+        "kind": kind,
+        "pid": pid,
+        "startup_s": startup_s,
+        "figures": run_figures(bursts),
+        "bursts": [asdict(b) for b in bursts],
+        "profiled_bursts": [asdict(b) for b in profiled],
         "profile": profile,
-    }  # fmt: skip
+    }
 
 
 def _cell(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
@@ -235,15 +258,20 @@ def _cell(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
 
 def table(pairs: Sequence[dict[str, Any]], med: dict[str, Any]) -> str:
     """Per run and median figures, and daemon / vllm serve per pair (markdown)."""
-    head = ("| pair | server | wall s | out tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms |\n"
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: |")  # fmt: skip
+    head = (
+        "| pair | server | wall s | out tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms |\n"
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |"
+    )
 
     def row(pair: str, name: str, f: dict[str, Any], ratio: bool = False) -> str:
         if ratio:
             cells = [_cell(f[k], digits=2) + "x" if f[k] is not None else "-" for k in FIGURES]
         else:
-            cells = [_cell(f["wall_s"], digits=2), _cell(f["output_tok_s"]),
-                     *(_cell(f[k], 1000.0) for k in FIGURES[2:])]  # fmt: skip
+            cells = [
+                _cell(f["wall_s"], digits=2),
+                _cell(f["output_tok_s"]),
+                *(_cell(f[k], 1000.0) for k in FIGURES[2:]),
+            ]
         return f"| {pair} | {name} | " + " | ".join(cells) + " |"
 
     lines = [head]
@@ -279,8 +307,15 @@ def layers(args: argparse.Namespace) -> int:
     stacks = frontend_layers.measure_stacks(args.streams, args.output_tokens, args.bursts, args.pairs)
     step = frontend_layers.measure_step(args.streams, steps=2000, rounds=args.pairs)
     args.out.mkdir(parents=True, exist_ok=True)
-    result = {"argv": sys.argv, "streams": args.streams, "outputs": args.output_tokens, "bursts": args.bursts,
-              "rounds": args.pairs, "us_per_request": stacks, "per_step_us": step}  # fmt: skip
+    result = {
+        "argv": sys.argv,
+        "streams": args.streams,
+        "outputs": args.output_tokens,
+        "bursts": args.bursts,
+        "rounds": args.pairs,
+        "us_per_request": stacks,
+        "per_step_us": step,
+    }
     (args.out / "layers.json").write_text(json.dumps(result, indent=2) + "\n")
     print(frontend_layers.report(stacks, step, args.streams, args.output_tokens))
     print(f"\nwritten to {args.out / 'layers.json'}")
@@ -305,16 +340,29 @@ def main(args: argparse.Namespace) -> int:
             for kind in order(pair):
                 print(f"pair {pair}: {kind}", flush=True)
                 runs[kind] = serve_and_burst(kind, pair, engine, args, builder)
-        p = {"pair": pair, "order": list(order(pair)),
-             **{k: runs[k]["figures"] for k in KINDS}, "runs": runs,
-             "ratio": pair_ratios(runs[VLLM_SERVE]["figures"], runs[DAEMON]["figures"])}  # fmt: skip
+        p = {
+            "pair": pair,
+            "order": list(order(pair)),
+            **{k: runs[k]["figures"] for k in KINDS},
+            "runs": runs,
+            "ratio": pair_ratios(runs[VLLM_SERVE]["figures"], runs[DAEMON]["figures"]),
+        }
         pairs.append(p)
-        print(f"pair {pair}: out tok/s daemon / vllm serve {_cell(p['ratio']['output_tok_s'], digits=2)}x",
-              flush=True)  # fmt: skip
+        print(
+            f"pair {pair}: out tok/s daemon / vllm serve {_cell(p['ratio']['output_tok_s'], digits=2)}x",
+            flush=True,
+        )
         med = summary(pairs)  # written after every pair: the pairs done survive an interrupted run
-        result = {"argv": sys.argv, "engine": engine, "streams": args.streams,
-                  "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
-                  "bursts": args.bursts, "pairs": pairs, **med}  # fmt: skip
+        result = {
+            "argv": sys.argv,
+            "engine": engine,
+            "streams": args.streams,
+            "prompt_tokens": args.prompt_tokens,
+            "output_tokens": args.output_tokens,
+            "bursts": args.bursts,
+            "pairs": pairs,
+            **med,
+        }
         (args.out / RESULT).write_text(json.dumps(result, indent=2) + "\n")
     print("\n" + table(pairs, med))
     if args.profile_bursts:

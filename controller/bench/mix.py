@@ -70,12 +70,24 @@ def _prompt(words: int, rng: random.Random) -> str:
 
 
 async def one_request(
-    session: aiohttp.ClientSession, base_url: str, model: str, cls: str, tokens: int, priority: int,
-    prompt: str, stream: bool = True,
-) -> Outcome:  # fmt: skip
+    session: aiohttp.ClientSession,
+    base_url: str,
+    model: str,
+    cls: str,
+    tokens: int,
+    priority: int,
+    prompt: str,
+    stream: bool = True,
+) -> Outcome:
     """One completion; never raises for HTTP or transport errors."""
-    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "stream": stream,
-            "priority": priority}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": tokens,
+        "ignore_eos": True,
+        "stream": stream,
+        "priority": priority,
+    }
     sent = time.monotonic()
     first: float | None = None
     try:

@@ -41,32 +41,60 @@ WORKLOAD_HELP = (
 def add_shared_prefix_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """The shape of ``--workload shared-prefix`` (``controller/bench/sessions.py``)."""
     d = SharedPrefix()
-    p.add_argument("--system-prompts", type=int, default=d.system_prompts,
-                   help=f"shared-prefix: distinct system prompts (default {d.system_prompts})")  # fmt: skip
-    p.add_argument("--system-tokens", type=int, default=d.system_tokens,
-                   help=f"shared-prefix: tokens of a system prompt (default {d.system_tokens})")  # fmt: skip
-    p.add_argument("--turns", type=int, default=d.turns,
-                   help=f"shared-prefix: turns of a session (default {d.turns})")  # fmt: skip
-    p.add_argument("--user-tokens", type=int, default=d.user_tokens,
-                   help=f"shared-prefix: mean tokens of a user text (default {d.user_tokens})")  # fmt: skip
-    p.add_argument("--think-s", type=float, default=d.think_s,
-                   help=f"shared-prefix: mean seconds between turns (default {d.think_s:g})")  # fmt: skip
+    p.add_argument(
+        "--system-prompts",
+        type=int,
+        default=d.system_prompts,
+        help=f"shared-prefix: distinct system prompts (default {d.system_prompts})",
+    )
+    p.add_argument(
+        "--system-tokens",
+        type=int,
+        default=d.system_tokens,
+        help=f"shared-prefix: tokens of a system prompt (default {d.system_tokens})",
+    )
+    p.add_argument(
+        "--turns", type=int, default=d.turns, help=f"shared-prefix: turns of a session (default {d.turns})"
+    )
+    p.add_argument(
+        "--user-tokens",
+        type=int,
+        default=d.user_tokens,
+        help=f"shared-prefix: mean tokens of a user text (default {d.user_tokens})",
+    )
+    p.add_argument(
+        "--think-s",
+        type=float,
+        default=d.think_s,
+        help=f"shared-prefix: mean seconds between turns (default {d.think_s:g})",
+    )
 
 
 def shared_prefix_specs(args: argparse.Namespace) -> list[RequestSpec]:
     """``--workload shared-prefix`` at ``--rate`` for ``--duration``, its answers ``--output-tokens`` long."""
     if args.rate is None or args.duration is None:
         raise WorkloadError("--workload shared-prefix needs --rate R (requests/s) and --duration S")
-    shape = SharedPrefix(args.system_prompts, args.system_tokens, args.turns, args.user_tokens,
-                         args.output_tokens, args.think_s)  # fmt: skip
+    shape = SharedPrefix(
+        system_prompts=args.system_prompts,
+        system_tokens=args.system_tokens,
+        turns=args.turns,
+        user_tokens=args.user_tokens,
+        output_tokens=args.output_tokens,
+        think_s=args.think_s,
+    )
     return shared_prefix(args.rate, args.duration, shape, seed=args.seed)
 
 
 def add_alternate_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """``--alternate``/``--phase-s``/``--total-s``: a load that changes phase between traces."""
-    p.add_argument("--alternate", action="append", default=[], metavar="TRACE:SCALE[:START]",
-                   help="another trace (replayed SCALE x faster, from START s of trace time) whose windows "
-                        "alternate with --trace's, --phase-s each, for --total-s; repeatable")  # fmt: skip
+    p.add_argument(
+        "--alternate",
+        action="append",
+        default=[],
+        metavar="TRACE:SCALE[:START]",
+        help="another trace (replayed SCALE x faster, from START s of trace time) whose windows "
+        "alternate with --trace's, --phase-s each, for --total-s; repeatable",
+    )
     p.add_argument("--phase-s", type=float, default=600.0, help="phase length of --alternate (seconds)")
     p.add_argument("--total-s", type=float, default=2400.0, help="length of the --alternate load (seconds)")
 
@@ -80,16 +108,19 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--rate", type=float, help="Poisson arrivals per second (with --duration)")
     g.add_argument(
-        "--duration", type=float,
+        "--duration",
+        type=float,
         help="seconds: the run's length with --rate/--sharegpt; "
         "the trace window's length (in trace time) with --trace",
-    )  # fmt: skip
+    )
     g.add_argument("--prompt-tokens", type=int, default=128, help="prompt length with --rate (default 128)")
     g.add_argument("--output-tokens", type=int, default=128, help="output length with --rate (default 128)")
     g.add_argument(
-        "--long-prompt-tokens", type=int, default=1000,
+        "--long-prompt-tokens",
+        type=int,
+        default=1000,
         help="the long prompt of --workload stall (default 1000)",
-    )  # fmt: skip
+    )
     g.add_argument(
         "--trace", type=Path, help="Azure-format trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens)"
     )
@@ -103,10 +134,11 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     add_alternate_args(g)
     add_shared_prefix_args(g)
     g.add_argument(
-        "--sharegpt", action="store_true",
+        "--sharegpt",
+        action="store_true",
         help="prompt/output lengths of ShareGPT conversations (pip install 'vllm-autopilot[sharegpt]'), "
         "on Poisson arrivals at --rate for --duration",
-    )  # fmt: skip
+    )
     g.add_argument("--sharegpt-samples", type=int, default=1000, help="conversations to take lengths from")
     g.add_argument(
         "--priority-mix", help="vLLM priorities and their shares, e.g. 0:0.3,1:0.7 (lower = urgent)"
@@ -125,14 +157,16 @@ def steer_to_slo(base: dict[str, Any], args: argparse.Namespace) -> None:
 
 def add_slo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--slo-ttft", type=float,
+        "--slo-ttft",
+        type=float,
         help="TTFT objective in seconds (goodput counts requests within it; with --slo-tpot, the "
         "daemon's [slo] when --config has none)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--slo-tpot", type=float,
+        "--slo-tpot",
+        type=float,
         help="TPOT objective in seconds per output token after the first (as --slo-ttft)",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--warmup", type=int, default=4, help="short unrecorded requests before the run (default 4)"
     )
@@ -143,10 +177,13 @@ def add_slo_args(p: argparse.ArgumentParser) -> None:
 def build_specs(args: argparse.Namespace, tokenizer: Tokenizer, max_model_len: int) -> list[RequestSpec]:
     """The workload the options describe, clamped to the model's context, with priorities when asked."""
     rate_alone = args.rate is not None and not args.sharegpt and args.workload != "shared-prefix"
-    chosen = [name for name, on in (("--rate", rate_alone),
-                                    ("--trace", args.trace is not None),
-                                    ("--sharegpt", args.sharegpt),
-                                    ("--workload", args.workload is not None)) if on]  # fmt: skip
+    given = {
+        "--rate": rate_alone,
+        "--trace": args.trace is not None,
+        "--sharegpt": args.sharegpt,
+        "--workload": args.workload is not None,
+    }
+    chosen = [name for name, on in given.items() if on]
     if len(chosen) != 1:
         raise WorkloadError(
             "choose exactly one workload: --rate R --duration S, --trace PATH, --sharegpt or --workload NAME;"
@@ -162,22 +199,37 @@ def build_specs(args: argparse.Namespace, tokenizer: Tokenizer, max_model_len: i
         specs = shared_prefix_specs(args)
     elif args.trace is not None:
         specs, _ = trace_load(
-            args.trace, start_s=args.start, duration_s=args.duration, time_scale=args.time_scale,
-            token_scale=args.token_scale, alternates=args.alternate,
-            phase_s=args.phase_s, total_s=args.total_s,
-        )  # fmt: skip
+            args.trace,
+            start_s=args.start,
+            duration_s=args.duration,
+            time_scale=args.time_scale,
+            token_scale=args.token_scale,
+            alternates=args.alternate,
+            phase_s=args.phase_s,
+            total_s=args.total_s,
+        )
     else:
         if args.rate is None or args.duration is None:
             raise WorkloadError(f"{chosen[0]} needs --rate R and --duration S")
         if args.sharegpt:
             pairs = sharegpt_pairs(load_sharegpt())
-            lengths = sharegpt_lengths(pairs, counter(tokenizer), samples=args.sharegpt_samples,
-                                       max_len=max_model_len, seed=args.seed)  # fmt: skip
+            lengths = sharegpt_lengths(
+                pairs,
+                counter(tokenizer),
+                samples=args.sharegpt_samples,
+                max_len=max_model_len,
+                seed=args.seed,
+            )
             arrivals = poisson_arrivals(args.rate, args.duration, random.Random(args.seed))
             specs = with_lengths(arrivals, lengths, seed=args.seed)
         else:
-            specs = poisson(args.rate, args.duration, prompt_tokens=args.prompt_tokens,
-                            output_tokens=args.output_tokens, seed=args.seed)  # fmt: skip
+            specs = poisson(
+                args.rate,
+                args.duration,
+                prompt_tokens=args.prompt_tokens,
+                output_tokens=args.output_tokens,
+                seed=args.seed,
+            )
     if args.max_requests is not None:
         specs = specs[: args.max_requests]
     if args.priority_mix:
@@ -190,9 +242,14 @@ def build_specs(args: argparse.Namespace, tokenizer: Tokenizer, max_model_len: i
 def run_config(args: argparse.Namespace, out: Path) -> RunConfig:
     """The run settings the SLO options describe, writing into ``out``."""
     return RunConfig(
-        out=out, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, warmup=args.warmup,
-        timeout_s=args.request_timeout, progress=not args.no_progress, concurrency=args.concurrency,
-    )  # fmt: skip
+        out=out,
+        slo_ttft_s=args.slo_ttft,
+        slo_tpot_s=args.slo_tpot,
+        warmup=args.warmup,
+        timeout_s=args.request_timeout,
+        progress=not args.no_progress,
+        concurrency=args.concurrency,
+    )
 
 
 def format_summary(s: dict[str, Any]) -> str:

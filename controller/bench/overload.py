@@ -59,10 +59,14 @@ def servers(engine: dict[str, Any], args: argparse.Namespace) -> list[ServerSpec
     """The targets ``--targets`` names, in its order, with the same ``[engine]``."""
     limit = args.limit or int(engine["max_num_seqs"])
     classes = {
-        "interactive": {"max_priority": 0, "max_queue": 64, "queue_deadline_s": args.interactive_deadline,
-                        "reserved_share": 0.5},
+        "interactive": {
+            "max_priority": 0,
+            "max_queue": 64,
+            "queue_deadline_s": args.interactive_deadline,
+            "reserved_share": 0.5,
+        },
         "batch": {"min_priority": 1, "max_queue": 128, "queue_deadline_s": args.batch_deadline},
-    }  # fmt: skip
+    }
     admission = {"limit": limit, "max_queue": 256, "aging_s": 5.0, "classes": classes}
     control = {"tick_seconds": 1.0, "policy": "static", "params": {}}
     out: list[ServerSpec] = []
@@ -101,8 +105,14 @@ def main(args: argparse.Namespace) -> int:
     base["engine"].update(parse_assignments(args.engine or [], "--engine"))
     engine = base["engine"]
     model, limit = served_model(engine), args.limit or int(engine["max_num_seqs"])
-    mix = Mix(rate_per_s=args.rate, duration_s=args.duration, timeout_s=args.timeout, seed=args.seed,
-              interactive_tokens=args.interactive_tokens, batch_tokens=args.batch_tokens)  # fmt: skip
+    mix = Mix(
+        rate_per_s=args.rate,
+        duration_s=args.duration,
+        timeout_s=args.timeout,
+        seed=args.seed,
+        interactive_tokens=args.interactive_tokens,
+        batch_tokens=args.batch_tokens,
+    )
     results: dict[str, dict[str, Any]] = {}
     for spec in servers(engine, args):
         print(f"== {spec.name}", flush=True)
@@ -114,8 +124,13 @@ def main(args: argparse.Namespace) -> int:
     slo = {INTERACTIVE: max(args.slo_factor * ref["unloaded_ttft_ms"] / 1000, 0.25), BATCH: args.batch_slo}
     summaries = {name: summarize(r.pop("outcomes"), slo, args.duration) for name, r in results.items()}
     print("\n" + headline(results, summaries, slo, mix, args) + "\n\n" + format_table(summaries))
-    out = {"argv": sys.argv, "settings": {k: str(v) for k, v in vars(args).items() if k != "func"},
-           "servers": results, "summary": summaries, "slo_s": slo}  # fmt: skip
+    out = {
+        "argv": sys.argv,
+        "settings": {k: str(v) for k, v in vars(args).items() if k != "func"},
+        "servers": results,
+        "summary": summaries,
+        "slo_s": slo,
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / RESULT).write_text(json.dumps(out, indent=2) + "\n")
     print(f"\nresults: {args.out / RESULT}")
@@ -123,8 +138,10 @@ def main(args: argparse.Namespace) -> int:
 
 
 def format_table(summaries: dict[str, dict[str, Any]]) -> str:
-    head = ("| server | class | sent | served | 429 (with Retry-After) | 5xx | no answer | TTFT p50 ms | "
-            "TTFT p99 ms | within SLO | goodput/s |")  # fmt: skip
+    head = (
+        "| server | class | sent | served | 429 (with Retry-After) | 5xx | no answer | TTFT p50 ms | "
+        "TTFT p99 ms | within SLO | goodput/s |"
+    )
     rows = [head, "|" + " --- |" * 11]
     for name, s in summaries.items():
         for cls in (INTERACTIVE, BATCH):
@@ -141,9 +158,12 @@ def format_table(summaries: dict[str, dict[str, Any]]) -> str:
 
 
 def headline(
-    results: dict[str, dict[str, Any]], summaries: dict[str, dict[str, Any]], slo: dict[str, float],
-    mix: Mix, args: argparse.Namespace,
-) -> str:  # fmt: skip
+    results: dict[str, dict[str, Any]],
+    summaries: dict[str, dict[str, Any]],
+    slo: dict[str, float],
+    mix: Mix,
+    args: argparse.Namespace,
+) -> str:
     first = next(iter(results))
     lines = [
         f"offered {mix.rate_per_s:.2f} req/s for {args.duration:.0f} s ({args.overload:g}x the sustained "

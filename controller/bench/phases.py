@@ -88,17 +88,22 @@ def preemptions_between(series: Sequence[SeriesPoint], t_from: float, t_to: floa
 
 
 def summarize(
-    records: Sequence[RequestRecord], series: Sequence[SeriesPoint], slo_ttft_s: float | None,
+    records: Sequence[RequestRecord],
+    series: Sequence[SeriesPoint],
+    slo_ttft_s: float | None,
     slo_tpot_s: float | None,
-) -> dict[str, dict[str, Any]]:  # fmt: skip
+) -> dict[str, dict[str, Any]]:
     """Per phase and overall: requests, failed, ceiling and goodput (req/s), p99 TTFT/TPOT, preemptions."""
     bounds = phase_bounds()
     total_s = bounds[-1][2]
     out: dict[str, dict[str, Any]] = {}
     for name, t_from, t_to in [*bounds, (OVERALL, 0.0, total_s)]:
         last = name in (bounds[-1][0], OVERALL)
-        mine = [r for r in records if name == OVERALL or t_from <= r.arrival_s < t_to or
-                (last and r.arrival_s >= t_to)]  # fmt: skip
+        mine = [
+            r
+            for r in records
+            if name == OVERALL or t_from <= r.arrival_s < t_to or (last and r.arrival_s >= t_to)
+        ]
         ok = [r for r in mine if r.status == "ok"]
         out[name] = {
             "requests": len(mine),
@@ -121,11 +126,17 @@ def markdown(results: dict[str, dict[str, Any]]) -> str:
     ceiling = [f"{any_res[p]['ceiling_rps']:.2f}" if i == 0 else "" for p in names for i in range(3)]
     lines.append("| ceiling (every arrival good) | " + " | ".join(ceiling) + " |")
     for name, res in results.items():
-        cells = [f"{res[p]['goodput_rps']:.2f} | {cell(res[p]['ttft_p99_s'], '.2f')} | "
-                 f"{res[p]['preemptions']:.0f}" for p in names]  # fmt: skip
+        cells = [
+            f"{res[p]['goodput_rps']:.2f} | {cell(res[p]['ttft_p99_s'], '.2f')} | {res[p]['preemptions']:.0f}"
+            for p in names
+        ]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    ref = best_static([{"target": k, "goodput_rps": v[OVERALL]["goodput_rps"], "throughput_tok_s": 0.0}
-                       for k, v in results.items()])  # fmt: skip
+    ref = best_static(
+        [
+            {"target": k, "goodput_rps": v[OVERALL]["goodput_rps"], "throughput_tok_s": 0.0}
+            for k, v in results.items()
+        ]
+    )
     if ref is None:
         return "\n".join(lines)
     best = str(ref["target"])

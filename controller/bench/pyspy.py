@@ -47,8 +47,8 @@ def record(pid: int, path: Path, rate_hz: int = RATE_HZ) -> Iterator[None]:
     if spy is None:
         raise FileNotFoundError("py-spy is not installed: pip install py-spy")
     path.parent.mkdir(parents=True, exist_ok=True)
-    argv = [spy, "record", "--pid", str(pid), "--subprocesses", "--rate", str(rate_hz), "--format", "raw",
-            "--output", str(path), "--nonblocking"]  # fmt: skip
+    argv = [spy, "record", "--pid", str(pid), "--subprocesses", "--rate", str(rate_hz)]
+    argv += ["--format", "raw", "--output", str(path), "--nonblocking"]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(1.0)  # it attaches to each process before the work starts
     try:

@@ -90,9 +90,12 @@ async def warm_up(target: Target, builder: PromptBuilder, count: int, timeout_s:
         RequestSpec(index=-1 - i, arrival_s=0.0, prompt_tokens=16, output_tokens=8) for i in range(count)
     ]
     records = await run_open_loop(
-        target, specs, builder.for_spec, run_start=time.monotonic(),
+        target,
+        specs,
+        builder.for_spec,
+        run_start=time.monotonic(),
         timeout_s=timeout_s,
-    )  # fmt: skip
+    )
     return sum(r.status != "ok" for r in records)
 
 
@@ -118,9 +121,14 @@ async def run_workload(
     scraper.start(run_start)
     try:
         records = await run_open_loop(
-            target, specs, builder.for_spec, run_start=run_start,
-            timeout_s=cfg.timeout_s, on_done=progress.done, concurrency=cfg.concurrency,
-        )  # fmt: skip
+            target,
+            specs,
+            builder.for_spec,
+            run_start=run_start,
+            timeout_s=cfg.timeout_s,
+            on_done=progress.done,
+            concurrency=cfg.concurrency,
+        )
     finally:
         progress.close()
         server = await scraper.stop()

@@ -235,8 +235,8 @@ def command(spec: ServerSpec, base: dict[str, Any], workdir: Path) -> tuple[list
     data_port = free_port()
     base_url = f"http://{HOST}:{data_port}"
     if spec.kind == "vllm-serve":
-        argv = [sys.executable, "-m", "controller.engine.vllm_serve", "serve", *engine_flags(spec.engine),
-                "--host", HOST, "--port", str(data_port)]  # fmt: skip
+        argv = [sys.executable, "-m", "controller.engine.vllm_serve", "serve", *engine_flags(spec.engine)]
+        argv += ["--host", HOST, "--port", str(data_port)]
         return argv, base_url, f"{base_url}/metrics", None
     admin_port = free_port()
     path = workdir / f"{_slug(spec.name)}.toml"
@@ -299,19 +299,25 @@ def stop(proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
 
 @contextmanager
 def launched(
-    spec: ServerSpec, base: dict[str, Any], workdir: Path, *, startup_timeout_s: float = 300.0,
+    spec: ServerSpec,
+    base: dict[str, Any],
+    workdir: Path,
+    *,
+    startup_timeout_s: float = 300.0,
     stop_timeout_s: float = 60.0,
-) -> Iterator[Launched]:  # fmt: skip
+) -> Iterator[Launched]:
     """Start ``spec``, yield it once healthy, always stop it. The log goes to ``workdir/<name>.log``."""
     workdir.mkdir(parents=True, exist_ok=True)
     argv, base_url, metrics_url, state_url = command(spec, base, workdir)
     log = workdir / f"{_slug(spec.name)}.log"
     with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
     config = workdir / f"{_slug(spec.name)}.toml" if spec.kind == "daemon" else None
-    handle = Launched(spec, base_url, metrics_url, state_url, proc.pid, float("nan"), log, proc=proc,
-                      config_path=config)  # fmt: skip
+    handle = Launched(
+        spec, base_url, metrics_url, state_url, proc.pid, float("nan"), log, proc=proc, config_path=config
+    )
     try:
         handle.startup_s = wait_healthy(proc, _health_urls(base_url, state_url), startup_timeout_s, log)
         yield handle

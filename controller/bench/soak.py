@@ -102,25 +102,34 @@ def verdict(
     growth = rss_growth(series, limits.window_s)
     failed_share = summary["failed"] / summary["requests"] if summary["requests"] else 0.0
     figures = {
-        "throughput_first_tok_s": tok_first, "throughput_last_tok_s": tok_last,
-        "ttft_p50_first_s": ttft_first, "ttft_p50_last_s": ttft_last, "rss_growth": growth,
-        "failed_share": failed_share, "engine_restarts": summary.get("engine_restarts"),
-        "exit_code": summary.get("exit_code"), "server_alive_at_end": summary.get("server_alive_at_end"),
-    }  # fmt: skip
+        "throughput_first_tok_s": tok_first,
+        "throughput_last_tok_s": tok_last,
+        "ttft_p50_first_s": ttft_first,
+        "ttft_p50_last_s": ttft_last,
+        "rss_growth": growth,
+        "failed_share": failed_share,
+        "engine_restarts": summary.get("engine_restarts"),
+        "exit_code": summary.get("exit_code"),
+        "server_alive_at_end": summary.get("server_alive_at_end"),
+    }
     if summary.get("server_alive_at_end") is False:
         oom = any(m in log_text.lower() for m in OOM_MARKERS) or summary.get("exit_code") in (-9, 137)
-        reasons.append(f"server exited during the run (exit code {summary.get('exit_code')})"
-                       + ("; looks like an OOM kill" if oom else ""))  # fmt: skip
+        reasons.append(
+            f"server exited during the run (exit code {summary.get('exit_code')})"
+            + ("; looks like an OOM kill" if oom else "")
+        )
     if summary.get("engine_restarts"):
         reasons.append(f"{summary['engine_restarts']:.0f} engine restart(s) during the run")
     if failed_share > limits.max_failed:
         reasons.append(f"{failed_share:.1%} of requests failed (limit {limits.max_failed:.1%})")
     if tok_first and tok_last is not None and tok_last < (1 - limits.max_decay) * tok_first:
-        reasons.append(f"throughput decayed from {tok_first:.0f} to {tok_last:.0f} tok/s "
-                       f"(limit -{limits.max_decay:.0%})")  # fmt: skip
+        reasons.append(
+            f"throughput decayed from {tok_first:.0f} to {tok_last:.0f} tok/s (limit -{limits.max_decay:.0%})"
+        )
     if ttft_first and ttft_last is not None and ttft_last > limits.max_ttft_growth * ttft_first:
-        reasons.append(f"median TTFT grew from {ttft_first:.3f} to {ttft_last:.3f} s "
-                       f"(limit x{limits.max_ttft_growth:g})")  # fmt: skip
+        reasons.append(
+            f"median TTFT grew from {ttft_first:.3f} to {ttft_last:.3f} s (limit x{limits.max_ttft_growth:g})"
+        )
     if growth is not None and growth > limits.max_rss_growth:
         reasons.append(f"resident memory grew {growth:.1%} over the run (limit {limits.max_rss_growth:.0%})")
     if summary["requests"] and summary["ok"] == 0:

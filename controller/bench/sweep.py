@@ -43,15 +43,20 @@ def add_parser(cmds: Any) -> None:
         f"{', '.join(KNOWN)}; a TABLE.KEY sets the daemon's own, e.g. control.params.batch_cap=1,4,16 "
         "(one engine build: the compile cache serves the rest)"
     )
-    p.add_argument("--set", action="append", required=True, metavar="KEY=V1,V2,...", dest="sweep_set",
-                   help=set_help)  # fmt: skip
+    p.add_argument(
+        "--set", action="append", required=True, metavar="KEY=V1,V2,...", dest="sweep_set", help=set_help
+    )
     p.add_argument(
         "--live",
         action="store_true",
         help="every setting on one daemon, each in turn by reload (TABLE.KEY settings only)",
     )
-    p.add_argument("--server", choices=("daemon", "vllm-serve"), default="daemon",
-                   help="our daemon with the static policy (default) or plain vllm serve")  # fmt: skip
+    p.add_argument(
+        "--server",
+        choices=("daemon", "vllm-serve"),
+        default="daemon",
+        help="our daemon with the static policy (default) or plain vllm serve",
+    )
     add_workload_args(p)
     add_slo_args(p)
 
@@ -116,12 +121,17 @@ def server_specs(bench: Bench, combos: Sequence[dict[str, Any]], kind: str) -> l
         # The static policy holds max_num_seqs as the batch cap; the gate admits as many (no extra queueing).
         limit = {"limit": int(engine["max_num_seqs"])} if "max_num_seqs" in setting else {}
         control = tables.get("control", {})
-        specs.append(ServerSpec(
-            label(setting), "daemon", engine,
-            {"policy": "static", **control, "params": control.get("params", {})},
-            {**admission, **limit, **tables.get("admission", {})}, tables.get("server", {}),
-            tags={"sweep": setting},
-        ))  # fmt: skip
+        specs.append(
+            ServerSpec(
+                label(setting),
+                "daemon",
+                engine,
+                {"policy": "static", **control, "params": control.get("params", {})},
+                {**admission, **limit, **tables.get("admission", {})},
+                tables.get("server", {}),
+                tags={"sweep": setting},
+            )
+        )
     return specs
 
 
@@ -157,11 +167,14 @@ def main(args: argparse.Namespace) -> int:
     summaries = run_live(bench, specs, args.out) if args.live else run_servers(bench, specs, args.out)
     rec = recommend(summaries)
     ref = next((s for s in summaries if rec and s["target"] == rec["target"]), None)
-    text = table(summaries, ref, note="recommended") + "\n\n" + (
-        f"Recommended for SLO TTFT {args.slo_ttft} s, TPOT {args.slo_tpot} s: {label(rec['setting'])} "
-        f"({rec['goodput_rps']:.2f} req/s goodput, {rec['throughput_tok_s']:.0f} tok/s)."
-        if rec else "No setting completed any request within the SLO: loosen it or lower the load."
-    )  # fmt: skip
+    if rec:
+        advice = (
+            f"Recommended for SLO TTFT {args.slo_ttft} s, TPOT {args.slo_tpot} s: {label(rec['setting'])} "
+            f"({rec['goodput_rps']:.2f} req/s goodput, {rec['throughput_tok_s']:.0f} tok/s)."
+        )
+    else:
+        advice = "No setting completed any request within the SLO: loosen it or lower the load."
+    text = table(summaries, ref, note="recommended") + "\n\n" + advice
     (args.out / TABLE).write_text(text + "\n")
     (args.out / RESULT).write_text(
         json.dumps({"server": args.server, "recommendation": rec, "runs": list(summaries)}, indent=2) + "\n"

@@ -101,13 +101,25 @@ def prepare(args: argparse.Namespace) -> Bench:
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
     """The daemon config a bench command starts its servers from, and how long a start may take."""
-    p.add_argument("--config", type=Path, default=Path("config.toml"),
-                   help="daemon config whose [engine] every server uses (default config.toml)")  # fmt: skip
-    p.add_argument("--engine", action="append", metavar="KEY=VALUE",
-                   help="override an [engine] setting for every server (repeatable)")  # fmt: skip
-    p.add_argument("--daemon", action="append", metavar="TABLE.KEY=VALUE",
-                   help="override a setting of the daemon's other tables (repeatable), "
-                   "e.g. server.engine_poll_sleep_s=0.0002 or control.tick_seconds=0.5")  # fmt: skip
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=Path("config.toml"),
+        help="daemon config whose [engine] every server uses (default config.toml)",
+    )
+    p.add_argument(
+        "--engine",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override an [engine] setting for every server (repeatable)",
+    )
+    p.add_argument(
+        "--daemon",
+        action="append",
+        metavar="TABLE.KEY=VALUE",
+        help="override a setting of the daemon's other tables (repeatable), "
+        "e.g. server.engine_poll_sleep_s=0.0002 or control.tick_seconds=0.5",
+    )
     p.add_argument(
         "--startup-timeout", type=float, default=300.0, help="seconds to wait for a server's health"
     )
@@ -172,17 +184,25 @@ def run_on(bench: Bench, server: Launched, target_dir: Path) -> dict[str, Any]:
     spec = server.spec
     cfg = run_config(bench.args, target_dir)
     extra = {
-        "server": spec.kind, "engine": spec.engine, "control": spec.control, "admission": spec.admission,
-        "startup_s": server.startup_s, **spec.tags,
-    }  # fmt: skip
+        "server": spec.kind,
+        "engine": spec.engine,
+        "control": spec.control,
+        "admission": spec.admission,
+        "startup_s": server.startup_s,
+        **spec.tags,
+    }
     summary = asyncio.run(
         run_workload(
-            Target(server.base_url, served_model(spec.engine)), bench.specs, bench.builder, cfg,
-            Endpoints(server.metrics_url, server.state_url), label=spec.name,
+            Target(server.base_url, served_model(spec.engine)),
+            bench.specs,
+            bench.builder,
+            cfg,
+            Endpoints(server.metrics_url, server.state_url),
+            label=spec.name,
             probe=MemoryProbe(server.pid),
             extra=extra,
         )
-    )  # fmt: skip
+    )
     summary["server_alive_at_end"] = server.alive()
     return summary
 

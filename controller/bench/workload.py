@@ -145,8 +145,13 @@ def trace_load(
     turn with theirs (see ``alternate``); with a description of the load for reports."""
 
     def window(trace: Path, scale: float, start: float, duration: float | None) -> list[RequestSpec]:
-        return trace_window(read_azure_trace(trace), start_s=start, duration_s=duration,
-                            time_scale=scale, token_scale=token_scale)  # fmt: skip
+        return trace_window(
+            read_azure_trace(trace),
+            start_s=start,
+            duration_s=duration,
+            time_scale=scale,
+            token_scale=token_scale,
+        )
 
     base = window(path, time_scale, start_s, duration_s)
     desc = f"{path.name} at {time_scale:g}x"
