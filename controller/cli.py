@@ -12,9 +12,12 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import structlog
+
 from controller.bench.cli import add_bench_commands, bench_main
 from controller.config.cli_layer import serve_config
 from controller.config.load import DEFAULT_CONFIG, Config, ConfigError, describe, load_config
+from controller.engine.runtime.heap import DAEMON_ARENAS, cap_malloc_arenas
 from controller.lifecycle.logs import configure_logging
 from controller.models.cli import add_model_parser
 from controller.sim.cli import add_calibrate_parser, add_simulate_parser, add_validate_parser
@@ -34,6 +37,8 @@ def _load_or_exit(where: object, load: Callable[[], Config]) -> Config:
 def _serve(argv: list[str]) -> int:
     """``serve [MODEL] [any vllm serve option] [--config FILE.toml]`` (config/cli_layer.py)."""
     configure_logging()  # before anything imports vLLM (the parser does): vLLM logs through it
+    # before torch and the tokenizer start threads: each thread's arena is made at its first malloc
+    structlog.get_logger(__name__).info("malloc_arenas", reason=cap_malloc_arenas(), arenas=DAEMON_ARENAS)
     config = _load_or_exit("vllm-autopilot serve", lambda: serve_config(argv))
     # Lazy: the daemon imports vLLM (~20 s), which no other subcommand needs.
     import uvloop
