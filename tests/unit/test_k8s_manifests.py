@@ -1,6 +1,9 @@
 """deploy/k8s/: every manifest parses, passes the Kubernetes (kubernetes-validate, strict) or KEDA
 schema, and the manifests agree with one another and with the daemon (ports, probes, the mounted
-config file, the drain time, the metric the autoscalers read).
+config file, the drain time, the metric the autoscalers read). The pod is hardened: non-root, no
+privilege escalation, no capabilities, seccomp RuntimeDefault, a read-only root with a volume under
+every path the daemon writes, secrets from Secrets (the admin token written as a TOML string), a
+NetworkPolicy, liveness on the restart budget, a rollout that needs no spare GPU.
 """
 
 from __future__ import annotations
@@ -8,7 +11,11 @@ from __future__ import annotations
 import copy
 import importlib.resources
 import json
+import os
 import re
+import stat
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -21,6 +28,7 @@ from prometheus_client import CollectorRegistry
 from referencing import Registry, Resource
 
 from controller.admin.metrics import Metrics
+from controller.admin.server import BEYOND_RECOVERY, make_admin_app
 from tests.assets import exposed_names
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,6 +74,7 @@ def test_the_manifests_are_the_expected_set() -> None:
         "Service",
         "ScaledObject",
         "HorizontalPodAutoscaler",
+        "NetworkPolicy",
     }
 
 
@@ -91,6 +100,10 @@ def test_the_schemas_refuse_a_wrong_field() -> None:
         _validate(keda)
     keda = copy.deepcopy(M["ScaledObject"])
     keda["spec"]["minReplicas"] = 1  # the HPA's name, not KEDA's
+    with pytest.raises(jsonschema.ValidationError):
+        _validate(keda)
+    keda = copy.deepcopy(M["ScaledObject"])
+    keda["spec"]["triggers"][0]["metadata"]["metricName"] = SATURATION  # removed in KEDA 2.12
     with pytest.raises(jsonschema.ValidationError):
         _validate(keda)
 
@@ -204,3 +217,174 @@ def _registry() -> CollectorRegistry:
     registry = CollectorRegistry()
     Metrics(registry)
     return registry
+
+
+# -- hardening ------------------------------------------------------------------------------------
+
+
+def _all_containers() -> list[dict[str, Any]]:
+    return [*_pod()["initContainers"], *_pod()["containers"]]
+
+
+def _effective_security(container: dict[str, Any]) -> dict[str, Any]:
+    """The pod's securityContext with the container's own laid over it (Kubernetes' precedence)."""
+    return {**_pod().get("securityContext", {}), **container.get("securityContext", {})}
+
+
+@pytest.mark.parametrize("name", [c["name"] for c in _all_containers()])
+def test_every_container_runs_non_root_without_privileges(name: str) -> None:
+    (container,) = [c for c in _all_containers() if c["name"] == name]
+    security = _effective_security(container)
+    assert security["runAsNonRoot"] is True
+    assert security["runAsUser"] != 0 and security.get("runAsGroup", 1) != 0
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    assert "add" not in security["capabilities"]
+    assert security["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert security["readOnlyRootFilesystem"] is True
+    assert security.get("privileged", False) is False
+    assert _pod()["automountServiceAccountToken"] is False  # the daemon never calls the API server
+
+
+WRITTEN_PATHS = (
+    "HOME",
+    "STATE_DIRECTORY",
+    "XDG_CACHE_HOME",
+    "HF_HOME",
+    "VLLM_CACHE_ROOT",
+    "TRITON_CACHE_DIR",
+    "TORCHINDUCTOR_CACHE_DIR",
+    "CUDA_CACHE_PATH",
+    "TMPDIR",
+)
+"""Where the daemon, vLLM, Hugging Face, torch.compile, Triton and CUDA write: the warm-up fits
+(``lifecycle/warm.state_dir``), the model download, the compile caches, temporary files."""
+
+
+def _env() -> dict[str, Any]:
+    return {e["name"]: e for e in _container()["env"]}
+
+
+def _writable_mounts(container: dict[str, Any]) -> list[str]:
+    volumes = {v["name"]: v for v in _pod()["volumes"]}
+    mounts = [m for m in container["volumeMounts"] if not m.get("readOnly", False)]
+    assert all("emptyDir" in volumes[m["name"]] for m in mounts)  # nothing of the host's is written
+    return [m["mountPath"] for m in mounts]
+
+
+def _under(path: str, mounts: list[str]) -> bool:
+    return any(path == m or path.startswith(m + "/") for m in mounts)
+
+
+def test_every_path_the_daemon_writes_is_a_writable_volume_under_the_read_only_root() -> None:
+    env, writable = _env(), _writable_mounts(_container())
+    for name in WRITTEN_PATHS:
+        assert _under(env[name]["value"], writable), f"{name}={env[name]['value']} is on the read-only root"
+    # Python's tempfile (the logging config handed to vLLM) and vLLM's ZMQ ipc:// sockets, whatever
+    # TMPDIR says; the engine's shared-memory queues
+    assert {"/tmp", "/dev/shm"} <= set(writable)
+    config = next(m for m in _container()["volumeMounts"] if m["mountPath"] == "/etc/vllm-autopilot")
+    assert config["readOnly"] is True  # the daemon reads its config, never writes it
+    (init,) = _pod()["initContainers"]
+    *_, dst = init["command"]
+    assert _under(dst, _writable_mounts(init))
+
+
+def test_the_data_plane_key_comes_from_a_secret() -> None:
+    key = _env()["VLLM_API_KEY"]
+    assert key["valueFrom"]["secretKeyRef"] == {"name": "vllm-autopilot-api", "key": "key"}
+    assert "value" not in key
+    # an [server] api_key in the file would win over VLLM_API_KEY and put a secret in the ConfigMap
+    assert "api_key" not in tomllib.loads(_config_text()).get("server", {})
+
+
+def test_liveness_is_the_probe_that_fails_once_the_restart_budget_is_spent() -> None:
+    liveness = _container()["livenessProbe"]
+    assert liveness["httpGet"] == {"path": "/livez", "port": "metrics"}
+    app = make_admin_app(CollectorRegistry(), dict, lambda: (True, "serving"), _no_reload)
+    routes = {(r.method, r.resource.canonical) for r in app.router.routes() if r.resource is not None}
+    assert ("GET", "/livez") in routes
+    assert {"restart_budget_spent"} == BEYOND_RECOVERY
+    # the kubelet restarts such a pod within a minute
+    assert liveness["periodSeconds"] * liveness["failureThreshold"] == 60
+
+
+async def _no_reload() -> dict[str, Any]:
+    raise AssertionError("not called")
+
+
+def test_a_rollout_needs_no_spare_gpu() -> None:
+    strategy = M["Deployment"]["spec"]["strategy"]
+    assert strategy == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+
+
+TOKENS = [
+    "t" * 32,
+    'quote"inside',
+    "back\\slash\\",
+    'end"\nlimit = 1\n[admin]\ntoken = "mine',  # a token that tries to close the string and add keys
+    "\\u0041 is not A",
+    "tab\tand\x7fdel\x01",
+    "ключ-🔑",
+    "@ADMIN_TOKEN@",
+]
+
+
+@pytest.mark.parametrize("token", TOKENS)
+def test_the_admin_token_is_written_into_toml_as_a_string(tmp_path: Path, token: str) -> None:
+    """The init container's own script, run on the ConfigMap's file: the token read back is the token,
+    and nothing else in the file changed."""
+    (init,) = _pod()["initContainers"]
+    python, flag, script, _, _ = init["command"]
+    assert (python, flag) == ("python3", "-c")
+    template, rendered = tmp_path / "template.toml", tmp_path / "config.toml"
+    template.write_text(_config_text(), encoding="utf-8")
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(template), str(rendered)],
+        env={**os.environ, "ADMIN_TOKEN": token},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    config = tomllib.loads(rendered.read_text(encoding="utf-8"))
+    assert config["admin"]["token"] == token
+    expected = tomllib.loads(_config_text())
+    expected["admin"]["token"] = token
+    assert config == expected
+    assert stat.S_IMODE(rendered.stat().st_mode) == 0o600  # readable by the daemon's user only
+
+
+def test_the_token_script_refuses_a_template_without_its_placeholder(tmp_path: Path) -> None:
+    (init,) = _pod()["initContainers"]
+    script = init["command"][2]
+    template = tmp_path / "template.toml"
+    template.write_text('[admin]\ntoken = ""\n', encoding="utf-8")
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(template), str(tmp_path / "out.toml")],
+        env={**os.environ, "ADMIN_TOKEN": "t"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert result.returncode == 1 and "expected one" in result.stderr
+    assert not (tmp_path / "out.toml").exists()
+
+
+def test_the_network_policy_admits_only_the_pods_two_ports() -> None:
+    policy = M["NetworkPolicy"]["spec"]
+    labels = M["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    assert policy["podSelector"]["matchLabels"].items() <= labels.items()
+    assert set(policy["policyTypes"]) == {"Ingress", "Egress"}
+    opened = [(p["port"], p["protocol"]) for rule in policy["ingress"] for p in rule["ports"]]
+    assert sorted(opened) == [("http", "TCP"), ("metrics", "TCP")]
+    assert all(port in _ports() for port, _ in opened)  # named ports the container declares
+    metrics_rule = next(r for r in policy["ingress"] if r["ports"][0]["port"] == "metrics")
+    # where the ScaledObject's Prometheus lives
+    server = M["ScaledObject"]["spec"]["triggers"][0]["metadata"]["serverAddress"]
+    namespace = metrics_rule["from"][0]["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
+    assert f".{namespace}.svc" in server
+    egress = sorted((p["port"], p["protocol"]) for rule in policy["egress"] for p in rule["ports"])
+    assert egress == [(53, "TCP"), (53, "UDP"), (443, "TCP")]
