@@ -270,11 +270,18 @@ class StepCostModel:
             reason = "ready"
         coef = dict(zip(TERMS, self.coefficients, strict=True))
         return CostEstimate(
-            **coef, samples=self.samples, rejected=self.rejected, rel_error=rel, r2=r2, age_s=age,
-            ready=reason == "ready", reason=reason, seed=self.prior.name if self.prior else "",
+            **coef,
+            samples=self.samples,
+            rejected=self.rejected,
+            rel_error=rel,
+            r2=r2,
+            age_s=age,
+            ready=reason == "ready",
+            reason=reason,
+            seed=self.prior.name if self.prior else "",
             kv_tokens_per_seq=self._kv_sum / self._mix[1] if self._mix[1] > 0 else None,
             prefill_per_decode=self._prefill_per_decode(),
-        )  # fmt: skip
+        )
 
     def _prefill_per_decode(self) -> float | None:
         """Prefill tokens per decoded token over the fit's memory; None until it holds a tenth of its
