@@ -1,5 +1,6 @@
-"""The systemd unit and its example drop-in: systemd-analyze accepts them, and the settings the daemon
-relies on (notify protocol, watchdog, SIGHUP reload, GPU access) are there."""
+"""The systemd unit and its example drop-in: systemd-analyze accepts them, the settings the daemon
+relies on (notify protocol, watchdog, SIGHUP reload, GPU access) are there, and so is the hardening
+that keeps the GPUs usable (no capabilities, no namespaces, other users' processes hidden)."""
 
 from __future__ import annotations
 
@@ -139,3 +140,42 @@ def test_an_oom_killed_engine_core_does_not_stop_the_service() -> None:
     the daemon recovers its EngineCore itself, so the service must carry on."""
     s = directives(UNIT.read_text())
     assert one(s, "OOMPolicy") == "continue"
+
+
+def test_no_capabilities_no_namespaces_and_other_processes_hidden() -> None:
+    s = directives(UNIT.read_text())
+    assert one(s, "ProtectProc") == "invisible"
+    assert one(s, "RestrictNamespaces") == "yes"
+    assert one(s, "CapabilityBoundingSet") == ""  # empty: the bounding set holds no capability
+    assert "AmbientCapabilities" not in s
+    # ProcSubset=pid would hide /proc/meminfo (the memory guard's psutil reading) and /proc/driver/nvidia
+    assert "ProcSubset" not in s
+
+
+def test_memory_and_task_limits_are_left_to_the_host_with_guidance() -> None:
+    """MemoryMax= and TasksMax= depend on the host's model and cores: the unit sets neither, says how
+    to size them, and the example drop-in carries both, commented out."""
+    text = UNIT.read_text()
+    s = directives(text)
+    assert "MemoryMax" not in s and "TasksMax" not in s
+    comments = "\n".join(line for line in text.splitlines() if line.lstrip().startswith("#"))
+    assert "MemoryMax=" in comments and "TasksMax=" in comments
+    assert "OOMPolicy=continue" in comments  # why a cgroup limit is the safer place for an OOM kill
+    drop_in = DROP_IN.read_text().splitlines()
+    assert any(re.fullmatch(r"#MemoryMax=\d+G", line) for line in drop_in)
+    assert any(re.fullmatch(r"#TasksMax=\d+", line) for line in drop_in)
+
+
+def test_the_drop_in_limits_are_valid_once_uncommented(tmp_path: Path) -> None:
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not installed")
+    unit = _verifiable_copy(tmp_path)
+    drop_in = unit.parent / (unit.name + ".d") / "override.conf"
+    drop_in.write_text(re.sub(r"(?m)^#((MemoryMax|TasksMax)=)", r"\1", drop_in.read_text()))
+    assert "\nMemoryMax=" in drop_in.read_text() and "\nTasksMax=" in drop_in.read_text()
+    result = subprocess.run(
+        [analyze, "verify", "--man=no", str(unit)], capture_output=True, text=True, timeout=60, check=False
+    )
+    about_us = [line for line in (result.stdout + result.stderr).splitlines() if UNIT.name in line]
+    assert about_us == [] and result.returncode == 0, result.stdout + result.stderr
