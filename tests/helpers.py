@@ -69,7 +69,7 @@ def write_config(path: Path, **tables: dict[str, Any]) -> Path:
         "server": {"host": "127.0.0.1", "port": free_port(), "shutdown_timeout_s": 20.0},
         "admin": {"host": "127.0.0.1", "port": free_port()},
         "admission": {"limit": 16, "max_queue": 256},
-        "control": {"tick_seconds": 1.0, "policy": "static", "warmup_s": 0.0},
+        "control": {"tick_s": 1.0, "policy": "static", "warmup_s": 0.0},
     }
     for name, values in tables.items():
         base.setdefault(name, {}).update(values)

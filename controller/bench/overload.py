@@ -68,7 +68,7 @@ def servers(engine: dict[str, Any], args: argparse.Namespace) -> list[ServerSpec
         "batch": {"min_priority": 1, "max_queue": 128, "queue_deadline_s": args.batch_deadline},
     }
     admission = {"limit": limit, "max_queue": 256, "aging_s": 5.0, "classes": classes}
-    control = {"tick_seconds": 1.0, "policy": "static", "params": {}}
+    control = {"tick_s": 1.0, "policy": "static", "params": {}}
     out: list[ServerSpec] = []
     for name in (t.strip() for t in args.targets.split(",") if t.strip()):
         if name == VLLM_SERVE:

@@ -84,7 +84,7 @@ def base_config(args: argparse.Namespace) -> dict[str, Any]:
     for key, value in parse_assignments(args.daemon or [], "--daemon").items():
         table, dot, name = key.partition(".")
         if not dot or table == "engine":
-            raise ValueError(f"--daemon {key}: write TABLE.KEY=VALUE, e.g. --daemon control.tick_seconds=0.5")
+            raise ValueError(f"--daemon {key}: write TABLE.KEY=VALUE, e.g. --daemon control.tick_s=0.5")
         base.setdefault(table, {})[name] = value
     return base
 
@@ -118,7 +118,7 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
         action="append",
         metavar="TABLE.KEY=VALUE",
         help="override a setting of the daemon's other tables (repeatable), "
-        "e.g. server.engine_poll_sleep_s=0.0002 or control.tick_seconds=0.5",
+        "e.g. server.engine_poll_sleep_s=0.0002 or control.tick_s=0.5",
     )
     p.add_argument(
         "--startup-timeout", type=float, default=300.0, help="seconds to wait for a server's health"

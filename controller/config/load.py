@@ -132,13 +132,13 @@ class AdmissionConfig:
 class ControlConfig:
     """[control]: the loop that moves the admission limit and the batch cap."""
 
-    tick_seconds: float = _f(1.0, "Seconds between two control-loop ticks.", 0.05, 3600)
+    tick_s: float = _f(1.0, "Seconds between two control-loop ticks.", 0.05, 3600)
     policy: str = _f(
         "slo",
         "A registered policy name, or 'module:Class' for a plug-in. The default, 'slo', steers to [slo], "
         "or without it to the throughput knee.",
     )
-    window_seconds: float = _f(10.0, "Length of the engine-stats window the loop observes.", 0.5, 3600)
+    window_s: float = _f(10.0, "Length of the engine-stats window the loop observes.", 0.5, 3600)
     history: int = _f(50, "How many recent decisions /state shows.", 1, 10_000)
     limit_max: int = _f(4096, "Ceiling of the admission limit any policy may set.", 1, 1_000_000)
     tolerance: float = _f(
@@ -239,6 +239,9 @@ class Config:
     """[slo] resolved per class (controller/config/slo.py); None: the file has no [slo]."""
     overlay: dict[str, dict[str, Any]] = field(default_factory=dict)
     """The command line's tables, laid over the file again at each reload (config/cli_layer.py)."""
+    warnings: tuple[str, ...] = ()
+    """What the file should change but that still loads (a key under its old name, ``RENAMED``):
+    check-config prints them, the daemon logs them at start and a reload answers them."""
 
     @property
     def max_num_seqs(self) -> int:
@@ -255,13 +258,20 @@ _TABLES: dict[str, type[Any]] = {
 _DICT_FIELDS = {"vllm", "params", "classes"}
 """Fields that hold a table of free-form keys rather than one typed value."""
 
+RENAMED: dict[str, dict[str, str]] = {"control": {"tick_seconds": "tick_s", "window_seconds": "window_s"}}
+"""Per table, old key -> new key: every duration is spelt ``_s``. The old name is read, with a warning,
+until the next release; both names in one table is an error, since the file then says two things."""
 
-def _build_table(name: str, raw: dict[str, Any], errors: list[str]) -> Any:
+
+def _build_table(name: str, raw: dict[str, Any], errors: list[str], warnings: list[str]) -> Any:
     cls = _TABLES[name]
     fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in _DICT_FIELDS}
     kwargs: dict[str, Any] = {}
     free: dict[str, Any] = {}
-    for key, value in raw.items():
+    for written, value in raw.items():
+        key = _current_name(name, written, raw, errors, warnings)
+        if key is None:
+            continue
         if name == "control" and key == "params":
             if isinstance(value, dict):
                 kwargs["params"] = dict(value)
@@ -270,7 +280,7 @@ def _build_table(name: str, raw: dict[str, Any], errors: list[str]) -> Any:
         elif name == "admission" and key == "classes":
             kwargs["classes"] = parse_classes(value, errors)
         elif key in fields:
-            problems = _check_value(name, fields[key], value)
+            problems = _check_value(name, fields[key], value, written=written)
             errors.extend(problems)
             if not problems:
                 kwargs[key] = float(value) if fields[key].type == "float" else value
@@ -281,6 +291,26 @@ def _build_table(name: str, raw: dict[str, Any], errors: list[str]) -> Any:
     if name == "server":
         kwargs["vllm"] = free
     return cls(**kwargs)
+
+
+def _current_name(
+    table: str, written: str, raw: dict[str, Any], errors: list[str], warnings: list[str]
+) -> str | None:
+    """The field a key the file ``written`` sets: itself, or the new name of an old one (with a
+    warning); None when the file sets the new name too (an error: it would say two things)."""
+    key = RENAMED.get(table, {}).get(written)
+    if key is None:
+        return written
+    if key in raw:
+        errors.append(
+            f"[{table}] {written} and {key} are both set: {written} is the old name of {key}; keep {key} only"
+        )
+        return None
+    warnings.append(
+        f"[{table}] {written} is renamed {key}: write {key} instead; the old name is read until the "
+        "next release"
+    )
+    return key
 
 
 def parse_config(data: dict[str, Any], path: Path) -> Config:
@@ -303,7 +333,8 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
     restart_on_reload = engine.pop("restart_on_reload", False)  # ours, not a vLLM argument
     if not isinstance(restart_on_reload, bool):
         errors.append(f"[engine] restart_on_reload = {restart_on_reload!r}: must be true or false")
-    tables = {name: _build_table(name, _table(data, name), errors) for name in _TABLES}
+    warnings: list[str] = []
+    tables = {name: _build_table(name, _table(data, name), errors, warnings) for name in _TABLES}
     errors.extend(non_finite_errors("engine", engine))
     errors.extend(non_finite_errors("server", tables["server"].vllm))
     errors.extend(non_finite_errors("control.params", tables["control"].params))
@@ -322,7 +353,14 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
         errors.extend(policy_errors(engine, tables))
     if errors:
         raise ConfigError(scrub(errors, data))  # logged and answered: no secret's value in them
-    return Config(engine=engine, path=path, restart_on_reload=restart_on_reload is True, slo=slo, **tables)
+    return Config(
+        engine=engine,
+        path=path,
+        restart_on_reload=restart_on_reload is True,
+        slo=slo,
+        warnings=tuple(warnings),
+        **tables,
+    )
 
 
 def _table(data: dict[str, Any], name: str) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from typing import Any
 from controller.admission.classes import _KEYS as CLASS_KEYS
 from controller.admission.classes import DEFAULT_CLASSES, PriorityClass
 from controller.config.diff import LIVE_TABLES
-from controller.config.load import _DICT_FIELDS, _TABLES, SMALL_HOST_CPUS
+from controller.config.load import _DICT_FIELDS, _TABLES, RENAMED, SMALL_HOST_CPUS
 from controller.config.slo import KEYS as SLO_KEYS
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
@@ -146,8 +146,21 @@ def _typed_table(name: str, cls: type[Any]) -> list[str]:
         lines.append(_row(f"`{f.name}`", default, _range(meta["lo"], meta["hi"]), reload, meta["doc"]))
     if name == "server":
         lines.append(_row("*any other key*", "", "", reload, _doc(cls, "vllm")))
-    lines += ["", SEE_ALSO[name], ""]
+    lines += ["", *_renamed(name), SEE_ALSO[name], ""]
     return lines
+
+
+def _renamed(table: str) -> list[str]:
+    """The table's old key names, still read (with a warning) until the next release."""
+    renamed = RENAMED.get(table, {})
+    if not renamed:
+        return []
+    names = ", ".join(f"`{old}` is `{new}`" for old, new in renamed.items())
+    return [
+        f"Renamed: {names}. The old name still loads, with a warning, until the next release; "
+        "both names in one file is an error.",
+        "",
+    ]
 
 
 def _doc(cls: type[Any], field_name: str) -> str:

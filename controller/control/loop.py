@@ -47,7 +47,7 @@ Subscriber = Callable[[Observation, list[Change]], None]
 
 
 class ControlLoop:
-    """Runs one tick at a time; the scheduler calls ``tick`` every ``[control] tick_seconds``."""
+    """Runs one tick at a time; the scheduler calls ``tick`` every ``[control] tick_s``."""
 
     def __init__(
         self,

@@ -124,7 +124,7 @@ def build_parts(
     """The parts, wired; nothing starts (no engine, no listener, no task) until the daemon's startup."""
     registry = CollectorRegistry()
     metrics = Metrics(registry)
-    window = TelemetryWindow(config.control.window_seconds)
+    window = TelemetryWindow(config.control.window_s)
     a = config.admission
     gate = AdmissionGate(a.limit, a.max_queue, a.classes, a.aging_s, events=GateMetrics(metrics))
     server = config.server

@@ -95,6 +95,8 @@ class Reloader:
         result = "pending_engine_restart" if diff.pending else "ok"
         p.metrics.config_reloads.labels(result).inc()
         log.info("reloaded", live=diff.live, pending=diff.pending, engine_restart=restart, deferred=deferred)
+        for warning in new.warnings:
+            log.warning("config_warning", path=str(new.path), warning=warning)
         try:
             await p.loop.tick()  # the new policy acts now, not at the next tick
         except Exception as exc:  # the new config is in force; the scheduled ticks go on
@@ -105,6 +107,7 @@ class Reloader:
             "pending": diff.pending,
             "engine_restart": restart,
             "deferred": deferred,
+            "warnings": list(new.warnings),
         }
 
     def _plan(self, new: Config, diff: ConfigDiff) -> LiveChange:
@@ -117,14 +120,14 @@ class Reloader:
             control = policy_for(merged), normalizer_for(merged.control)
         policy = p.loop.policy if control is None else control[0]
         new_profile = new.control.cost_profile != old.control.cost_profile and p.cost is not None
-        tick = new.control.tick_seconds
+        tick = new.control.tick_s
         return LiveChange(
             config=merged,
             control=control,
             ttft=ttft_for(policy, new.slo, new.admission.classes, p.cost),  # the policy's, on the new [slo]
             reseed=new_profile,
             cost_prior=cost_prior_for(new.control.cost_profile) if new_profile else None,
-            tick_seconds=tick if tick != old.control.tick_seconds else None,
+            tick_s=tick if tick != old.control.tick_s else None,
         )
 
     def _maybe_restart_for(self, new: Config, diff: ConfigDiff) -> tuple[dict[str, Any] | None, bool]:
@@ -174,7 +177,7 @@ class Reloader:
         p.gate.configure(a.classes, a.aging_s, a.max_queue)
         if a.limit != old.admission.limit:
             p.actuator.set_admission_limit(a.limit)
-        p.window.window_s = new.control.window_seconds
+        p.window.window_s = new.control.window_s
         if change.control is not None:
             p.loop.policy, p.loop.normalizer = change.control
         p.gate.set_ttft(change.ttft)
@@ -185,8 +188,8 @@ class Reloader:
         p.guard.configure(new.guard)
         if change.reseed and p.cost is not None:
             p.cost.model.reset(change.cost_prior)  # a new seed (or none): start from it
-        if change.tick_seconds is not None and p.scheduler.get_job(TICK_JOB) is not None:
-            p.scheduler.reschedule_job(TICK_JOB, trigger="interval", seconds=change.tick_seconds)
+        if change.tick_s is not None and p.scheduler.get_job(TICK_JOB) is not None:
+            p.scheduler.reschedule_job(TICK_JOB, trigger="interval", seconds=change.tick_s)
 
 
 @dataclass(frozen=True)
@@ -203,5 +206,5 @@ class LiveChange:
     """The cost profile changed: the step-cost model starts over from ``cost_prior``."""
     cost_prior: CostPrior | None
     """The new profile's seed (None: no profile)."""
-    tick_seconds: float | None
+    tick_s: float | None
     """The loop's new interval, when it changed."""

@@ -136,7 +136,7 @@ class Simulation:
         self.control = control or ControlSettings()
         self.clock = FakeClock(0.0)
         self.engine = SimEngine(profile.engine, profile.cost)
-        self.window = TelemetryWindow(self.control.control.window_seconds, self.clock)
+        self.window = TelemetryWindow(self.control.control.window_s, self.clock)
         a = self.control.admission
         self.gate = AdmissionGate(a.limit, a.max_queue, a.classes, a.aging_s, clock=self.clock)
         self.changes: list[Change] = []
@@ -378,7 +378,7 @@ class Simulation:
         delay from the load it finds), then entries into the gate, then the control tick, then the
         time-series sample; then the next step is planned from what the tasks did."""
         c = self.control
-        next_tick, next_sample = c.control.tick_seconds, c.sample_period_s
+        next_tick, next_sample = c.control.tick_s, c.sample_period_s
         end_by = (arrivals[-1].arrival_s if arrivals else 0.0) + c.drain_s
         entries: list[tuple[float, int, RequestSpec]] = []
         i, plan, step_end, step_s = 0, None, 0.0, 0.0
@@ -410,7 +410,7 @@ class Simulation:
                 await self._settle()
             if next_tick <= t:
                 await self.loop.tick()
-                next_tick += c.control.tick_seconds
+                next_tick += c.control.tick_s
                 await self._settle()
             if next_sample <= t:
                 self._sample(t)

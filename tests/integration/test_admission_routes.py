@@ -55,7 +55,7 @@ async def daemon(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Daem
             "min_priority": MIN_PRIORITY,
             "default_priority": 1,
         },
-        control={"tick_seconds": 3600.0, "policy": "static"},
+        control={"tick_s": 3600.0, "policy": "static"},
     )
     async with running_daemon(path) as d:
         yield d

@@ -27,7 +27,7 @@ async def daemon(tmp_path_factory: pytest.TempPathFactory, smollm2_model: Path) 
         # float32 on every box: config.toml's dtype resolves to bf16 on a CPU with native bf16, and
         # there vLLM-CPU's greedy answer below is not Paris (see the test)
         engine={**engine, "model": str(smollm2_model), "dtype": "float32"},
-        control={"tick_seconds": 3600.0, "policy": "static"},
+        control={"tick_s": 3600.0, "policy": "static"},
     )
     async with running_daemon(path) as d:
         yield d

@@ -66,7 +66,7 @@ POLICIES: dict[str, dict[str, Any]] = {
         "params": {"step": 2, "cooldown_s": 2.0, "cut_cooldown_s": 3.5, "idle_restore_s": 5.0},
     },
     "pid": {
-        "window_seconds": 10.0,
+        "window_s": 10.0,
         "params": {"idle_restore_s": 5.0},
         # the shared normalize stage keeps +-1 jitter from reaching the engine; 0.25 made every move
         # a jump of a quarter, wider than the caps the deadband spans here, so the cap jumped over it
@@ -94,8 +94,8 @@ def write_control_config(path: Path, model: Path, policy: str, ports: tuple[int,
             },
         },
         control={
-            "tick_seconds": 0.5,
-            "window_seconds": 3.0,
+            "tick_s": 0.5,
+            "window_s": 3.0,
             "history": 1000,
             "policy": policy,
             **POLICIES[policy],

@@ -38,7 +38,7 @@ async def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> 
                 "batch": {"min_priority": 1, "queue_deadline_s": 120.0},
             },
         },
-        control={"tick_seconds": 3600.0, "policy": "static"},
+        control={"tick_s": 3600.0, "policy": "static"},
     )
     async with running_daemon(path) as d:
         yield d

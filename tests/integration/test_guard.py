@@ -36,7 +36,7 @@ async def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> 
         tmp_path_factory.mktemp("guard") / "config.toml",
         engine={"kv_cache_memory_bytes": KV_BYTES, "max_num_seqs": 32},
         admission={"limit": 32, "max_queue": 512},
-        control={"tick_seconds": 0.2, "policy": "static"},
+        control={"tick_s": 0.2, "policy": "static"},
         guard={
             "consecutive_samples": 3,
             "host_available_margin_bytes": 1 << 30,

@@ -35,7 +35,7 @@ def _config(path: Path, ports: tuple[int, int], limit: int, extra: str = "", **e
         server={"port": ports[0], "shutdown_timeout_s": 30.0},
         admin={"port": ports[1]},
         admission={"limit": limit, "max_queue": 256},
-        control={"tick_seconds": 0.5, "policy": "static"},
+        control={"tick_s": 0.5, "policy": "static"},
     )
     if extra:
         path.write_text(path.read_text() + extra)

@@ -83,7 +83,7 @@ def write_daemon_config(path: Path, model: Path, poll_sleep_s: float, limit: int
         server={"port": ports[0], "shutdown_timeout_s": 10.0, "engine_poll_sleep_s": poll_sleep_s},
         admin={"port": ports[1]},
         admission={"limit": limit, "max_queue": 128, "aging_s": 5.0},
-        control={"tick_seconds": 1.0, "policy": "static"},
+        control={"tick_s": 1.0, "policy": "static"},
     )
     return f"http://127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}"
 

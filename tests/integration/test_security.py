@@ -27,7 +27,7 @@ async def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> 
         server={"api_key": API_KEY},
         admin={"token": TOKEN},
         admission={"min_priority": 0, "default_priority": 1},
-        control={"tick_seconds": 3600.0, "policy": "static"},
+        control={"tick_s": 3600.0, "policy": "static"},
     )
     async with running_daemon(path) as d:
         yield d

@@ -35,7 +35,7 @@ async def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> 
         tmp_path_factory.mktemp("cfg") / "config.toml",
         # prefix caching off: every prompt is prefilled whole, so a step's tokens are the prompt's
         engine={"max_num_batched_tokens": CEILING, "enable_prefix_caching": False},
-        control={"tick_seconds": 3600.0, "policy": "static"},
+        control={"tick_s": 3600.0, "policy": "static"},
     )
     async with running_daemon(path) as d:
         yield d

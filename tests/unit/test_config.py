@@ -60,7 +60,7 @@ def test_default_config_loads() -> None:
     assert config.admin == AdminConfig(host="127.0.0.1", port=9400)
     assert config.admission == AdmissionConfig(limit=64, max_queue=1024, aging_s=10.0)
     assert config.control == ControlConfig(
-        tick_seconds=1.0, policy="slo", window_seconds=10.0, history=50, params={}, warmup_s=20.0
+        tick_s=1.0, policy="slo", window_s=10.0, history=50, params={}, warmup_s=20.0
     )  # no cost_profile: the warm-up fits the step-cost model at startup
     described = describe(config)
     assert {k: v for k, v in described["admission"].items() if k != "classes"} == DEFAULT_ADMISSION
@@ -80,7 +80,7 @@ def test_default_config_loads() -> None:
         ),
         ("admin", "prot", "[admin] unknown key 'prot': did you mean 'port'?"),
         ("control", "polcy", "[control] unknown key 'polcy': did you mean 'policy'?"),
-        ("control", "tick_second", "[control] unknown key 'tick_second': did you mean 'tick_seconds'?"),
+        ("control", "tick_second", "[control] unknown key 'tick_second': did you mean 'tick_s'?"),
         ("control", "histroy", "[control] unknown key 'histroy': did you mean 'history'?"),
         (
             "engine",
@@ -129,15 +129,15 @@ def test_vllm_front_end_options_pass_through_server() -> None:
         ),
         (
             "control",
-            "tick_seconds",
+            "tick_s",
             0.01,
-            "[control] tick_seconds = 0.01: out of range; use a value in [0.05, 3600].",
+            "[control] tick_s = 0.01: out of range; use a value in [0.05, 3600].",
         ),
         (
             "control",
-            "window_seconds",
+            "window_s",
             0.1,
-            "[control] window_seconds = 0.1: out of range; use a value in [0.5, 3600].",
+            "[control] window_s = 0.1: out of range; use a value in [0.5, 3600].",
         ),
         ("control", "history", 0, "[control] history = 0: out of range; use a value in [1, 10000]."),
     ],
@@ -156,8 +156,8 @@ def test_out_of_range_names_key_value_and_range(
         ("admission", "limit", "64", "[admission] limit = '64': must be int."),
         ("admission", "limit", True, "[admission] limit = True: must be int."),
         ("admission", "limit", 1.5, "[admission] limit = 1.5: must be int."),
-        ("control", "tick_seconds", "1", "[control] tick_seconds = '1': must be float."),
-        ("control", "tick_seconds", False, "[control] tick_seconds = False: must be float."),
+        ("control", "tick_s", "1", "[control] tick_s = '1': must be float."),
+        ("control", "tick_s", False, "[control] tick_s = False: must be float."),
         ("control", "policy", 3, "[control] policy = 3: must be str."),
         ("server", "host", 127, "[server] host = 127: must be str."),
         ("control", "params", 3, "[control] params must be a table: write [control.params]"),
@@ -170,9 +170,71 @@ def test_wrong_type_names_key_value_and_type(table: str, key: str, value: Any, e
 
 
 def test_int_is_accepted_where_a_float_is_expected() -> None:
-    config = parse_config(with_changes(control={"tick_seconds": 2}), DEFAULT)
-    assert config.control.tick_seconds == 2.0
-    assert isinstance(config.control.tick_seconds, float)
+    config = parse_config(with_changes(control={"tick_s": 2}), DEFAULT)
+    assert config.control.tick_s == 2.0
+    assert isinstance(config.control.tick_s, float)
+
+
+# -- renamed keys ----------------------------------------------------------------------------------
+
+
+def without_control_keys(*keys: str, **values: Any) -> dict[str, Any]:
+    """The default document with ``keys`` gone from [control] and ``values`` set there."""
+    data = with_changes(control=values)
+    for key in keys:
+        data["control"].pop(key, None)
+    return data
+
+
+@pytest.mark.parametrize(("new", "value"), [("tick_s", 0.5), ("window_s", 3.0)])
+def test_a_duration_key_loads_under_its_new_name_without_a_warning(new: str, value: float) -> None:
+    config = parse_config(with_changes(control={new: value}), DEFAULT)
+    assert getattr(config.control, new) == value
+    assert config.warnings == ()
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "value"), [("tick_seconds", "tick_s", 0.5), ("window_seconds", "window_s", 3.0)]
+)
+def test_an_old_key_name_loads_with_a_warning_naming_old_and_new(old: str, new: str, value: float) -> None:
+    config = parse_config(without_control_keys(new, **{old: value}), DEFAULT)
+    assert getattr(config.control, new) == value
+    assert config.warnings == (
+        f"[control] {old} is renamed {new}: write {new} instead; the old name is read until the next release",
+    )
+
+
+@pytest.mark.parametrize(("old", "new"), [("tick_seconds", "tick_s"), ("window_seconds", "window_s")])
+def test_old_and_new_key_name_together_is_an_error_naming_both(old: str, new: str) -> None:
+    assert errors_of(with_changes(control={old: 2.0, new: 2.0})) == [
+        f"[control] {old} and {new} are both set: {old} is the old name of {new}; keep {new} only"
+    ]
+
+
+def test_an_old_key_name_out_of_range_is_named_as_the_file_wrote_it() -> None:
+    errors = errors_of(without_control_keys("tick_s", tick_seconds=0.01))
+    assert len(errors) == 1
+    assert errors[0].startswith(
+        "[control] tick_seconds = 0.01: out of range; use a value in [0.05, 3600]."
+    ), errors
+
+
+def test_check_config_prints_an_old_key_name_warning_on_stderr_and_the_json_on_stdout(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from controller.cli import main
+
+    text = DEFAULT.read_text()
+    assert "\ntick_s = 1.0\n" in text
+    path = tmp_path / "config.toml"
+    path.write_text(text.replace("\ntick_s = 1.0\n", "\ntick_seconds = 0.5\n"))
+    assert main(["check-config", "--config", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["control"]["tick_s"] == 0.5
+    assert err == (
+        f"{path}: warning: [control] tick_seconds is renamed tick_s: write tick_s instead; "
+        "the old name is read until the next release\n"
+    )
 
 
 @pytest.mark.parametrize("table", ["admission", "control", "server"])
@@ -298,7 +360,7 @@ def test_every_error_is_reported_at_once() -> None:
     data = with_changes(
         admission={"limt": 3, "max_queue": -1},
         server={"port": 0},
-        control={"tick_seconds": "fast"},
+        control={"tick_s": "fast"},
         engine={"max_num_seq": 8, "scheduler_cls": "x"},
         contrl={},
     )
@@ -309,7 +371,7 @@ def test_every_error_is_reported_at_once() -> None:
         "[admission] unknown key 'limt'",
         "[admission] max_queue = -1",
         "[server] port = 0",
-        "[control] tick_seconds = 'fast'",
+        "[control] tick_s = 'fast'",
         "[engine] unknown key 'max_num_seq'",
         "[engine] scheduler_cls",
     ):

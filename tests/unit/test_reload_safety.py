@@ -60,7 +60,7 @@ async def test_a_reload_whose_cost_profile_fails_to_build_changes_no_live_table(
     rewrite(
         p,
         admission={"limit": 5, "max_queue": 9, "aging_s": 2.0},
-        control={"policy": "static", "cost_profile": "cpu-smollm2", "window_seconds": 3.0, "history": 7},
+        control={"policy": "static", "cost_profile": "cpu-smollm2", "window_s": 3.0, "history": 7},
         guard={"stall_timeout_s": 10.0},
     )
 
@@ -97,7 +97,7 @@ async def test_a_reload_that_builds_swaps_every_live_table_in(tmp_path: Path) ->
     rewrite(
         p,
         admission={"limit": 5, "max_queue": 9, "aging_s": 2.0},
-        control={"policy": "static", "cost_profile": "", "window_seconds": 3.0, "history": 7},
+        control={"policy": "static", "cost_profile": "", "window_s": 3.0, "history": 7},
         guard={"stall_timeout_s": 10.0},
     )
     result = await Reloader(p).reload()
@@ -106,6 +106,19 @@ async def test_a_reload_that_builds_swaps_every_live_table_in(tmp_path: Path) ->
     assert (after["limit"], after["max_queue"], after["aging_s"]) == (5, 9, 2.0)
     assert (after["window_s"], after["history"], after["stall_timeout_s"]) == (3.0, 7, 10.0)
     assert after["cost_prior"] is None and p.config.control.cost_profile == ""
+
+
+async def test_a_reload_of_an_old_key_name_applies_it_and_answers_the_warning(tmp_path: Path) -> None:
+    p = parts_for(tmp_path, control={"policy": "static"})
+    rewrite(p, control={"policy": "static", "window_seconds": 3.0})
+    result = await Reloader(p).reload()
+    assert result["ok"] is True
+    assert p.window.window_s == 3.0
+    assert result["warnings"] == [
+        "[control] window_seconds is renamed window_s: write window_s instead; the old name is read until "
+        "the next release"
+    ]
+    assert p.config.warnings == tuple(result["warnings"])
 
 
 # -- one reload at a time, none while the daemon starts or drains ----------------------------------
