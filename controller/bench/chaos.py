@@ -25,7 +25,7 @@ import psutil
 
 from controller.bench.chaos_faults import Injector, engine_core_alive, http_get, inject_faults
 from controller.bench.chaos_load import LoadShape, Sender, run_load
-from controller.bench.chaos_verdict import EndState, Limits, verdict
+from controller.bench.chaos_verdict import ChaosVerdictLimits, EndState, verdict
 from controller.bench.client import Target
 from controller.bench.servers import Launched, ServerSpec, launched, served_model
 from controller.bench.targets import add_config_args, base_config
@@ -175,7 +175,7 @@ def main(args: argparse.Namespace) -> int:
     end.exit_code, end.killed_leftovers = server.exit_code, server.killed
     end.engine_cores_alive = sorted(p for p in injector.engine_pids if engine_core_alive(p))
     end.shm_orphans = _shm_orphans(shm_before)
-    limits = Limits(args.warmup, args.max_rss_growth)
+    limits = ChaosVerdictLimits(args.warmup, args.max_rss_growth)
     passed, reasons, figures = verdict(outcomes, injector.records, end, limits)
     report = {
         "passed": passed,

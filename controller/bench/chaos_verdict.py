@@ -43,7 +43,9 @@ class EndState:
 
 
 @dataclass(frozen=True)
-class Limits:
+class ChaosVerdictLimits:
+    """What a chaos soak tolerates of the daemon's memory before its verdict fails."""
+
     warmup_s: float = 60.0
     """RSS before this is left out of the fit (imports, the first engine's build)."""
     max_rss_growth: float = 0.10
@@ -96,7 +98,7 @@ def held_gate(outcomes: Sequence[Outcome]) -> HeldGate:
 
 
 def verdict(
-    outcomes: Sequence[Outcome], faults: Sequence[FaultRecord], end: EndState, limits: Limits
+    outcomes: Sequence[Outcome], faults: Sequence[FaultRecord], end: EndState, limits: ChaosVerdictLimits
 ) -> tuple[bool, list[str], dict[str, Any]]:
     """(passed, reasons for failing, the figures checked)."""
     reasons: list[str] = []

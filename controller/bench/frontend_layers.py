@@ -85,7 +85,7 @@ def build(stack: str, streams: int, outputs: int) -> Handler:
     from controller.admission.gate import AdmissionGate
     from controller.engine.frontend.app import AdmissionMiddleware
     from controller.engine.frontend.client import GovernedEngineClient
-    from controller.engine.frontend.limits import ClientLimits, Limits
+    from controller.engine.frontend.limits import ClientLimits, ServerLimits
 
     engine = _Engine(outputs)
     if stack == "bare":
@@ -96,7 +96,7 @@ def build(stack: str, streams: int, outputs: int) -> Handler:
     if stack in ("middleware", "limits"):
         app = AdmissionMiddleware(app, gate)
     if stack == "limits":
-        app = ClientLimits(app, Limits())
+        app = ClientLimits(app, ServerLimits())
     return app
 
 

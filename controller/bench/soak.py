@@ -25,8 +25,8 @@ OOM_MARKERS = ("out of memory", "outofmemoryerror", "oom-kill", "oom_kill", "kil
 
 
 @dataclass(frozen=True)
-class Limits:
-    """What a soak tolerates."""
+class SoakVerdictLimits:
+    """What a soak tolerates before its verdict fails."""
 
     window_s: float = 60.0
     """Length of the first and last windows compared."""
@@ -88,7 +88,7 @@ def rss_growth(series: Sequence[SeriesPoint], skip_s: float) -> float | None:
 
 
 def verdict(
-    summary: dict[str, Any], series: Sequence[SeriesPoint], limits: Limits, log_text: str = ""
+    summary: dict[str, Any], series: Sequence[SeriesPoint], limits: SoakVerdictLimits, log_text: str = ""
 ) -> tuple[bool, list[str], dict[str, Any]]:
     """(passed, reasons for failing, the figures checked)."""
     reasons: list[str] = []
@@ -156,7 +156,9 @@ def main(args: argparse.Namespace) -> int:
     target = run_dir(args.out, name)
     logs = args.out / "logs"
     summary = run_one(bench, spec, target, logs)
-    limits = Limits(args.window, args.max_decay, args.max_ttft_growth, args.max_rss_growth, args.max_failed)
+    limits = SoakVerdictLimits(
+        args.window, args.max_decay, args.max_ttft_growth, args.max_rss_growth, args.max_failed
+    )
     log_text = log_tail(logs / f"{name}.log", 400)
     passed, reasons, figures = verdict(summary, read_series(target / "timeseries.jsonl"), limits, log_text)
     result = {"passed": passed, "reasons": reasons, "figures": figures, "limits": asdict(limits)}

@@ -23,7 +23,7 @@ from controller.config.load import Config
 from controller.control.samplers import GpuSource, HostReadingSource
 from controller.engine.frontend.app import build_data_plane, make_server, refresh_app_state
 from controller.engine.frontend.client import GovernedEngineClient
-from controller.engine.frontend.limits import Limits
+from controller.engine.frontend.limits import ServerLimits
 from controller.lifecycle.notify import start_watchdog
 from controller.lifecycle.parts import TICK_JOB, build_parts
 from controller.lifecycle.reload import Reloader
@@ -93,7 +93,7 @@ class Daemon:
         p.host.on_new_engine = lambda: refresh_app_state(app, client, p.host.args)
         timeout, bounds = self.config.server.shutdown_timeout_s, lambda: p.config.admission.priority_bounds
         server = self.config.server
-        limits = Limits(server.send_timeout_s, server.max_connections, server.max_body_bytes)
+        limits = ServerLimits(server.send_timeout_s, server.max_connections, server.max_body_bytes)
         p.server = make_server(app, p.args, timeout, p.gate, bounds, limits)  # bounds read per request
         self._server_task = asyncio.create_task(p.server.serve())
         while not p.server.started and not self._server_task.done():

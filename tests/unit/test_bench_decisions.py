@@ -137,7 +137,9 @@ def _series(tok: list[float], rss: list[int] | None = None, ttft: float = 0.1) -
     ]
 
 
-LIMITS = soak.Limits(window_s=10.0, max_decay=0.2, max_ttft_growth=3.0, max_rss_growth=0.1, max_failed=0.01)
+LIMITS = soak.SoakVerdictLimits(
+    window_s=10.0, max_decay=0.2, max_ttft_growth=3.0, max_rss_growth=0.1, max_failed=0.01
+)
 
 
 def test_soak_passes_a_steady_run() -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import uvicorn
 
-from controller.engine.frontend.limits import ClientLimits, Limits
+from controller.engine.frontend.limits import ClientLimits, ServerLimits
 
 LIMIT = 1024
 
@@ -67,7 +67,7 @@ async def through_limits(
         sent.append(message)
 
     scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": list(headers.items())}
-    await ClientLimits(app, Limits(max_body_bytes=LIMIT))(scope, upload.receive, send)
+    await ClientLimits(app, ServerLimits(max_body_bytes=LIMIT))(scope, upload.receive, send)
     return app, upload, sent
 
 
@@ -130,7 +130,7 @@ async def test_a_body_past_the_limit_after_the_answer_started_is_cut_without_a_s
 
     upload = Upload([b"y" * 600] * 5)
     scope = {"type": "http", "method": "POST", "path": "/x", "headers": [(b"transfer-encoding", b"chunked")]}
-    await ClientLimits(answers_first, Limits(max_body_bytes=LIMIT))(scope, upload.receive, send)
+    await ClientLimits(answers_first, ServerLimits(max_body_bytes=LIMIT))(scope, upload.receive, send)
     assert statuses(sent) == [200] and upload.pulled == 2
     assert read[-1]["type"] == "http.disconnect"  # the app is told the client is gone
     assert sent[-1]["body"] == b"done"  # and may end its answer
@@ -175,7 +175,7 @@ async def post_chunked(port: int, encoding: bytes, size: int) -> bytes:
 async def test_a_real_server_answers_413_to_a_chunked_body_past_the_limit(parser: str) -> None:
     listening = socket.create_server(("127.0.0.1", 0))  # connections wait in its backlog until served
     port = listening.getsockname()[1]
-    app = ClientLimits(echo_length, Limits(max_body_bytes=LIMIT))
+    app = ClientLimits(echo_length, ServerLimits(max_body_bytes=LIMIT))
     server = uvicorn.Server(
         uvicorn.Config(app, http=parser, log_level="warning", lifespan="off", log_config=None)
     )

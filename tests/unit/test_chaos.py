@@ -15,7 +15,7 @@ from aiohttp.test_utils import TestServer
 
 from controller.bench.chaos_faults import FaultRecord, inject_faults
 from controller.bench.chaos_load import LoadShape, Outcome, Sender
-from controller.bench.chaos_verdict import EndState, Limits, bad_ending, verdict
+from controller.bench.chaos_verdict import ChaosVerdictLimits, EndState, bad_ending, verdict
 from controller.bench.client import Target
 
 
@@ -147,7 +147,7 @@ def _good_end(**changes: Any) -> EndState:
 
 def test_a_clean_run_passes() -> None:
     faults = [FaultRecord(10.0, "kill_engine", "back", "back after 40 s", True)]
-    passed, reasons, figures = verdict([_outcome("completed")] * 5, faults, _good_end(), Limits())
+    passed, reasons, figures = verdict([_outcome("completed")] * 5, faults, _good_end(), ChaosVerdictLimits())
     assert passed, reasons
     assert figures["endings"] == {"stream:completed": 5}
     assert figures["rss_growth"] == pytest.approx(0.0)
@@ -167,7 +167,7 @@ def test_a_clean_run_passes() -> None:
     ],
 )
 def test_each_broken_invariant_is_named(changes: dict[str, Any], says: str) -> None:
-    passed, reasons, _ = verdict([_outcome("completed")], [], _good_end(**changes), Limits())
+    passed, reasons, _ = verdict([_outcome("completed")], [], _good_end(**changes), ChaosVerdictLimits())
     assert not passed
     assert any(says in r for r in reasons), reasons
 
@@ -175,7 +175,7 @@ def test_each_broken_invariant_is_named(changes: dict[str, Any], says: str) -> N
 def test_a_failed_fault_and_a_hung_request_fail_the_run() -> None:
     faults = [FaultRecord(10.0, "reload_bad_engine", "refused", "NOT refused", False)]
     hung = Outcome("same_id", 1, 3.0, 100.0, 100.0, "hung", None, False, "no end within 100 s")
-    passed, reasons, figures = verdict([hung], faults, _good_end(), Limits())
+    passed, reasons, figures = verdict([hung], faults, _good_end(), ChaosVerdictLimits())
     assert not passed
     assert figures["faults_failed"] == 1 and figures["bad_endings"] == 1
     assert any("reload_bad_engine" in r for r in reasons) and any("same_id" in r for r in reasons)
@@ -190,11 +190,13 @@ def test_plain_streams_all_refused_beside_a_stream_over_the_limit_fail_the_run()
     refused = [_at("stream", 12.0 + i, 5.0, "http_error", 429) for i in range(3)]
     after = _at("stream", 40.0, 1.0, "completed")  # sent once the wide stream had ended
     rebuild = _at("stream", 14.0, 0.1, "http_error", 503)  # an engine kill's, not the gate's
-    passed, reasons, figures = verdict([wide, *refused, after, rebuild], [], _good_end(), Limits())
+    passed, reasons, figures = verdict(
+        [wide, *refused, after, rebuild], [], _good_end(), ChaosVerdictLimits()
+    )
     assert not passed and any("held the gate" in r for r in reasons), reasons
     assert figures["beside_stream_over_limit"] == {"sent": 4, "served": 0, "refused_429": 3}
     served = _at("stream", 13.0, 6.0, "completed")  # waited behind it, then served
-    passed, reasons, _ = verdict([wide, *refused, served, after], [], _good_end(), Limits())
+    passed, reasons, _ = verdict([wide, *refused, served, after], [], _good_end(), ChaosVerdictLimits())
     assert passed, reasons
 
 

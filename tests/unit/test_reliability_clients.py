@@ -21,7 +21,7 @@ from controller.admission.gate import AdmissionGate
 from controller.clock import FakeClock
 from controller.engine.frontend.app import make_server
 from controller.engine.frontend.client import GovernedEngineClient
-from controller.engine.frontend.limits import ClientLimits, Limits, SendStalled, SendWatch
+from controller.engine.frontend.limits import ClientLimits, SendStalled, SendWatch, ServerLimits
 from controller.engine.frontend.pump import EngineStream
 from tests.helpers import FakeHost, settle
 
@@ -96,7 +96,7 @@ async def test_a_response_write_the_client_never_takes_ends_after_send_timeout()
     async def receive() -> dict[str, Any]:
         return {"type": "http.request", "body": b"", "more_body": False}
 
-    limited = ClientLimits(app, Limits(send_timeout_s=0.2))
+    limited = ClientLimits(app, ServerLimits(send_timeout_s=0.2))
     scope = {"type": "http", "path": "/v1/completions", "headers": []}
     with pytest.raises(SendStalled, match="send_timeout_s"):
         await asyncio.wait_for(limited(scope, receive, stalled_send), 5.0)
@@ -107,7 +107,7 @@ def test_the_data_plane_caps_its_connections() -> None:
     args = argparse.Namespace(
         host="127.0.0.1", port=0, uvicorn_log_level="info", disable_uvicorn_access_log=True
     )
-    server = make_server(FastAPI(), args, 5.0, small_gate(), limits=Limits(max_connections=7))
+    server = make_server(FastAPI(), args, 5.0, small_gate(), limits=ServerLimits(max_connections=7))
     assert server.config.limit_concurrency == 7
 
 
@@ -131,7 +131,7 @@ async def post(app: Any, content: Any, headers: dict[str, str] | None = None) ->
 
 
 async def test_a_body_over_max_body_bytes_gets_413_and_never_reaches_the_app() -> None:
-    app = ClientLimits(echo_app(), Limits(max_body_bytes=1024))
+    app = ClientLimits(echo_app(), ServerLimits(max_body_bytes=1024))
     r = await post(app, b"x" * 1025)
     assert r.status_code == 413 and "max_body_bytes = 1024" in r.json()["error"]["message"]
     ok = await post(app, b"x" * 1024)
@@ -139,7 +139,7 @@ async def test_a_body_over_max_body_bytes_gets_413_and_never_reaches_the_app() -
 
 
 async def test_a_chunked_body_over_the_limit_gets_413_and_one_under_it_arrives_whole() -> None:
-    app = ClientLimits(echo_app(), Limits(max_body_bytes=1024))
+    app = ClientLimits(echo_app(), ServerLimits(max_body_bytes=1024))
 
     async def chunks(n: int) -> AsyncIterator[bytes]:
         for _ in range(n):
@@ -277,7 +277,7 @@ async def test_a_cancelled_request_is_cancelled_not_stalled_whatever_its_send_ti
     async def receive() -> dict[str, Any]:
         return {"type": "http.request", "body": b"", "more_body": False}
 
-    limited = ClientLimits(app, Limits(send_timeout_s=30.0))
+    limited = ClientLimits(app, ServerLimits(send_timeout_s=30.0))
     scope = {"type": "http", "path": "/v1/completions", "headers": []}
     task = asyncio.create_task(limited(scope, receive, slow_send))
     await started.wait()

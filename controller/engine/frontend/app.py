@@ -21,7 +21,7 @@ from controller.admission.gate import AdmissionGate
 from controller.engine.frontend import context
 from controller.engine.frontend.auth import with_api_key
 from controller.engine.frontend.client import GateRefusal, GovernedEngineClient
-from controller.engine.frontend.limits import DEFAULT_LIMITS, ClientLimits, Limits
+from controller.engine.frontend.limits import DEFAULT_SERVER_LIMITS, ClientLimits, ServerLimits
 from controller.engine.frontend.priority import resolve_priorities
 
 ASGIApp = Callable[..., Any]
@@ -140,7 +140,7 @@ def make_server(
     shutdown_timeout_s: float,
     gate: AdmissionGate,
     bounds: Callable[[], PriorityBounds] = PriorityBounds,
-    limits: Limits = DEFAULT_LIMITS,
+    limits: ServerLimits = DEFAULT_SERVER_LIMITS,
 ) -> DataPlaneServer:
     # Wrapped outside the app: vLLM's app has built its middleware stack by now. The key check is
     # outermost: a request without the key is answered before its body is read or counted.

@@ -34,15 +34,16 @@ ASGIApp = Callable[..., Any]
 
 
 @dataclass(frozen=True)
-class Limits:
-    """The [server] limits (controller/config/load.py documents them)."""
+class ServerLimits:
+    """What one client may cost the API server: the [server] send timeout, connection cap and body
+    limit (controller/config/load.py documents them)."""
 
     send_timeout_s: float = 30.0
     max_connections: int = 4096
     max_body_bytes: int = 64 << 20
 
 
-DEFAULT_LIMITS = Limits()
+DEFAULT_SERVER_LIMITS = ServerLimits()
 
 
 class SendStalled(Exception):
@@ -141,7 +142,7 @@ class SendWatch:
 class ClientLimits:
     """ASGI middleware: the body limit and the send timeout."""
 
-    def __init__(self, app: ASGIApp, limits: Limits) -> None:
+    def __init__(self, app: ASGIApp, limits: ServerLimits) -> None:
         self.app = app
         self.limits = limits
 
@@ -179,7 +180,7 @@ class _Exchange:
     """One request seen through the limits: the body bytes the app has read so far, whether an
     answer has started (the app's or ours), and every write bounded by the send timeout."""
 
-    def __init__(self, receive: ASGIApp, send: ASGIApp, limits: Limits, path: str) -> None:
+    def __init__(self, receive: ASGIApp, send: ASGIApp, limits: ServerLimits, path: str) -> None:
         self._receive, self._send, self.limits, self.path = receive, send, limits, path
         self._loop = asyncio.get_running_loop()
         self.watch = SendWatch(limits.send_timeout_s, self._loop)
