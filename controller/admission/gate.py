@@ -30,8 +30,9 @@ from contextlib import asynccontextmanager
 
 from controller.admission.classes import DEFAULT_CLASSES, CompletionRate, GateEvents, NoEvents, PriorityClass
 from controller.admission.deadlines import Deadlines
+from controller.admission.errors import GateRejected, shutting_down
 from controller.admission.order import capped, next_queue
-from controller.admission.queues import ClassQueue, GateRejected, GateStats, Slot, Waiter, shutting_down
+from controller.admission.queues import ClassQueue, GateStats, Slot, Waiter
 from controller.admission.shedding import shed_order
 from controller.admission.ttft import NO_BOUNDS, AfterSlot, TtftBounds
 from controller.clock import Clock, monotonic

@@ -1,4 +1,4 @@
-"""The gate's data: refusals, slots, stats, and one priority class's queue of waiters."""
+"""The gate's data: slots, stats, and one priority class's queue of waiters."""
 
 from __future__ import annotations
 
@@ -9,27 +9,6 @@ from collections import deque
 from dataclasses import dataclass
 
 from controller.admission.classes import PriorityClass
-
-
-class GateRejected(Exception):
-    """The request is refused before it starts (HTTP 429 or 503); ``reason`` is the metric label."""
-
-    def __init__(self, message: str, status: int, retry_after_s: int, reason: str = "") -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.retry_after_s = retry_after_s
-        self.reason = reason
-
-    def fresh(self) -> GateRejected:
-        """A new refusal with the same answer. A stored refusal (the gate refusing everyone during
-        shutdown or while no engine can serve) is never raised itself: each raise would append its
-        frames to the one shared traceback, which then grows with every refused request."""
-        return GateRejected(self.message, self.status, self.retry_after_s, self.reason)
-
-
-def shutting_down() -> GateRejected:
-    return GateRejected("the server is shutting down; retry on another instance", 503, 1, "shutting_down")
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from controller.admission.queues import ClassQueue, GateRejected, Waiter
+from controller.admission.errors import GateRejected
+from controller.admission.queues import ClassQueue, Waiter
 
 
 def shed_order(

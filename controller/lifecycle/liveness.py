@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from controller.admission.queues import GateRejected
+from controller.admission.errors import GateRejected
 
 
 class StallWatch:
