@@ -1,11 +1,12 @@
-"""What one client may cost, and shutdown, on the real engine (issue 16, items 5, 11 and 18).
+"""What one client may cost, and shutdown, on the real engine.
 
-One daemon for the module (admission limit 2, ``send_timeout_s`` 2, ``max_connections`` 24,
-``max_body_bytes`` 64 KiB, ``shutdown_timeout_s`` 1). In order: (a) a real socket client that
-stops reading gets its slot back when the engine finishes, and the stalled send is cut after
-``send_timeout_s``; (b) connections past ``max_connections`` get 503; (c) a body past
-``max_body_bytes`` gets 413, sent whole or chunked; (d) last, a shutdown with requests running and
-queued past the drain deadline answers every one of them (503 or an error event), none dropped.
+A daemon with admission limit 2, ``send_timeout_s`` 2, ``max_connections`` 24, ``max_body_bytes``
+64 KiB and ``shutdown_timeout_s`` 1: a real socket client that stops reading gets its slot back when
+the engine finishes, and the stalled send is cut after ``send_timeout_s``; connections past
+``max_connections`` get 503; a body past ``max_body_bytes`` gets 413, sent whole or chunked; a
+shutdown with requests running and queued past the drain deadline answers every one of them (503 or
+an error event), none dropped. The tests share one daemon while it serves; the shutdown test ends it,
+and a test after it gets a new one (``Daemons``), so no test depends on the order they run in.
 """
 
 from __future__ import annotations
@@ -27,25 +28,49 @@ from tests.helpers import http_session, stream_completion, url, wait_for, write_
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 SEND_TIMEOUT_S = 2.0
+MAX_CONNECTIONS = 24
+
+
+class Daemons:
+    """The module's daemon, started when a test first needs one and again after a test shut it down."""
+
+    def __init__(self, config: Path) -> None:
+        self.config = config
+        self.current: Daemon | None = None
+
+    async def serving(self) -> Daemon:
+        if self.current is None or self.current.parts.draining:
+            self.current = Daemon(load_config(self.config), install_signals=False)
+            await self.current.startup()
+        return self.current
+
+    async def close(self) -> None:
+        if self.current is not None and not self.current.parts.draining:
+            await self.current.shutdown()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> AsyncIterator[Daemon]:
+async def daemons(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> AsyncIterator[Daemons]:
     path = write_config(
         tmp_path_factory.mktemp("clients") / "config.toml",
         server={
-            "send_timeout_s": SEND_TIMEOUT_S, "max_connections": 24, "max_body_bytes": 65536,
+            "send_timeout_s": SEND_TIMEOUT_S,
+            "max_connections": MAX_CONNECTIONS,
+            "max_body_bytes": 65536,
             "shutdown_timeout_s": 1.0,
         },
         admission={"limit": 2, "max_queue": 64},
-    )  # fmt: skip
-    d = Daemon(load_config(path), install_signals=False)
+    )
+    daemons = Daemons(path)
     try:
-        await d.startup()
-        yield d
+        yield daemons
     finally:
-        if not d.parts.draining:  # (d) shuts it down itself
-            await d.shutdown()
+        await daemons.close()
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def daemon(daemons: Daemons) -> Daemon:
+    return await daemons.serving()
 
 
 def raw_request(d: Daemon, body: dict[str, Any], rcvbuf: int = 4096) -> socket.socket:
@@ -74,8 +99,8 @@ def read_all(s: socket.socket, timeout_s: float = 10.0) -> bytes:
     return bytes(out)
 
 
-async def test_a_client_that_stops_reading_frees_its_slot_and_its_send_is_cut(daemon: Daemon) -> None:
-    gate = daemon.parts.gate
+async def test_client_that_stops_reading_frees_its_slot_and_its_send_is_cut(daemon: Daemon) -> None:
+    gate, requests = daemon.parts.gate, daemon.parts.server.server_state.tasks
     done_before = gate.completed_total
     body = {
         "model": "tiny", "prompt": "a reader that stalls", "max_tokens": 1500, "ignore_eos": True,
@@ -86,7 +111,8 @@ async def test_a_client_that_stops_reading_frees_its_slot_and_its_send_is_cut(da
     await wait_for(lambda: gate.stats().in_flight == 2, 30, "the request inside the engine")
     await wait_for(lambda: gate.completed_total > done_before, 60, "the engine to finish the request")
     assert gate.stats().in_flight == 0  # its slot is back though the client has read nothing
-    await asyncio.sleep(SEND_TIMEOUT_S + 2.0)  # the stalled write is given up by now
+    # the client can take none of it: its answer ends only when the stalled send is given up
+    await wait_for(lambda: not requests, SEND_TIMEOUT_S + 30, "the stalled send to be given up")
     data = await asyncio.to_thread(read_all, s)
     assert data.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in data  # cut, not completed
     async with http_session() as session:  # the daemon serves on
@@ -94,25 +120,26 @@ async def test_a_client_that_stops_reading_frees_its_slot_and_its_send_is_cut(da
     assert r["status"] == 200 and r["tokens"] == 8
 
 
-async def test_b_connections_past_max_connections_get_503(daemon: Daemon) -> None:
+async def test_connections_past_max_connections_get_503(daemon: Daemon) -> None:
+    connections = daemon.parts.server.server_state.connections
     idle = []
-    for _ in range(24):
+    for _ in range(MAX_CONNECTIONS):
         c = socket.create_connection((daemon.config.server.host, daemon.config.server.port))
         idle.append(c)
-    await asyncio.sleep(0.3)
+    await wait_for(lambda: len(connections) == MAX_CONNECTIONS, 30, "the server to accept every connection")
     try:
         async with http_session() as session, session.get(url(daemon, "/v1/models")) as r:
             refused = r.status
     finally:
         for c in idle:
             c.close()
-    await asyncio.sleep(0.3)
+    await wait_for(lambda: not connections, 30, "the server to close every connection")
     async with http_session() as session, session.get(url(daemon, "/v1/models")) as r:
         served = r.status
     assert (refused, served) == (503, 200)
 
 
-async def test_c_a_body_past_max_body_bytes_gets_413_whole_or_chunked(daemon: Daemon) -> None:
+async def test_body_past_max_body_bytes_gets_413_whole_or_chunked(daemon: Daemon) -> None:
     big = json.dumps({"model": "tiny", "prompt": "x" * 70_000, "max_tokens": 1}).encode()
 
     async def chunked() -> AsyncIterator[bytes]:
@@ -129,7 +156,7 @@ async def test_c_a_body_past_max_body_bytes_gets_413_whole_or_chunked(daemon: Da
     assert in_chunks == 413
 
 
-async def test_d_shutdown_past_its_deadline_answers_running_and_queued_requests(daemon: Daemon) -> None:
+async def test_shutdown_past_its_deadline_answers_running_and_queued_requests(daemon: Daemon) -> None:
     gate = daemon.parts.gate
     body = {"model": "tiny", "prompt": "queued at shutdown", "max_tokens": 2000, "ignore_eos": True}
 
