@@ -9,21 +9,33 @@ chunk that fits a step within the bound beside the decodes, and the cap to the b
 step leaves room for a few prefill tokens. How large that chunk is depends on the CPU: about 20
 tokens on an AVX2 box (6.7 ms a prefill token), about 150 on one with AVX-512 (1.2 ms); either way it
 is well below the long prompt, which is then prefilled in chunks. Figures only, no timing asserted:
-the loop's reasons carry the predicted steps.
+each tick's observation (the step-cost fit and the decodes it planned for) and the policy's terms
+are recorded, and the step the budget plans is recomputed from them against the bound.
 """
 
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import pytest_asyncio
 
+from controller.control.loop import Change
 from controller.lifecycle.daemon import Daemon
-from tests.helpers import http_session, running_daemon, shipped_config, stream_completion, write_config
+from policies.base import Observation
+from policies.cost import CostEstimate
+from policies.slo_policy import SloPolicy
+from tests.helpers import (
+    http_session,
+    running_daemon,
+    shipped_config,
+    stream_completion,
+    wait_for,
+    write_config,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -31,7 +43,8 @@ STREAMS, TOKENS = 4, 96
 MODEL = "smollm2"
 LONG = 300
 """The long prompt's tokens: on any CPU where a prefill token costs a millisecond or more its one
-step would miss the 225 ms the budget is planned to, so the budget must come below it."""
+step would miss the bound the budget is planned to (``budget_margin`` of ``[slo] tpot_s``: 225 ms as
+shipped), so the budget must come below it."""
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -51,46 +64,70 @@ async def daemon(tmp_path_factory: pytest.TempPathFactory, smollm2_model: Path) 
         yield d
 
 
+@dataclass(frozen=True)
+class Tick:
+    """What one tick of the loop saw and planned."""
+
+    running: int
+    cost: CostEstimate | None
+    terms: dict[str, float]
+    changes: list[Change]
+
+
 async def test_the_loop_sizes_budget_and_cap_to_the_tpot_bound(daemon: Daemon) -> None:
-    host = daemon.parts.host
+    host, loop = daemon.parts.host, daemon.parts.loop
+    policy = loop.policy
+    assert isinstance(policy, SloPolicy) and policy.slo is not None
     ceiling = host.max_num_batched_tokens
     assert host.token_budget == ceiling  # vLLM's budget until the loop moves it
     base = f"http://{daemon.config.server.host}:{daemon.config.server.port}"
-    seen: list[tuple[int, int]] = []
+    ticks: list[Tick] = []
 
-    async def watch() -> None:
-        while True:
-            seen.append((host.token_budget, host.batch_cap))
-            await asyncio.sleep(0.25)
+    def record(obs: Observation, changes: list[Change]) -> None:
+        ticks.append(Tick(obs.running, obs.cost, policy.terms(), changes))
 
-    watcher = asyncio.create_task(watch())
-    async with http_session() as s:
-        streams = [
-            stream_completion(s, base, TOKENS, prompt="Tell me about the sea.", model=MODEL)
-            for _ in range(STREAMS)
-        ]
+    def decoding_ticks() -> int:
+        return sum(t.running > 0 for t in ticks)
 
-        async def long_prompt() -> dict[str, object]:
-            await asyncio.sleep(8.0)  # the streams decode by now, and the loop has ticked several times
-            return await stream_completion(s, base, 4, prompt=" ".join(["engine"] * LONG), model=MODEL)
+    loop._subscribers.append(record)  # the test's own subscriber: every tick, as the loop saw it
+    try:
+        async with http_session() as s:
+            streams = [
+                stream_completion(s, base, TOKENS, prompt="Tell me about the sea.", model=MODEL)
+                for _ in range(STREAMS)
+            ]
 
-        results = await asyncio.gather(*streams, long_prompt())
-    watcher.cancel()
+            async def long_prompt() -> dict[str, object]:
+                await wait_for(lambda: decoding_ticks() >= 3, 60.0, "three ticks with the streams decoding")
+                return await stream_completion(s, base, 4, prompt=" ".join(["engine"] * LONG), model=MODEL)
+
+            results = await asyncio.gather(*streams, long_prompt())
+    finally:
+        loop._subscribers.remove(record)
     assert all(r["status"] == 200 for r in results), results
     assert [r["tokens"] for r in results] == [TOKENS] * STREAMS + [4]
 
-    budgets = [b for b, _ in seen]
-    caps = [c for _, c in seen]
+    moves = [(t, c) for t in ticks for c in t.changes]
+    budgets = [c.new for _, c in moves if c.knob == "token_budget"]
+    caps = [c.new for _, c in moves if c.knob == "batch_cap"]
     # the budget falls from vLLM's 2048 to a chunk that fits the bound beside the decodes (its size
     # is the fit's: see the docstring), below the long prompt, and stays above the batch it serves
-    assert min(budgets) < LONG < ceiling, budgets
-    assert min(caps) < host.max_num_seqs, caps
-    moves = [c for c in daemon.parts.loop.recent() if c["knob"] == "token_budget"]
-    assert moves and STREAMS < moves[-1]["new"] < LONG, moves
-    reason = moves[-1]["reason"]
-    match = re.search(r"budget (\d+): step (\d+) ms at (\d+) decodes, bound 225 ms", reason)
-    assert match, reason
-    assert int(match[2]) <= 225 + 10  # planned to the bound (rounded to a token of prefill)
-    assert re.search(r"cap \d+: (decode step with \d+ prefill tokens \d+ ms <= 225 ms|KV)", reason), reason
-    cost = daemon.parts.cost.current()
-    assert cost.ready and cost.seed.startswith(("warm-up: ", "state file ")) and cost.samples > 50
+    assert budgets and min(budgets) < LONG < ceiling, budgets
+    assert caps and min(caps) < host.max_num_seqs, caps
+    tick, cut = [(t, c) for t, c in moves if c.knob == "token_budget" and t.running > 0][-1]
+    assert STREAMS < cut.new < LONG, cut
+    # planned to the bound: the step the fit predicts for this budget beside the decodes of its tick
+    cost, d, k = tick.cost, tick.running, tick.terms["kv_tokens_per_seq"]
+    assert cost is not None and cost.ready
+    decode_s = cost.a_s + (cost.c_s_per_decode_seq + cost.d_s_per_kv_token * k) * d
+    budget_bound_s = policy.budget_margin * policy.slo.tightest.tpot_s
+    assert decode_s + cost.b_s_per_prefill_token * (tick.terms["budget"] - d) <= budget_bound_s
+    # and the cap to the batch whose decode step fits the step bound (or fewer, where the KV binds;
+    # never below min_cap)
+    step_bound_s = policy.margin * policy.slo.tightest.tpot_s
+    assert tick.terms["tau_s"] == pytest.approx(step_bound_s)
+    cap = tick.terms["cap"]
+    cap_step_s = cost.a_s + (cost.c_s_per_decode_seq + cost.d_s_per_kv_token * k) * cap
+    assert cap == policy.min_cap or cap_step_s <= step_bound_s, (cap, cap_step_s)
+    cost_now = daemon.parts.cost.current()
+    assert cost_now.ready and cost_now.seed.startswith(("warm-up: ", "state file ")) and cost_now.samples > 50
