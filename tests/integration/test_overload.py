@@ -149,7 +149,7 @@ async def test_overload_serves_interactive_and_refuses_the_excess(daemon_proc: P
     inter, batch = summary[INTERACTIVE], summary[BATCH]
     # Poisson arrivals: at least 60 interactive and 140 batch expected; these bounds are 4 sigma below
     assert inter["sent"] > 30 and batch["sent"] > 90, (inter["sent"], batch["sent"])
-    # The target is >= 99% of interactive requests within the SLO: printed above, not asserted
+    # The target, >= 99% of interactive requests within the SLO, is printed above, not asserted
     # (a latency on a shared machine). Measured 100% in every run with a poll sleep, 18-96% with vLLM's
     # spin (docs/benchmarks.md, section 7). What the gate decides is asserted: the least urgent class
     # sheds first, the most urgent is served most.

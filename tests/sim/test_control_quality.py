@@ -1,4 +1,4 @@
-"""Control quality on the twin: deterministic, virtual time, no engine (issue 8's "Must show").
+"""Control quality on the twin: deterministic, virtual time, no engine.
 
 The scenario profile (tests/sim/scenarios.py) is KV-bound: 8192 KV tokens (512 blocks) hold about
 20 requests of 200 + 200 tokens, while 128 could run. Loads are evenly spaced arrivals, so every

@@ -13,7 +13,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry
 
 from controller.admin.server import BEYOND_RECOVERY, make_admin_app
-from tests.unit.test_reliability_lifecycle import FakeEngine, guard_with
+from tests.unit.test_lifecycle_faults import FakeEngine, guard_with
 
 
 class Health:

@@ -1,4 +1,4 @@
-"""The GPU memory guard watches the most loaded of the engine's GPUs (issue 16, item 15): summed over
+"""The GPU memory guard watches the most loaded of the engine's GPUs: summed over
 tensor-parallel GPUs, one near OOM hid behind the others' free memory. The engine's devices are those
 CUDA_VISIBLE_DEVICES names (indices, GPU and MIG UUIDs, unique prefixes), resolved to NVML handles.
 NVML is a fake of several devices with the functions ``NvmlSource`` calls."""

@@ -111,7 +111,7 @@ def test_alerts_are_well_formed() -> None:
         assert metric_names(str(rule["expr"])), rule["alert"]
 
 
-def test_alerts_cover_the_operations_issue() -> None:
+def test_alerts_watch_engine_down_reload_errors_restarts_kv_preemptions_queue_and_refusals() -> None:
     by_name = {r["alert"]: r for r in alert_rules()}
     assert by_name["AutopilotEngineDown"]["expr"] == "autopilot_engine_up == 0"
     assert by_name["AutopilotEngineDown"]["for"] == "1m"

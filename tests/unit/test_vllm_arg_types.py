@@ -1,4 +1,4 @@
-"""[server] and [engine] values reach vLLM through vLLM's own parser types (issue 16, security 0).
+"""[server] and [engine] values reach vLLM through vLLM's own parser types.
 
 Setting TOML values on vLLM's namespace directly put the string ``"secret-key-42"`` where vLLM's parser
 makes a list, so vLLM iterated its characters: the key was refused and any one character of it
@@ -127,7 +127,7 @@ def test_right_types_pass_check() -> None:
     assert engine_table_errors(engine, {"api_key": "k", "allowed_origins": ["*"]}) == []
 
 
-# -- engine values within vLLM's own bounds (issue 16, item 1: refused before any restart) ----------
+# -- engine values within vLLM's own bounds (refused before any restart) ---------------------------
 
 
 @pytest.mark.parametrize(

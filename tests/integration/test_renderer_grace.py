@@ -1,4 +1,4 @@
-"""A swap longer than the renderer grace, on the real engine (issue 16, item 2).
+"""A swap longer than the renderer grace, on the real engine.
 
 A GPU engine builds for minutes; the tiny CPU model builds in seconds and hid this. Here the host's
 build is slowed to 45 s (the real build runs after the sleep) and a memory restart retires the old

@@ -1,4 +1,4 @@
-"""What one client may cost (issue 16, items 5 and 11): a client that stops reading no longer pins
+"""What one client may cost: a client that stops reading no longer pins
 its admission slot (it returns when the engine finishes), a response write it does not take is
 bounded (``send_timeout_s``), the data plane caps its connections, and a request body past
 ``max_body_bytes`` gets 413. Fakes stand in for vLLM's engine and app; the gate is real."""
@@ -111,7 +111,7 @@ def test_the_data_plane_caps_its_connections() -> None:
     assert server.config.limit_concurrency == 7
 
 
-# -- the request body limit (item 11) --------------------------------------------------------------
+# -- the request body limit --------------------------------------------------------------------------
 
 
 def echo_app() -> FastAPI:

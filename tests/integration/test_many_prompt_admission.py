@@ -1,5 +1,5 @@
-"""Requests on the real engine that used to slip past the gate's bounds or hang (issue "Never less
-reliable"): a completion with many prompts is counted whole at admission.
+"""On the real engine, a completion with many prompts is counted whole at admission: it cannot slip
+past the gate's bounds.
 
 One daemon for the module, in the test's event loop so the tests can read the gate.
 """

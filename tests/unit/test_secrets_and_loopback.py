@@ -1,5 +1,4 @@
-"""Secrets are never shown, and the control plane never listens beyond loopback without a token
-(issue 16, security 9).
+"""Secrets are never shown, and the control plane never listens beyond loopback without a token.
 
 ``describe`` is what /state and check-config print; the reload diff compares the real values, so a
 changed key is still seen as a change.

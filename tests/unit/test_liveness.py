@@ -1,4 +1,4 @@
-"""Liveness and bounded waits (issue 16, item 4): an engine that is alive but makes no progress is
+"""Liveness and bounded waits: an engine that is alive but makes no progress is
 recovered like a crash, new requests are refused with 503 + Retry-After while no engine can serve,
 and a queued request's wait through restarts is bounded. Fakes stand in for the engine (an
 ``EngineControl`` that records restarts and whose recovery sleep can be held); the gate is real."""

@@ -1,4 +1,4 @@
-"""Operators bound the priority clients may ask for (issue 16, security 10): ``[admission]
+"""Operators bound the priority clients may ask for: ``[admission]
 min_priority`` (more urgent is refused with 400) and ``default_priority`` (a request naming none); a
 value past vLLM's int64 or not an integer is refused with 400 before the gate, so it never counts,
 queues or sheds. vLLM's serving object is replaced by a fake with the same shape (``_check_model``

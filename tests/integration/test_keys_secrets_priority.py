@@ -1,4 +1,4 @@
-"""Security on the real engine (issue 16): the data-plane API key works both ways, /state shows no
+"""On the real engine: the data-plane API key works both ways, /state shows no
 secret, and a priority out of the operator's bounds is answered 400.
 
 One daemon for the module, in the test's event loop (the engine takes ~15 s to start on the CPU).

@@ -1,5 +1,5 @@
 """Reliability of the admission gate and the governed client under refusals, many-prompt requests,
-retired engines and reused request ids (issue "Never less reliable"). Fakes only, no engine."""
+retired engines and reused request ids. Fakes only, no engine."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Liveness on the real engine (issue 16, item 4): an EngineCore stopped with SIGSTOP while a request
+"""Liveness on the real engine: an EngineCore stopped with SIGSTOP while a request
 runs in it is alive to vLLM (``errored`` stays False) but makes no progress. The guard sees work in
 the engine and no step for ``stall_timeout_s``, restarts it, the request ends with a clear error, new
 requests get 503 with Retry-After while no engine can serve, and the next engine serves."""

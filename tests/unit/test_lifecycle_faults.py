@@ -96,7 +96,7 @@ async def drain_tasks(p: Parts) -> None:
         await settle()
 
 
-# -- item 6: one unexpected error must not end reloads or skip shutdown ----------------------------
+# -- one unexpected error must not end reloads or skip shutdown -------------------------------------
 
 
 async def test_a_config_file_that_is_not_utf8_is_a_reload_error_and_keeps_the_old_config(
@@ -212,7 +212,7 @@ async def test_a_failed_background_task_is_logged_and_forgotten(monkeypatch: pyt
     assert len(logged) == 1
 
 
-# -- item 14: the OOM killer's counter is the service's own cgroup's --------------------------------
+# -- the OOM killer's counter is the service's own cgroup's -----------------------------------------
 
 
 def test_oom_kills_are_read_from_the_services_own_cgroup_on_cgroup_v2(tmp_path: Path) -> None:
@@ -234,7 +234,7 @@ def test_oom_kills_are_unknown_without_a_cgroup_v2_entry(tmp_path: Path) -> None
     assert read_oom_kills(tmp_path / "missing", tmp_path) is None
 
 
-# -- item 12: only crashes spend the crash budget ---------------------------------------------------
+# -- only crashes spend the crash budget ------------------------------------------------------------
 
 
 async def test_operator_and_memory_restarts_do_not_spend_the_crash_budget() -> None:
@@ -262,7 +262,7 @@ async def test_the_crash_budget_counts_crashes_per_hour() -> None:
     assert not engine.dead
 
 
-# -- item 1: a bad engine setting must not destroy the working engine -------------------------------
+# -- a bad engine setting must not destroy the working engine ---------------------------------------
 
 
 class FakeCore:
@@ -370,7 +370,7 @@ async def test_a_bad_reload_value_then_the_fixed_file_leaves_the_daemon_serving(
     assert reloads(p, "error") == 0
 
 
-# -- item 13: a memory shrink is in the config in force, so a reload can raise it back -------------
+# -- a memory shrink is in the config in force, so a reload can raise it back -----------------------
 
 
 async def test_after_a_memory_shrink_a_reload_raises_the_setting_back(tmp_path: Path) -> None:
@@ -387,7 +387,7 @@ async def test_after_a_memory_shrink_a_reload_raises_the_setting_back(tmp_path: 
     assert engine.kv == KV and p.config.engine["kv_cache_memory_bytes"] == KV
 
 
-# -- item 16: reload, memory restarts and recovery never run side by side --------------------------
+# -- reload, memory restarts and recovery never run side by side ------------------------------------
 
 
 async def test_restarting_is_true_during_recoverys_back_off_sleep() -> None:

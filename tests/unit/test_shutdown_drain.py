@@ -1,4 +1,4 @@
-"""Shutdown (issue 16, item 18): at the drain deadline every request left gets an answer (queued
+"""Shutdown: at the drain deadline every request left gets an answer (queued
 ones 503, running ones a retryable 503), not a dropped connection; and a SIGTERM during an engine
 build does not wait for the build (systemd's TimeoutStopSec would SIGKILL the service first), while
 the engine that build makes is shut down, not leaked. The parts are real (nothing started); the data
