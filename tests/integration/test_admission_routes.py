@@ -17,7 +17,7 @@ import pytest
 import pytest_asyncio
 
 from controller.lifecycle.daemon import Daemon
-from tests.helpers import http_session, running_daemon, url, write_config
+from tests.helpers import http_session, running_daemon, url, wait_for, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -87,7 +87,7 @@ async def test_a_stream_with_more_prompts_than_the_limit_leaves_room_for_others(
                 return r.status, await r.text()
 
         stream = asyncio.create_task(streamed())
-        await asyncio.sleep(0.5)
+        await wait_for(lambda: len(watched.calls) >= LIMIT, 30, "the stream's prompts at the gate")
         t0 = time.monotonic()
         async with s.post(url(daemon, "/v1/completions"), json=completion()) as r:
             single = r.status, time.monotonic() - t0

@@ -22,7 +22,7 @@ import pytest_asyncio
 
 from controller.control.steps import EngineStep
 from controller.lifecycle.daemon import Daemon
-from tests.helpers import admin_url, http_session, running_daemon, url, write_config
+from tests.helpers import admin_url, http_session, running_daemon, url, wait_for, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -76,8 +76,11 @@ async def test_the_budget_moves_in_the_engine_and_chunks_a_long_prompt(daemon: D
         # nothing decodes beside it, so no stream stalls: the step takes the prompt whole
         assert [st.prefill_tokens for st in alone if st.prefill_tokens] == [tokens]
 
+        generated = daemon.parts.window.total_generated_tokens
         stream = asyncio.create_task(complete(s, daemon, "a stream to decode beside", max_tokens=1500))
-        await asyncio.sleep(1.0)  # its prefill is done in milliseconds: it decodes now
+        await wait_for(  # its first token: its prefill is done, it decodes now
+            lambda: daemon.parts.window.total_generated_tokens > generated, 30, "the stream to decode"
+        )
         tokens, chunked = await prefill_of(daemon, s, " ".join(["engine"] * 600))
         stream.cancel()
         prefills = [st.prefill_tokens for st in chunked if st.prefill_tokens]

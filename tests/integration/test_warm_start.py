@@ -20,6 +20,7 @@ from tests.helpers import (
     shipped_config,
     stream_completion,
     url,
+    wait_for,
     write_config,
 )
 
@@ -53,7 +54,10 @@ async def test_a_warm_up_fits_the_model_before_serving_and_the_next_start_reads_
         stored = json.loads(Path(warm["path"]).read_text())
         assert stored["coefficients"] == warm["coefficients"]
         results = await asyncio.gather(*(stream_completion(s, url(d, ""), 32) for _ in range(40)))
-        await asyncio.sleep(1.0)  # the stat logger reports the last finished requests with a step
+        ledger = d.parts.metrics.outcomes
+        await wait_for(  # the stat logger reports finished requests with the engine's next steps
+            lambda: ledger.served_total + ledger.unmatched >= 40, 30, "every finished request reported"
+        )
         outcomes = (await (await s.get(admin_url(d, "/state"))).json())["outcomes"]
     assert [r["status"] for r in results] == [200] * 40, results
     # each served request judged against the shipped [slo] (tiny: far within 5 s / 250 ms)
