@@ -77,6 +77,8 @@ class SimRequest:
     """Prefix-cache hit at its first scheduling, in tokens (vLLM's; -1 until scheduled)."""
     output_tokens: int = 0
     num_preemptions: int = 0
+    scheduled_t: float | None = None
+    """When its first step began (vLLM's ``scheduled_ts``: a preemption does not move it)."""
     first_token_t: float | None = None
     last_token_t: float | None = None
     finish_t: float | None = None
@@ -312,6 +314,7 @@ class SimEngine:
         """Apply a planned step at its end time: tokens out, finished requests leave and free blocks.
         ``step_s``: how long it took (the driver's draw; the cost model's mean without one)."""
         self.steps += 1
+        took = 0.0
         if plan.scheduled:  # as in the engine: a step that scheduled nothing ran no forward pass
             took = self.step_s(plan) if step_s is None else step_s
             kv = plan.kv_tokens_read
@@ -321,6 +324,8 @@ class SimEngine:
         generated = 0
         done: list[SimRequest] = []
         for req, n in plan.scheduled:
+            if req.scheduled_t is None:
+                req.scheduled_t = t_end - took
             req.num_computed_tokens += n
             if req.num_computed_tokens < req.prompt_tokens + req.output_tokens:
                 continue  # a prefill chunk: no token yet

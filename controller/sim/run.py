@@ -230,7 +230,8 @@ class Simulation:
             self._fail(spec, t0, "refused", exc.status, exc.message)
             return
         assert req.first_token_t is not None and req.finish_t is not None
-        self.gate.after_slot.first_token(req.first_token_t - slot.granted_mono, spec.prompt_tokens)
+        queued = (req.scheduled_t or req.arrival_t) - req.arrival_t  # in the engine's waiting queue
+        self.gate.after_slot.first_token(req.first_token_t - slot.granted_mono, spec.prompt_tokens, queued)
         ttft, e2e = req.first_token_t - t0, req.finish_t - t0
         key = str(spec.index)  # judged as the daemon's ledger judges vLLM's finished requests
         self.outcomes.started(key, slot.cls, slot.granted_mono - t0)

@@ -19,7 +19,7 @@ from controller.clock import FakeClock
 from controller.control.build import ttft_for
 from controller.control.stepcost import CostPrior, CostReader, StepCostModel
 from controller.control.steps import EngineStep
-from controller.engine.frontend.client import GovernedEngineClient
+from controller.engine.frontend.client import GovernedEngineClient, engine_queue_s
 from policies.base import build_policy
 from policies.slo import SloBound, SloTargets
 from tests.helpers import FakeHost
@@ -183,6 +183,25 @@ def test_the_time_after_the_slot_is_measured_beyond_the_prefill_and_under_bounds
     assert gate.after_slot.seconds() == 0.0  # the 30 s window forgot them
     gate.set_ttft(NO_BOUNDS)
     assert gate.after_slot.own_s(1000) == 0.0  # no estimator, no bound: nothing after the wait
+
+
+def test_the_time_in_the_engines_waiting_queue_is_not_the_lag_after_the_slot() -> None:
+    """A burst admitted past what runs waits inside the engine: that wait is the limit's to cut, so
+    it leaves the lag the gate adds to every prediction."""
+    gate = AdmissionGate(4, 100, (ROOMY,), clock=FakeClock())
+    gate.set_ttft(TtftBounds({"interactive": 5.0}, Prefill(), wait_share=0.8))
+    for k in range(20):  # 0.1 s of prefill; 3.5 .. 4.45 s after the slot, 3.4 .. 4.35 s of it queued
+        gate.after_slot.first_token(3.5 + 0.05 * k, 1000, engine_queue_s=3.4 + 0.05 * k)
+    assert gate.after_slot.seconds() == pytest.approx(0.0, abs=1e-9)
+    gate.after_slot.first_token(0.5, 1000, engine_queue_s=-1.0)  # a negative queue counts as none
+    assert gate.after_slot.seconds() == pytest.approx(0.0, abs=1e-9)  # p90 of 21: the 19th, a zero
+
+
+def test_the_engine_queue_is_read_off_vllms_request_stats() -> None:
+    assert engine_queue_s(SimpleNamespace(queued_ts=100.0, scheduled_ts=103.9)) == pytest.approx(3.9)
+    assert engine_queue_s(SimpleNamespace(queued_ts=0.0, scheduled_ts=103.9)) == 0.0  # stats off
+    assert engine_queue_s(SimpleNamespace(queued_ts=100.0, scheduled_ts=0.0)) == 0.0  # not scheduled
+    assert engine_queue_s(None) == 0.0
 
 
 async def test_the_time_after_the_slot_joins_the_prediction_and_cuts_the_queue_deadline() -> None:

@@ -41,6 +41,17 @@ def _http_error(exc: GateRejected) -> GateRefusal:
     return GateRefusal(exc.message, HTTPStatus(exc.status))
 
 
+def engine_queue_s(metrics: Any) -> float:
+    """Seconds a request waited in the engine's queue before its first scheduling, from vLLM's
+    ``RequestStateStats`` (``scheduled_ts - queued_ts``, the EngineCore's clock; a preemption does
+    not move ``scheduled_ts``); 0 where vLLM did not record them (stats off, or not yet scheduled)."""
+    queued = getattr(metrics, "queued_ts", 0.0) or 0.0
+    scheduled = getattr(metrics, "scheduled_ts", 0.0) or 0.0
+    if queued <= 0.0 or scheduled <= 0.0:
+        return 0.0
+    return max(0.0, float(scheduled) - float(queued))
+
+
 class GovernedEngineClient(EngineClient):
     """Delegates to ``host.llm``; ``generate`` waits for a gate slot first."""
 
@@ -263,12 +274,14 @@ class GovernedEngineClient(EngineClient):
         """Tell the gate how long the request took from its slot to its first token: vLLM's own
         figure (``RequestOutput.metrics.first_token_latency``, from the request's arrival in the
         engine client, just after the slot), else the time now unless this first output is already
-        the last (a request that does not stream gets one output, at its end)."""
-        latency = getattr(getattr(output, "metrics", None), "first_token_latency", None)
+        the last (a request that does not stream gets one output, at its end); and how much of it
+        the request waited in the engine's queue (``engine_queue_s``)."""
+        metrics = getattr(output, "metrics", None)
+        latency = getattr(metrics, "first_token_latency", None)
         if not latency and getattr(output, "finished", False):
             return
         seconds = latency or monotonic() - slot.granted_mono
-        self._gate.after_slot.first_token(seconds, call.prompt_tokens)
+        self._gate.after_slot.first_token(seconds, call.prompt_tokens, engine_queue_s(metrics))
 
     # -- plain delegation -----------------------------------------------------------------------
     def encode(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
