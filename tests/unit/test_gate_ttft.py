@@ -185,16 +185,24 @@ def test_the_time_after_the_slot_is_measured_beyond_the_prefill_and_under_bounds
     assert gate.after_slot.own_s(1000) == 0.0  # no estimator, no bound: nothing after the wait
 
 
-def test_the_time_in_the_engines_waiting_queue_is_not_the_lag_after_the_slot() -> None:
-    """A burst admitted past what runs waits inside the engine: that wait is the limit's to cut, so
-    it leaves the lag the gate adds to every prediction."""
+def test_the_engines_queue_counts_at_its_median_the_rest_at_the_high_quantile() -> None:
+    """A burst admitted past what runs waits inside the engine: a minority of the window, it leaves
+    the lag the gate adds to every prediction; a queue every request meets stays in it."""
     gate = AdmissionGate(4, 100, (ROOMY,), clock=FakeClock())
     gate.set_ttft(TtftBounds({"interactive": 5.0}, Prefill(), wait_share=0.8))
-    for k in range(20):  # 0.1 s of prefill; 3.5 .. 4.45 s after the slot, 3.4 .. 4.35 s of it queued
-        gate.after_slot.first_token(3.5 + 0.05 * k, 1000, engine_queue_s=3.4 + 0.05 * k)
-    assert gate.after_slot.seconds() == pytest.approx(0.0, abs=1e-9)
-    gate.after_slot.first_token(0.5, 1000, engine_queue_s=-1.0)  # a negative queue counts as none
-    assert gate.after_slot.seconds() == pytest.approx(0.0, abs=1e-9)  # p90 of 21: the 19th, a zero
+    for k in range(14):  # 0.1 s of prefill each; 0.2 .. 0.33 s beyond it; no engine queue
+        gate.after_slot.first_token(0.3 + 0.01 * k, 1000)
+    for k in range(6):  # a burst: 3.6 .. 3.85 s after the slot, 3.4 .. 3.65 s of it in the engine's queue
+        gate.after_slot.first_token(3.6 + 0.05 * k, 1000, engine_queue_s=3.4 + 0.05 * k)
+    # p90 of the time beyond queue and prefill (nearest rank, the 18th of 20: six of 0.1 s, then
+    # 0.2 .. 0.33 s) plus the median queue (the 10th of 14 zeros and six): 0.31 s + 0
+    assert gate.after_slot.seconds() == pytest.approx(0.31)
+    for _ in range(20):  # now every request meets 0.5 s of queue in the engine
+        gate.after_slot.first_token(0.7, 1000, engine_queue_s=0.5)
+    # the 36th of 40 beyond (26 of 0.1 s, then 0.2 ..): 0.29 s; the 20th queue (14 zeros, 20 of 0.5 s)
+    assert gate.after_slot.seconds() == pytest.approx(0.29 + 0.5)
+    gate.after_slot.first_token(0.2, 1000, engine_queue_s=9.0)  # more queue than it waited: clipped
+    assert gate.after_slot._samples[-1][1:] == (0.0, 0.2)
 
 
 def test_the_engine_queue_is_read_off_vllms_request_stats() -> None:
@@ -251,7 +259,7 @@ async def test_the_engine_client_tells_the_gate_each_first_token_from_vllms_own_
         client = GovernedEngineClient(FakeHost(engine), gate, lambda: None)  # type: ignore[arg-type]
         async for _ in client.generate("hi", None, "r"):
             pass
-    samples = [s for _, s in gate.after_slot._samples]
+    samples = [s for _, s, _ in gate.after_slot._samples]
     assert len(samples) == 2 and samples[0] == 0.25 and 0.0 <= samples[1] < 0.25
 
 
