@@ -17,6 +17,7 @@ from controller.admission.gate import AdmissionGate, GateRejected
 from controller.admission.ttft import NO_BOUNDS, TtftBounds
 from controller.clock import FakeClock
 from controller.control.build import ttft_for
+from controller.control.outcomes import OutcomeLedger
 from controller.control.stepcost import CostPrior, CostReader, StepCostModel
 from controller.control.steps import EngineStep
 from controller.engine.frontend.client import GovernedEngineClient, engine_queue_s
@@ -261,6 +262,13 @@ async def test_the_engine_client_tells_the_gate_each_first_token_from_vllms_own_
             pass
     samples = [s for _, s, _ in gate.after_slot._samples]
     assert len(samples) == 2 and samples[0] == 0.25 and 0.0 <= samples[1] < 0.25
+    # the outcome ledger judges the request's TTFT by the same first token
+    host = FakeHost(Outputs(first, SimpleNamespace(finished=True, metrics=None)))
+    host.outcomes = OutcomeLedger(lambda cls, outcome: None)
+    client = GovernedEngineClient(host, gate, lambda: None)  # type: ignore[arg-type]
+    async for _ in client.generate("hi", None, "r"):
+        pass
+    assert host.outcomes._started["r"].first_token_s == 0.25
 
 
 async def test_under_a_ttft_bound_the_time_since_the_request_reached_the_server_counts() -> None:

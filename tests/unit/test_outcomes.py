@@ -69,6 +69,21 @@ def test_the_time_before_the_engine_counts_toward_the_ttft() -> None:
     assert (ledger.missed_total, ledger.queued_missed_total) == (2, 1)  # d: most of it in the engine
 
 
+def test_the_first_token_the_engine_client_saw_judges_the_ttft() -> None:
+    """vLLM's finished stats put the first token at ``e2e_latency - decode_time``, which carries the
+    front end's backlog at the last output: the engine client's own first token judges instead."""
+    ledger, counted = _ledger(FakeClock())
+    ledger.started("a", "interactive", before_engine_s=0.1)
+    ledger.first_token("a", 0.5)
+    ledger.first_token("a", 3.0)  # a later output is not the first token
+    assert ledger.served("a", engine_ttft_s=2.5, tpot_s=0.04) == "good"  # 0.1 + 0.5 s, not 0.1 + 2.5 s
+    ledger.started("b", "interactive", before_engine_s=0.1)  # no first token seen (one output, at its end)
+    assert ledger.served("b", engine_ttft_s=2.5, tpot_s=0.04) == "ttft_missed"
+    ledger.first_token("never-started", 0.1)  # not a request of ours: nothing to judge
+    assert counted == [("interactive", "good"), ("interactive", "ttft_missed")]
+    assert (ledger.served_total, ledger.missed_total) == (2, 1)
+
+
 def test_each_of_n_sequences_ends_once_and_an_error_is_failed() -> None:
     ledger, counted = _ledger(FakeClock())
     ledger.started("a", "batch", before_engine_s=0.0, n=2)

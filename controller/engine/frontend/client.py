@@ -231,7 +231,7 @@ class GovernedEngineClient(EngineClient):
                 async with contextlib.aclosing(pumped.outputs()) as outputs:
                     async for output in outputs:
                         if not produced:
-                            self._first_token(output, slot, call)
+                            self._first_token(output, slot, call, request_id)
                         produced = True
                         if getattr(output, "finished", False):
                             engine_done()
@@ -270,18 +270,22 @@ class GovernedEngineClient(EngineClient):
             before = slot.granted_mono - (request.arrived_mono if request is not None else slot.granted_mono)
             outcomes.started(request_id, slot.cls, before, int(getattr(sampling_params, "n", 1) or 1))
 
-    def _first_token(self, output: Any, slot: Slot, call: context.Call) -> None:
+    def _first_token(self, output: Any, slot: Slot, call: context.Call, request_id: str) -> None:
         """Tell the gate how long the request took from its slot to its first token: vLLM's own
         figure (``RequestOutput.metrics.first_token_latency``, from the request's arrival in the
         engine client, just after the slot), else the time now unless this first output is already
         the last (a request that does not stream gets one output, at its end); and how much of it
-        the request waited in the engine's queue (``engine_queue_s``)."""
+        the request waited in the engine's queue (``engine_queue_s``). The outcome ledger judges the
+        request's TTFT by the same figure."""
         metrics = getattr(output, "metrics", None)
         latency = getattr(metrics, "first_token_latency", None)
         if not latency and getattr(output, "finished", False):
             return
         seconds = latency or monotonic() - slot.granted_mono
         self._gate.after_slot.first_token(seconds, call.prompt_tokens, engine_queue_s(metrics))
+        outcomes = getattr(self._host, "outcomes", None)
+        if outcomes is not None:
+            outcomes.first_token(request_id, seconds)
 
     # -- plain delegation -----------------------------------------------------------------------
     def encode(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
