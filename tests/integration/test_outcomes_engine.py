@@ -22,9 +22,13 @@ class Sink:
 
     def __init__(self) -> None:
         self.reports: list[tuple[str, float, float | None, bool]] = []
+        self.first_tokens: dict[str, float] = {}
 
     def started(self, request_id: str, cls: str, before_engine_s: float, n: int = 1) -> None:
         pass
+
+    def first_token(self, request_id: str, engine_ttft_s: float) -> None:
+        self.first_tokens[request_id] = engine_ttft_s
 
     def served(
         self, request_id: str, engine_ttft_s: float, tpot_s: float | None, error: bool = False
@@ -52,3 +56,5 @@ async def test_each_finished_request_reaches_the_ledger_with_its_ttft_and_tpot(
     for request_id, ttft, tpot, error in sink.reports:
         assert request_id and not error
         assert 0 < ttft < 30 and tpot is not None and 0 < tpot < 30
+        # the engine client reported each one's first token too, by which the ledger judges the TTFT
+        assert 0 < sink.first_tokens[request_id] <= ttft + 0.5

@@ -26,9 +26,12 @@ from controller.engine.runtime.warmup import REQUEST_PREFIX
 
 class OutcomeSink(Protocol):
     """``controller/control/outcomes.OutcomeLedger``: the governed client tells it each request that
-    enters the engine (``started``), this logger each one that finished (``served``)."""
+    enters the engine (``started``) and its first token (``first_token``), this logger each one that
+    finished (``served``)."""
 
     def started(self, request_id: str, cls: str, before_engine_s: float, n: int = 1) -> None: ...
+
+    def first_token(self, request_id: str, engine_ttft_s: float) -> None: ...
 
     def served(
         self, request_id: str, engine_ttft_s: float, tpot_s: float | None, error: bool = False
