@@ -85,6 +85,21 @@ def shared_prefix_specs(args: argparse.Namespace) -> list[RequestSpec]:
     return shared_prefix(args.rate, args.duration, shape, seed=args.seed)
 
 
+def trace_specs(args: argparse.Namespace) -> tuple[list[RequestSpec], str]:
+    """``--trace`` from ``--start`` (with ``--alternate``/``--phase-s``/``--total-s``), scaled by
+    ``--time-scale`` and ``--token-scale``: the requests and a line that describes them."""
+    return trace_load(
+        args.trace,
+        start_s=args.start,
+        duration_s=args.duration,
+        time_scale=args.time_scale,
+        token_scale=args.token_scale,
+        alternates=args.alternate,
+        phase_s=args.phase_s,
+        total_s=args.total_s,
+    )
+
+
 def add_alternate_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """``--alternate``/``--phase-s``/``--total-s``: a load that changes phase between traces."""
     p.add_argument(
@@ -198,16 +213,7 @@ def build_specs(args: argparse.Namespace, tokenizer: Tokenizer, max_model_len: i
     elif args.workload == "shared-prefix":
         specs = shared_prefix_specs(args)
     elif args.trace is not None:
-        specs, _ = trace_load(
-            args.trace,
-            start_s=args.start,
-            duration_s=args.duration,
-            time_scale=args.time_scale,
-            token_scale=args.token_scale,
-            alternates=args.alternate,
-            phase_s=args.phase_s,
-            total_s=args.total_s,
-        )
+        specs, _ = trace_specs(args)
     else:
         if args.rate is None or args.duration is None:
             raise WorkloadError(f"{chosen[0]} needs --rate R and --duration S")

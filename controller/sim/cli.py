@@ -280,8 +280,8 @@ def run_simulate(args: argparse.Namespace) -> int:
 def _specs(args: argparse.Namespace) -> list[Any]:
     """The window of ``--trace`` (with ``--alternate``, its windows in turn with the other traces'), or
     ``--workload shared-prefix``; sets ``args.workload_desc`` for reports."""
-    from controller.bench.options import shared_prefix_specs
-    from controller.bench.workload import WorkloadError, trace_load
+    from controller.bench.options import shared_prefix_specs, trace_specs
+    from controller.bench.workload import WorkloadError
 
     if (args.trace is None) == (args.workload is None):
         raise WorkloadError(
@@ -294,16 +294,7 @@ def _specs(args: argparse.Namespace) -> list[Any]:
             f"{args.system_tokens} tokens, {args.turns} turns)"
         )
         return specs
-    specs, args.workload_desc = trace_load(
-        args.trace,
-        start_s=args.start,
-        duration_s=args.duration,
-        time_scale=args.time_scale,
-        token_scale=args.token_scale,
-        alternates=args.alternate,
-        phase_s=args.phase_s,
-        total_s=args.total_s,
-    )
+    specs, args.workload_desc = trace_specs(args)
     return specs
 
 
