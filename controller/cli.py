@@ -43,13 +43,13 @@ def _serve(argv: list[str]) -> int:
     # Lazy: the daemon imports vLLM (~20 s), which no other subcommand needs.
     import uvloop
 
-    from controller.lifecycle.daemon import serve
+    from controller.lifecycle.daemon import ListenError, serve
 
     try:
         # uvloop, as `vllm serve` runs its server: on asyncio's own loop the front end spent about 1 ms
         # more CPU a request (py-spy, docs/results/frontend.md)
         return uvloop.run(serve(config))
-    except PolicyError as exc:
+    except (PolicyError, ListenError) as exc:
         print(f"{config.path}: {exc}", file=sys.stderr)
         return 1
 

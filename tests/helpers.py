@@ -95,11 +95,15 @@ async def running_daemon(config: Path, **parts: Any) -> AsyncIterator[Daemon]:
         await d.shutdown()
 
 
-def wait_healthy(popen: subprocess.Popen[bytes], admin_url: str, timeout_s: float = 240.0) -> None:
-    """Until ``/healthz`` answers 200; fails if the daemon exits or the timeout passes."""
+def wait_healthy(popen: subprocess.Popen[bytes], admin_url: str, timeout_s: float, log_path: Path) -> None:
+    """Until ``/healthz`` answers 200; fails if the daemon exits (with its log's last lines, which say
+    why) or the timeout passes."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        assert popen.poll() is None, "daemon exited during startup"
+        if popen.poll() is not None:
+            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-25:])
+            code = popen.returncode
+            raise AssertionError(f"daemon exited during startup (exit code {code}); its log ends:\n{tail}")
         try:
             with urllib.request.urlopen(admin_url + "/healthz", timeout=1) as r:
                 if r.status == 200:
@@ -137,7 +141,7 @@ def serve_process(
             start_new_session=True,
         )
         try:
-            wait_healthy(popen, admin_url, startup_timeout_s)
+            wait_healthy(popen, admin_url, startup_timeout_s, log_path)
             yield popen
         finally:
             if popen.poll() is None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import socket
 from typing import Any
 
 import structlog
@@ -21,7 +22,7 @@ from controller.admin import status
 from controller.admin.server import make_admin_app, start_admin
 from controller.config.load import Config
 from controller.control.samplers import GpuSource, HostReadingSource
-from controller.engine.frontend.app import build_data_plane, make_server, refresh_app_state
+from controller.engine.frontend.app import bind_data_plane, build_data_plane, make_server, refresh_app_state
 from controller.engine.frontend.client import GovernedEngineClient
 from controller.engine.frontend.limits import ServerLimits
 from controller.lifecycle.notify import start_watchdog
@@ -34,6 +35,10 @@ log = structlog.get_logger(__name__)
 END_GRACE_S = 5.0
 """After the drain deadline, how long the answers to the requests ended then have to go out (uvicorn
 cuts what is left ``END_GRACE_S`` after ``shutdown_timeout_s``)."""
+
+
+class ListenError(Exception):
+    """A port the daemon listens on could not be bound: the message names it and the fix."""
 
 
 class Daemon:
@@ -51,6 +56,7 @@ class Daemon:
         self._hup = asyncio.Event()
         self._server_task: asyncio.Task[None] | None = None
         self._admin: Any = None
+        self._data_socket: socket.socket | None = None
 
     @property
     def config(self) -> Config:
@@ -83,8 +89,19 @@ class Daemon:
         p, admin = self.parts, self.config.admin
         state, health = lambda: status.state(p), lambda: status.health(p)
         app = make_admin_app(p.registry, state, health, self.reloader.reload, admin.token, host=admin.host)
-        self._admin = await start_admin(app, admin.host, admin.port)
+        try:
+            self._admin = await start_admin(app, admin.host, admin.port)
+        except OSError as exc:
+            raise ListenError(_listen_error("[admin]", admin.host, admin.port, exc)) from exc
         log.info("control_plane_listening", host=admin.host, port=admin.port)
+
+    def _bind_data_plane(self) -> None:
+        """Before the engine build, so that nothing it starts takes the port (app.bind_data_plane)."""
+        server = self.config.server
+        try:
+            self._data_socket = bind_data_plane(self.parts.args)
+        except OSError as exc:
+            raise ListenError(_listen_error("[server]", server.host, server.port, exc)) from exc
 
     async def _start_data_plane(self) -> None:
         p = self.parts
@@ -95,7 +112,8 @@ class Daemon:
         server = self.config.server
         limits = ServerLimits(server.send_timeout_s, server.max_connections, server.max_body_bytes)
         p.server = make_server(app, p.args, timeout, p.gate, bounds, limits)  # bounds read per request
-        self._server_task = asyncio.create_task(p.server.serve())
+        assert self._data_socket is not None, "bound in startup, before the engine"
+        self._server_task = asyncio.create_task(p.server.serve(sockets=[self._data_socket]))
         while not p.server.started and not self._server_task.done():
             await asyncio.sleep(0.05)
 
@@ -125,6 +143,7 @@ class Daemon:
         if self._install_signals:
             self._install_signal_handlers()
         await self._start_admin()
+        self._bind_data_plane()
         p.notifier.status("starting the engine")
         await p.host.start()
         if p.cost is not None:  # the step-cost model starts from this box (warm.py), before serving
@@ -214,6 +233,15 @@ class Daemon:
     async def _stop_admin(self) -> None:
         if self._admin is not None:
             await self._admin.cleanup()
+        if self._data_socket is not None:  # uvicorn closes its own copy; a failed startup leaves ours
+            self._data_socket.close()
+
+
+def _listen_error(table: str, host: str, port: int, exc: OSError) -> str:
+    return (
+        f"cannot listen on {host}:{port} ({exc.strerror or exc}): another process holds the port or the "
+        f"address is not this host's; stop it or set {table} host/port"
+    )
 
 
 async def serve(config: Config) -> int:

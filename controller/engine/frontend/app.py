@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import socket
 from collections.abc import Callable, Iterator
 from http import HTTPStatus
 from typing import Any
@@ -15,6 +16,7 @@ from fastapi import FastAPI
 from vllm import envs
 from vllm.entrypoints.launchers.api_server.app_state import init_app_state
 from vllm.entrypoints.launchers.app import build_app
+from vllm.entrypoints.launchers.launcher import create_server_socket
 
 from controller.admission.classes import PriorityBounds
 from controller.admission.gate import AdmissionGate
@@ -106,6 +108,13 @@ class AdmissionMiddleware:
         start = {"type": "http.response.start", "status": status, "headers": headers}
         await send(self._with_retry_after(start, request))
         await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def bind_data_plane(args: argparse.Namespace) -> socket.socket:
+    """The data plane's listening socket, bound before the engine is built, as `vllm serve` binds
+    its own (vLLM issue 8204): a port the EngineCore opens while it starts (torch.distributed, ZMQ)
+    cannot be this one, and a port in use fails at once rather than after a build of minutes."""
+    return create_server_socket((args.host or "", args.port), reuse_port=False)
 
 
 async def build_data_plane(client: GovernedEngineClient, args: argparse.Namespace) -> FastAPI:
