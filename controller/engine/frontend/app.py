@@ -24,6 +24,7 @@ from controller.engine.frontend import context
 from controller.engine.frontend.auth import with_api_key
 from controller.engine.frontend.client import GateRefusal, GovernedEngineClient
 from controller.engine.frontend.limits import DEFAULT_SERVER_LIMITS, ClientLimits, ServerLimits
+from controller.engine.frontend.load import add_load_route
 from controller.engine.frontend.priority import resolve_priorities
 
 ASGIApp = Callable[..., Any]
@@ -122,6 +123,7 @@ async def build_data_plane(client: GovernedEngineClient, args: argparse.Namespac
     app = build_app(args, supported_tasks, client.model_config)
     await init_app_state(client, app.state, args, supported_tasks)
     resolve_priorities(app.state, GateRefusal)
+    add_load_route(app, client.gate)  # vllm-router's power_of_two polls it
     return app
 
 

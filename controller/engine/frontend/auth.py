@@ -7,7 +7,8 @@ and completion bodies), ``/generative_scoring``, ``/tokenize`` and the dev-mode 
 everywhere, unknown paths and the API docs included, except
 
 * the probes a load balancer or scraper calls without credentials: ``/health``, ``/ping``
-  (SageMaker's), ``/load``, ``/version``, ``/metrics`` (and its mount, ``/metrics/...``);
+  (SageMaker's), ``/load``, ``/get_load`` (vllm-router's load poll, ``load.py``), ``/version``,
+  ``/metrics`` (and its mount, ``/metrics/...``);
 * ``OPTIONS``, as in vLLM, so a CORS preflight (which carries no credentials) is answered by vLLM's
   CORS middleware; no route of vLLM's takes OPTIONS, so it reaches no handler.
 
@@ -30,7 +31,7 @@ from vllm import envs
 
 ASGIApp = Callable[..., Any]
 
-OPEN_PATHS = frozenset({"/health", "/ping", "/load", "/version", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/load", "/get_load", "/version", "/metrics"})
 """Paths served without a key (compared whole, after the root path)."""
 OPEN_PREFIXES = ("/metrics/",)
 """vLLM mounts its Prometheus app under ``/metrics``."""

@@ -61,6 +61,11 @@ class GovernedEngineClient(EngineClient):
         self._on_engine_dead = on_engine_dead
         self._keys = itertools.count()
 
+    @property
+    def gate(self) -> AdmissionGate:
+        """The gate every ``generate`` passes (the data plane's ``/get_load`` reads its load)."""
+        return self._gate
+
     # -- attributes the OpenAI app reads (always the current engine's) ------------------------------
     @property  # type: ignore[override,misc]
     def vllm_config(self) -> Any:

@@ -1,0 +1,31 @@
+"""``GET /get_load`` on the data plane: this replica's load as vllm-router's ``power_of_two`` reads it.
+
+vllm-router (0.1.17) polls ``GET {worker}/get_load`` every ``--worker-startup-check-interval`` seconds
+and reads ``{"load": <int>}``; ``power_of_two`` sends each request to the less loaded of two workers
+drawn at random (docs/fleet.md). The load is the gate's requests in flight plus those queued for a
+slot: what this replica's engine runs and what waits for it. The route is open without the API key,
+like ``/health`` (``auth.OPEN_PATHS``: the router sends no key of its own), and calls no engine, so it
+never passes the admission gate and answers while the engine restarts.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+
+from controller.admission.gate import AdmissionGate
+
+LOAD_PATH = "/get_load"
+
+
+def gate_load(gate: AdmissionGate) -> int:
+    """Slots held (each by its weight) plus requests waiting in the gate's queues."""
+    stats = gate.stats()
+    return stats.in_flight + stats.queued
+
+
+def add_load_route(app: FastAPI, gate: AdmissionGate) -> None:
+    async def get_load() -> JSONResponse:
+        return JSONResponse({"load": gate_load(gate)})
+
+    app.add_api_route(LOAD_PATH, get_load, methods=["GET"], include_in_schema=False)
