@@ -27,9 +27,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from controller.bench.client import Target, parse_event, payload  # noqa: E402
-from controller.bench.prompts import PromptBuilder, load_tokenizer  # noqa: E402
-from controller.bench.workload import RequestSpec  # noqa: E402
+from controller.load.client import Target, parse_event, payload  # noqa: E402
+from controller.load.prompts import PromptBuilder, load_tokenizer  # noqa: E402
+from controller.load.workload import RequestSpec  # noqa: E402
 
 MODEL = os.environ.get("MODEL", "smollm2")  # config.toml's served_model_name
 PROMPT_TOKENS = int(os.environ.get("PROMPT_TOKENS", "128"))

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import psutil
 
-from controller.bench.client import parse_event, pooled_connector
 from controller.bench.servers import to_toml
+from controller.load.client import parse_event, pooled_connector
 from policies.base import Observation
 
 if TYPE_CHECKING:

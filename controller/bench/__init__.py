@@ -1,1 +1,1 @@
-"""`vllm-autopilot bench`: load generation, workloads, goodput, sweep/compare/soak, reports."""
+"""`vllm-autopilot bench`: servers under test, one run against each, and the experiments built on them."""

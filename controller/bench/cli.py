@@ -10,9 +10,11 @@ from typing import Any
 
 import aiohttp
 
-from controller.bench.options import add_slo_args, add_workload_args, build_specs, format_summary, run_config
-from controller.bench.prompts import PromptBuilder, TokenizerError, load_tokenizer, tokenizer_path
-from controller.bench.workload import WorkloadError
+from controller.bench.runner import add_slo_args, run_config
+from controller.load.options import add_workload_args, build_specs
+from controller.load.prompts import PromptBuilder, TokenizerError, load_tokenizer, tokenizer_path
+from controller.load.workload import WorkloadError
+from controller.results.tables import format_summary
 
 DEFAULT_CONFIG = Path("config.toml")
 
@@ -30,7 +32,9 @@ def add_bench_commands(cmds: Any) -> None:
     add_workload_args(run)
     add_slo_args(run)
 
-    from controller.bench import chaos, compare, frontend, overload, report, soak, sweep
+    from controller.bench.chaos import run as chaos
+    from controller.bench.experiments import compare, frontend, overload, soak, sweep
+    from controller.results import report
 
     chaos.add_parser(cmds)
     compare.add_parser(cmds)
@@ -43,7 +47,9 @@ def add_bench_commands(cmds: Any) -> None:
 
 def bench_main(args: argparse.Namespace) -> int:
     """Run the ``bench`` subcommand that ``add_bench_commands`` registered."""
-    from controller.bench import chaos, compare, frontend, overload, report, soak, sweep
+    from controller.bench.chaos import run as chaos
+    from controller.bench.experiments import compare, frontend, overload, soak, sweep
+    from controller.results import report
 
     handlers = {
         "run": _run,
@@ -73,8 +79,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 async def _run_async(args: argparse.Namespace) -> int:
-    from controller.bench.client import Target, model_info
     from controller.bench.runner import Endpoints, run_workload
+    from controller.load.client import Target, model_info
 
     info = await model_info(args.url)
     model = args.model or str(info["id"])

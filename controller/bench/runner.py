@@ -1,11 +1,12 @@
 """One benchmark run against one live server: warm up, send the workload, scrape, write the run directory.
 
-The run directory holds ``records.jsonl``, ``timeseries.jsonl`` and ``summary.json`` (see ``records``).
+The run directory holds ``records.jsonl``, ``timeseries.jsonl`` and ``summary.json`` (see
+``controller/results/records.py``).
 """
 
 from __future__ import annotations
 
-import json
+import argparse
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -13,21 +14,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from controller.bench.client import Target, run_open_loop
-from controller.bench.prompts import PromptBuilder
-from controller.bench.records import (
+from controller.bench.scrape import Scraper
+from controller.load.client import Target, run_open_loop
+from controller.load.prompts import PromptBuilder
+from controller.load.workload import RequestSpec, describe
+from controller.results.records import (
     RequestRecord,
     client_series,
     merge_series,
     summarize,
-    write_jsonl,
+    write_run,
 )
-from controller.bench.scrape import Scraper
-from controller.bench.workload import RequestSpec, describe
-
-RECORDS = "records.jsonl"
-SERIES = "timeseries.jsonl"
-SUMMARY = "summary.json"
 
 
 @dataclass(frozen=True)
@@ -153,17 +150,33 @@ async def run_workload(
     return summary
 
 
-def write_run(out: Path, records: Sequence[Any], series: Sequence[Any], summary: dict[str, Any]) -> None:
-    """The three files of a run directory."""
-    out.mkdir(parents=True, exist_ok=True)
-    write_jsonl(out / RECORDS, records)
-    write_jsonl(out / SERIES, series)
-    (out / SUMMARY).write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
+def add_slo_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--slo-ttft",
+        type=float,
+        help="TTFT objective in seconds (goodput counts requests within it; with --slo-tpot, the "
+        "daemon's [slo] when --config has none)",
+    )
+    p.add_argument(
+        "--slo-tpot",
+        type=float,
+        help="TPOT objective in seconds per output token after the first (as --slo-ttft)",
+    )
+    p.add_argument(
+        "--warmup", type=int, default=4, help="short unrecorded requests before the run (default 4)"
+    )
+    p.add_argument("--request-timeout", type=float, default=600.0, help="per-request limit in seconds")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def read_summary(run_dir: Path) -> dict[str, Any]:
-    path = run_dir / SUMMARY
-    if not path.is_file():
-        raise FileNotFoundError(f"{run_dir}: no {SUMMARY}; is this a run directory written by bench run?")
-    data: dict[str, Any] = json.loads(path.read_text())
-    return data
+def run_config(args: argparse.Namespace, out: Path) -> RunConfig:
+    """The run settings the SLO options describe, writing into ``out``."""
+    return RunConfig(
+        out=out,
+        slo_ttft_s=args.slo_ttft,
+        slo_tpot_s=args.slo_tpot,
+        warmup=args.warmup,
+        timeout_s=args.request_timeout,
+        progress=not args.no_progress,
+        concurrency=args.concurrency,
+    )

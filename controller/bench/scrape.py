@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from controller.bench.records import SeriesPoint
+from controller.results.records import SeriesPoint
 
 # Sample names as exposed by vLLM 0.32 (the KV gauge was vllm:gpu_cache_usage_perc before 0.10).
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")

@@ -16,11 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from controller.bench.client import Target
 from controller.bench.memory import MemoryProbe
-from controller.bench.options import build_specs, format_summary, run_config, steer_to_slo
-from controller.bench.prompts import PromptBuilder, Tokenizer, load_tokenizer
-from controller.bench.runner import SUMMARY, Endpoints, read_summary, run_workload
+from controller.bench.runner import Endpoints, run_config, run_workload
 from controller.bench.servers import (
     Launched,
     ServerSpec,
@@ -29,7 +26,12 @@ from controller.bench.servers import (
     reconfigure,
     served_model,
 )
-from controller.bench.workload import RequestSpec
+from controller.load.client import Target
+from controller.load.options import build_specs
+from controller.load.prompts import PromptBuilder, Tokenizer, load_tokenizer
+from controller.load.workload import RequestSpec
+from controller.results.records import SUMMARY, read_summary
+from controller.results.tables import format_summary
 
 # Settings a plain `vllm serve` baseline leaves at vLLM's defaults (the knobs a sweep or a policy tunes).
 TUNED_KEYS = ("max_num_seqs", "max_num_batched_tokens", "max_num_active_seqs")
@@ -218,3 +220,11 @@ def finish(summary: dict[str, Any], server: Launched, target_dir: Path) -> dict[
 def fail(message: str) -> int:
     print(message, file=sys.stderr)
     return 2
+
+
+def steer_to_slo(base: dict[str, Any], args: argparse.Namespace) -> None:
+    """``--slo-ttft`` / ``--slo-tpot`` (both given) become the daemon's ``[slo]`` when ``--config`` has
+    none: the SLO goodput counts is the one the loop steers to."""
+    ttft, tpot = getattr(args, "slo_ttft", None), getattr(args, "slo_tpot", None)
+    if "slo" not in base and ttft is not None and tpot is not None:
+        base["slo"] = {"ttft_s": ttft, "tpot_s": tpot}

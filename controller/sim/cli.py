@@ -19,8 +19,8 @@ from controller.sim.profile import ProfileError
 
 
 def add_simulate_parser(sub: Any) -> None:
-    from controller.bench.options import add_alternate_args, add_shared_prefix_args
-    from controller.bench.sessions import SharedPrefix
+    from controller.load.options import add_alternate_args, add_shared_prefix_args
+    from controller.load.sessions import SharedPrefix
 
     p = sub.add_parser(
         "simulate",
@@ -38,7 +38,7 @@ def add_simulate_parser(sub: Any) -> None:
         "--workload",
         choices=("shared-prefix",),
         help="instead of --trace: shared-prefix, chat sessions with shared system prompts and re-sent "
-        "history at --rate for --duration (controller/bench/sessions.py)",
+        "history at --rate for --duration (controller/load/sessions.py)",
     )
     p.add_argument("--rate", type=float, help="requests per second of --workload")
     p.add_argument(
@@ -208,8 +208,8 @@ def parse_params(items: list[str]) -> dict[str, Any]:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from controller.bench.workload import WorkloadError
     from controller.config.load import ConfigError
+    from controller.load.workload import WorkloadError
     from controller.sim.profile import load_profile
     from controller.sim.twin import build_simulation, with_config, write_result
     from policies.base import PolicyError
@@ -270,7 +270,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     write_result(args.out, result, summary)
     print(format_summary(summary))
     if not args.no_report:
-        from controller.bench.report import render
+        from controller.results.report import render
 
         title = f"Twin ({profile.name}): {policy.name} on {args.workload_desc}"
         print(f"report: {render(args.out / 'report', [args.out], title=title)}")
@@ -280,8 +280,8 @@ def run_simulate(args: argparse.Namespace) -> int:
 def _specs(args: argparse.Namespace) -> list[Any]:
     """The window of ``--trace`` (with ``--alternate``, its windows in turn with the other traces'), or
     ``--workload shared-prefix``; sets ``args.workload_desc`` for reports."""
-    from controller.bench.options import shared_prefix_specs, trace_specs
-    from controller.bench.workload import WorkloadError
+    from controller.load.options import shared_prefix_specs, trace_specs
+    from controller.load.workload import WorkloadError
 
     if (args.trace is None) == (args.workload is None):
         raise WorkloadError(

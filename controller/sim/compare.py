@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from controller.bench.workload import RequestSpec
 from controller.config.load import AdmissionConfig, ControlConfig
+from controller.load.workload import RequestSpec
 from controller.sim.profile import Profile
 from controller.sim.run import SimResult
 from controller.sim.twin import build_simulation, write_result

@@ -45,11 +45,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from controller.bench.sessions import within
-from controller.bench.workload import RequestSpec
 from controller.control.actuator import token_budget_bounds
 from controller.control.steps import EngineStep
 from controller.control.telemetry import StepSample
+from controller.load.sessions import within
+from controller.load.workload import RequestSpec
 from controller.sim.kvcache import BlockTable, KVCache
 from controller.sim.profile import CostModel, EngineLimits
 

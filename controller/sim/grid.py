@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
-from controller.bench.workload import RequestSpec
 from controller.config.load import AdmissionConfig, ControlConfig
+from controller.load.workload import RequestSpec
 from controller.sim.compare import KEYS, table
 from controller.sim.profile import Profile
 from controller.sim.twin import build_simulation, write_result

@@ -22,9 +22,9 @@ from typing import Any
 
 import aiohttp
 
-from controller.bench.client import Target, parse_event, payload, pooled_connector
 from controller.bench.servers import Launched, ServerSpec, launched, load_base_config
-from controller.bench.workload import RequestSpec
+from controller.load.client import Target, parse_event, payload, pooled_connector
+from controller.load.workload import RequestSpec
 from controller.sim.fit import COLUMNS, Sample, fit, median_sample
 from controller.sim.profile import CostModel, EngineLimits
 

@@ -40,15 +40,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from controller.admission.gate import AdmissionGate, GateRejected
-from controller.bench.records import (
-    RequestRecord,
-    SeriesPoint,
-    client_series,
-    merge_series,
-    summarize,
-    tpot,
-)
-from controller.bench.workload import RequestSpec, describe
 from controller.clock import FakeClock
 from controller.config.load import AdmissionConfig, ControlConfig
 from controller.control.build import ttft_for
@@ -61,6 +52,15 @@ from controller.control.stepcost import CostReader, StepCostModel, prior_from
 from controller.control.steps import EngineStep, StepFeed
 from controller.control.telemetry import TelemetryWindow
 from controller.control.warmfit import plan, seed_from_warm_up
+from controller.load.workload import RequestSpec, describe
+from controller.results.records import (
+    RequestRecord,
+    SeriesPoint,
+    client_series,
+    merge_series,
+    summarize,
+    tpot,
+)
 from controller.sim.engine import SimEngine, SimRequest, StepPlan
 from controller.sim.profile import Profile, load_profile
 from controller.sim.quantiles import LoadTables, QuantileTable

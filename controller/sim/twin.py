@@ -13,9 +13,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from controller.bench.runner import write_run
 from controller.config.load import AdmissionConfig, ControlConfig, load_config
 from controller.control.build import normalizer_for
+from controller.results.records import write_run
 from controller.sim.profile import Profile
 from controller.sim.run import ControlSettings, SimResult, Simulation
 from policies.base import build_policy

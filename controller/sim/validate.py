@@ -30,10 +30,10 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from controller.bench.client import Target, model_info, run_open_loop
-from controller.bench.records import RequestRecord, summarize, write_jsonl
-from controller.bench.workload import RequestSpec, clamp_lengths, read_azure_trace, trace_window
 from controller.config.load import AdmissionConfig
+from controller.load.client import Target, model_info, run_open_loop
+from controller.load.workload import RequestSpec, clamp_lengths, read_azure_trace, trace_window
+from controller.results.records import RequestRecord, summarize, write_jsonl
 from controller.sim.profile import Profile, load_profile
 from controller.sim.twin import build_simulation
 

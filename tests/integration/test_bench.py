@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from controller.bench.records import read_records, read_series
 from controller.lifecycle.daemon import Daemon
+from controller.results.records import read_records, read_series
 from tests.helpers import ROOT, running_daemon, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]

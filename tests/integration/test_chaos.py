@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from controller.bench.chaos_faults import FAULTS
-from controller.bench.chaos_load import KINDS
+from controller.bench.chaos.faults import FAULTS
+from controller.bench.chaos.load import KINDS
 from tests.helpers import ROOT, write_config
 
 pytestmark = pytest.mark.slow

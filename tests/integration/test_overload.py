@@ -24,7 +24,15 @@ import aiohttp
 import psutil
 import pytest
 
-from controller.bench.mix import BATCH, INTERACTIVE, Mix, capacity, run_mix, summarize, unloaded_ttft
+from controller.bench.experiments.mix import (
+    BATCH,
+    INTERACTIVE,
+    Mix,
+    capacity,
+    run_mix,
+    summarize,
+    unloaded_ttft,
+)
 from tests.helpers import daemon_process, free_port, http_session, shipped_config, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from controller.bench.records import SeriesPoint
 from controller.control.loop import Change
+from controller.results.records import SeriesPoint
 
 
 def settling(

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from controller.bench.workload import RequestSpec, poisson
 from controller.config.load import AdmissionConfig, ControlConfig
+from controller.load.workload import RequestSpec, poisson
 from controller.sim.profile import CostModel, EngineLimits, Profile
 from controller.sim.run import SimResult
 from controller.sim.twin import build_simulation

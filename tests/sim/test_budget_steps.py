@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from controller.bench.workload import poisson
 from controller.control.normalize import Normalizer
 from controller.control.steps import EngineStep
+from controller.load.workload import poisson
 from controller.sim.engine import SimEngine, SimRequest
 from controller.sim.profile import CostModel, EngineLimits
 from controller.sim.run import Simulation

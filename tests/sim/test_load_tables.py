@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from controller.bench.workload import RequestSpec
+from controller.load.workload import RequestSpec
 from controller.sim.calibrate import LOAD_RAMP_S, in_flight_at_send, loaded_delays
 from controller.sim.cli import in_flight_list, prompt_list
 from controller.sim.measure import LoadPhase, load_workload

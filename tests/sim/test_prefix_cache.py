@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from controller.bench.sessions import SharedPrefix, shared_prefix
 from controller.cli import main
 from controller.config.load import ControlConfig
+from controller.load.sessions import SharedPrefix, shared_prefix
 from controller.sim.engine import SimEngine, SimRequest, StepPlan
 from controller.sim.kvcache import BlockTable, KVCache
 from controller.sim.profile import CostModel, EngineLimits, load_profile

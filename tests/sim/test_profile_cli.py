@@ -104,7 +104,7 @@ def test_simulate_writes_what_bench_run_writes(tmp_path: Path, capsys: pytest.Ca
     assert summary["kind"] == "sim" and summary["policy"] == "hysteresis"
     assert summary["policy_params"]["low"] == 0.6
     assert summary["ok"] == summary["requests"] > 50
-    from controller.bench.records import read_records, read_series
+    from controller.results.records import read_records, read_series
 
     assert len(read_records(out / "records.jsonl")) == summary["requests"]
     assert read_series(out / "timeseries.jsonl")[0].batch_cap == 1024

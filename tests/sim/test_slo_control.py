@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from controller.bench.workload import RequestSpec
 from controller.config.load import AdmissionConfig, ControlConfig
 from controller.control.loop import Change
+from controller.load.workload import RequestSpec
 from controller.sim.run import SimResult
 from controller.sim.twin import build_simulation, slo_for
 from tests.sim.scenarios import PROFILE, uniform, uniform_step
@@ -62,7 +62,7 @@ def test_after_a_2x_step_the_knobs_settle_within_10s() -> None:
 def test_the_twin_judges_each_served_request_as_the_daemons_ledger_does() -> None:
     """The slo policy's mean margin learns from the served and missed totals: the twin counts them
     with the daemon's ledger, so its margin moves as the daemon's would on the same outcomes."""
-    from controller.bench.records import meets_slo
+    from controller.results.records import meets_slo
 
     admission = AdmissionConfig(limit=PROFILE.engine.max_num_seqs)
     sim = build_simulation(PROFILE, ControlConfig(policy="slo"), admission, slo=slo_for(admission, 1.0, 0.05))

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from controller.bench.workload import RequestSpec
+from controller.load.workload import RequestSpec
 from controller.sim.calibrate import variance
 from controller.sim.measure import Measurements, step_ratios
 from controller.sim.profile import (

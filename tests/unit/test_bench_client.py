@@ -11,10 +11,10 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from controller.bench import client as client_module
-from controller.bench.client import Target, parse_event, payload, run_open_loop
-from controller.bench.records import RequestRecord
-from controller.bench.workload import RequestSpec
+from controller.load import client as client_module
+from controller.load.client import Target, parse_event, payload, run_open_loop
+from controller.load.workload import RequestSpec
+from controller.results.records import RequestRecord
 from tests.helpers import settle
 
 BODIES = web.AppKey("bodies", list[dict[str, Any]])

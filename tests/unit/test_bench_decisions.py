@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 
-from controller.bench import compare, soak, sweep, tables
-from controller.bench.records import SeriesPoint
+from controller.bench.experiments import compare, soak, sweep
 from controller.bench.targets import Bench, parse_assignments, parse_value
+from controller.results import tables
+from controller.results.records import SeriesPoint
 
 
 def summary(target: str, goodput: float, tok: float, ttft99: float | None = 1.0, **kw: Any) -> dict[str, Any]:

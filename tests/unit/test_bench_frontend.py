@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from controller.bench import frontend, frontend_layers
-from controller.bench.records import RequestRecord, Status
+from controller.bench.experiments import frontend, frontend_layers
+from controller.results.records import RequestRecord, Status
 
 
 def _record(index: int, ttft: float, e2e: float, out: int = 4, status: Status = "ok") -> RequestRecord:

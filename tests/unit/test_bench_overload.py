@@ -6,9 +6,9 @@ import argparse
 
 import pytest
 
-from controller.bench import overload
 from controller.bench.cli import add_bench_commands
-from controller.bench.mix import BATCH, INTERACTIVE, Outcome, summarize
+from controller.bench.experiments import overload
+from controller.bench.experiments.mix import BATCH, INTERACTIVE, Outcome, summarize
 
 
 def _args(*argv: str) -> argparse.Namespace:

@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-from controller.bench.options import add_slo_args, add_workload_args, build_specs, run_config
-from controller.bench.prompts import _WORDS as WORDS
-from controller.bench.prompts import PromptBuilder, TokenizerError, load_tokenizer, tokenizer_path
-from controller.bench.workload import WorkloadError
+from controller.bench.runner import add_slo_args, run_config
+from controller.load.options import add_workload_args, build_specs
+from controller.load.prompts import _WORDS as WORDS
+from controller.load.prompts import PromptBuilder, TokenizerError, load_tokenizer, tokenizer_path
+from controller.load.workload import WorkloadError
 
 
 def _word_tokenizer(path: Path, bos: bool) -> Path:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.bench.records import (
+from controller.results.records import (
     RequestRecord,
     SeriesPoint,
     client_series,

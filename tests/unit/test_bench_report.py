@@ -6,9 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from controller.bench.records import RequestRecord, SeriesPoint, client_series, merge_series, summarize
-from controller.bench.report import find_runs, render
-from controller.bench.runner import write_run
+from controller.results.records import (
+    RequestRecord,
+    SeriesPoint,
+    client_series,
+    merge_series,
+    summarize,
+    write_run,
+)
+from controller.results.report import find_runs, render
 
 
 def _write(dir: Path, target: str, knobs: bool, delay: float) -> None:

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from controller.bench.options import build_specs
-from controller.bench.prompts import _WORDS as WORDS
-from controller.bench.prompts import PromptBuilder, load_tokenizer
-from controller.bench.sessions import SharedPrefix, shared_prefix, within
-from controller.bench.workload import RequestSpec, WorkloadError
+from controller.load.options import build_specs
+from controller.load.prompts import _WORDS as WORDS
+from controller.load.prompts import PromptBuilder, load_tokenizer
+from controller.load.sessions import SharedPrefix, shared_prefix, within
+from controller.load.workload import RequestSpec, WorkloadError
 
 SHAPE = SharedPrefix(
     system_prompts=3, system_tokens=200, turns=4, user_tokens=40, output_tokens=60, think_s=2.0

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import pytest
 
 from controller.bench import servers
-from controller.bench.sweep import parse_sets, server_specs, settings
+from controller.bench.experiments.sweep import parse_sets, server_specs, settings
 from controller.bench.targets import Bench
 
 

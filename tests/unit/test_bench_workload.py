@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.bench.workload import (
+from controller.load.workload import (
     RequestSpec,
     TraceRow,
     WorkloadError,

@@ -13,10 +13,10 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from controller.bench.chaos_faults import FaultRecord, inject_faults
-from controller.bench.chaos_load import LoadShape, Outcome, Sender
-from controller.bench.chaos_verdict import ChaosVerdictLimits, EndState, bad_ending, verdict
-from controller.bench.client import Target
+from controller.bench.chaos.faults import FaultRecord, inject_faults
+from controller.bench.chaos.load import LoadShape, Outcome, Sender
+from controller.bench.chaos.verdict import ChaosVerdictLimits, EndState, bad_ending, verdict
+from controller.load.client import Target
 
 
 def _event(data: dict[str, Any]) -> bytes:

@@ -1,4 +1,4 @@
-"""controller/bench/phases.py (moved from the tests of bench/phases.py): the schedule, SLO accounting,
+"""controller/load/phases.py (moved from the tests of bench/phases.py): the schedule, SLO accounting,
 per-phase preemptions and the per-phase table of ``bench compare --workload phases`` (no servers).
 
 The script's /metrics parser is gone (the runner's scraper reads preemptions into the time series,
@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from controller.bench import compare, phases
-from controller.bench.records import RequestRecord, SeriesPoint, tpot
+from controller.bench.experiments import compare
+from controller.load import phases
+from controller.results.records import RequestRecord, SeriesPoint, tpot
 
 
 def rec(t_s: float, ttft: float | None, latency: float, tokens: int, ok: bool = True) -> RequestRecord:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from controller.bench.workload import RequestSpec, WorkloadError, alternate, parse_alternate, trace_load
 from controller.config.load import AdmissionConfig, ControlConfig
+from controller.load.workload import RequestSpec, WorkloadError, alternate, parse_alternate, trace_load
 from controller.sim.grid import parse_grid, runs
 
 
@@ -74,7 +74,7 @@ def test_the_grid_needs_every_axis_and_runs_policy_defaults_then_points() -> Non
 def test_the_bench_slo_becomes_the_daemons_when_the_config_has_none() -> None:
     import argparse
 
-    from controller.bench.options import steer_to_slo
+    from controller.bench.targets import steer_to_slo
 
     args = argparse.Namespace(slo_ttft=1.0, slo_tpot=0.05)
     base: dict[str, dict[str, float]] = {}

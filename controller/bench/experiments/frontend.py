@@ -36,13 +36,13 @@ from pathlib import Path
 from typing import Any
 
 from controller.bench import pyspy
-from controller.bench.client import Target, run_open_loop
-from controller.bench.prompts import PromptBuilder, load_tokenizer
-from controller.bench.records import RequestRecord
 from controller.bench.servers import HOST, engine_flags, free_port, log_tail, stop, wait_healthy
 from controller.bench.targets import parse_assignments
-from controller.bench.workload import RequestSpec
+from controller.load.client import Target, run_open_loop
+from controller.load.prompts import PromptBuilder, load_tokenizer
+from controller.load.workload import RequestSpec
 from controller.percentile import percentile
+from controller.results.records import RequestRecord
 
 RESULT = "frontend.json"
 VLLM_SERVE = "vllm-serve"
@@ -302,7 +302,7 @@ def profile_table(pairs: Sequence[dict[str, Any]], top: int = 8) -> str:
 
 def layers(args: argparse.Namespace) -> int:
     """``--layers``: each layer's CPU per request, and the scheduler subclass's per step."""
-    from controller.bench import frontend_layers
+    from controller.bench.experiments import frontend_layers
 
     stacks = frontend_layers.measure_stacks(args.streams, args.output_tokens, args.bursts, args.pairs)
     step = frontend_layers.measure_step(args.streams, steps=2000, rounds=args.pairs)

@@ -15,10 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from controller.bench.records import SeriesPoint, read_series
-from controller.bench.runner import SERIES, SUMMARY, read_summary
-from controller.bench.tables import cell, run_dirs
-from controller.bench.tables import table as make_table
+from controller.results.records import SERIES, SUMMARY, SeriesPoint, read_series, read_summary
+from controller.results.tables import cell, run_dirs
+from controller.results.tables import table as make_table
 
 REPORT = "report.md"
 MAX_PANELS = 12

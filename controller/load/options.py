@@ -1,18 +1,15 @@
-"""Command-line options shared by the bench commands, and turning them into a workload."""
+"""The workload options of the bench commands and of ``simulate``, and turning them into a workload."""
 
 from __future__ import annotations
 
 import argparse
 import random
 from pathlib import Path
-from typing import Any
 
-from controller.bench import phases
-from controller.bench.prompts import Tokenizer, counter
-from controller.bench.runner import RunConfig
-from controller.bench.sessions import SharedPrefix, shared_prefix
-from controller.bench.tables import cell
-from controller.bench.workload import (
+from controller.load import phases
+from controller.load.prompts import Tokenizer, counter
+from controller.load.sessions import SharedPrefix, shared_prefix
+from controller.load.workload import (
     RequestSpec,
     WorkloadError,
     assign_priorities,
@@ -30,16 +27,16 @@ from controller.bench.workload import (
 
 WORKLOADS = ("phases", "closed", "stall", "shared-prefix")
 WORKLOAD_HELP = (
-    "a named workload: phases (the phase-changing load of controller/bench/phases.py); closed (--requests N "
+    "a named workload: phases (the phase-changing load of controller/load/phases.py); closed (--requests N "
     "at once, lengths --prompt-tokens/--output-tokens; with --concurrency: a closed loop); stall (--requests "
     "N decoding streams, then one --long-prompt-tokens prompt: the longest decode gap its prefill causes); "
     "shared-prefix (chat sessions at --rate requests/s for --duration s: --system-prompts shared system "
-    "prompts, --turns turns that re-send their history; controller/bench/sessions.py)"
+    "prompts, --turns turns that re-send their history; controller/load/sessions.py)"
 )
 
 
 def add_shared_prefix_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """The shape of ``--workload shared-prefix`` (``controller/bench/sessions.py``)."""
+    """The shape of ``--workload shared-prefix`` (``controller/load/sessions.py``)."""
     d = SharedPrefix()
     p.add_argument(
         "--system-prompts",
@@ -162,33 +159,6 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of arrivals, lengths and priorities (default 0)")
 
 
-def steer_to_slo(base: dict[str, Any], args: argparse.Namespace) -> None:
-    """``--slo-ttft`` / ``--slo-tpot`` (both given) become the daemon's ``[slo]`` when ``--config`` has
-    none: the SLO goodput counts is the one the loop steers to."""
-    ttft, tpot = getattr(args, "slo_ttft", None), getattr(args, "slo_tpot", None)
-    if "slo" not in base and ttft is not None and tpot is not None:
-        base["slo"] = {"ttft_s": ttft, "tpot_s": tpot}
-
-
-def add_slo_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--slo-ttft",
-        type=float,
-        help="TTFT objective in seconds (goodput counts requests within it; with --slo-tpot, the "
-        "daemon's [slo] when --config has none)",
-    )
-    p.add_argument(
-        "--slo-tpot",
-        type=float,
-        help="TPOT objective in seconds per output token after the first (as --slo-ttft)",
-    )
-    p.add_argument(
-        "--warmup", type=int, default=4, help="short unrecorded requests before the run (default 4)"
-    )
-    p.add_argument("--request-timeout", type=float, default=600.0, help="per-request limit in seconds")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
 def build_specs(args: argparse.Namespace, tokenizer: Tokenizer, max_model_len: int) -> list[RequestSpec]:
     """The workload the options describe, clamped to the model's context, with priorities when asked."""
     rate_alone = args.rate is not None and not args.sharegpt and args.workload != "shared-prefix"
@@ -243,32 +213,3 @@ def build_specs(args: argparse.Namespace, tokenizer: Tokenizer, max_model_len: i
     if not specs:
         raise WorkloadError("the workload holds no request: raise --rate or --duration")
     return clamp_lengths(specs, max_model_len)
-
-
-def run_config(args: argparse.Namespace, out: Path) -> RunConfig:
-    """The run settings the SLO options describe, writing into ``out``."""
-    return RunConfig(
-        out=out,
-        slo_ttft_s=args.slo_ttft,
-        slo_tpot_s=args.slo_tpot,
-        warmup=args.warmup,
-        timeout_s=args.request_timeout,
-        progress=not args.no_progress,
-        concurrency=args.concurrency,
-    )
-
-
-def format_summary(s: dict[str, Any]) -> str:
-    """A few lines for the terminal."""
-    return (
-        f"{s['target']}: {s['requests']} requests "
-        f"({s['ok']} ok, {s['refused']} refused, {s['failed']} failed) "
-        f"in {s['duration_s']:.1f} s\n"
-        f"  throughput {s['throughput_tok_s']:.1f} tok/s, goodput {s['goodput_rps']:.2f} req/s "
-        f"(SLO TTFT {cell(s['slo_ttft_s'], 'g')} s, TPOT {cell(s['slo_tpot_s'], 'g')} s; "
-        f"attainment {cell(s['slo_attainment'], '.1%')})\n"
-        f"  TTFT p50/p99 {cell(s['ttft_p50'])}/{cell(s['ttft_p99'])} s, "
-        f"TPOT p50/p99 {cell(s['tpot_p50'], '.4f')}/{cell(s['tpot_p99'], '.4f')} s, "
-        f"KV mean/max {cell(s['kv_usage_mean'], '.2f')}/{cell(s['kv_usage_max'], '.2f')}, "
-        f"preemptions {cell(s['preemptions'], 'd')}"
-    )

@@ -18,8 +18,8 @@ from typing import Any
 
 import aiohttp
 
-from controller.bench.records import REFUSED_HTTP, RequestRecord, Status, tpot
-from controller.bench.workload import RequestSpec
+from controller.load.workload import RequestSpec
+from controller.results.records import REFUSED_HTTP, RequestRecord, Status, tpot
 
 
 @dataclass(frozen=True)

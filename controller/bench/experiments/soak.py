@@ -15,10 +15,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from controller.bench.options import add_slo_args, add_workload_args
-from controller.bench.records import SeriesPoint, percentile, read_series
+from controller.bench.runner import add_slo_args
 from controller.bench.servers import ServerSpec, log_tail
 from controller.bench.targets import add_server_args, parse_assignments, prepare, run_dir, run_one
+from controller.load.options import add_workload_args
+from controller.results.records import SeriesPoint, percentile, read_series
 
 RESULT = "soak.json"
 OOM_MARKERS = ("out of memory", "outofmemoryerror", "oom-kill", "oom_kill", "killed process", "memoryerror")

@@ -14,10 +14,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from controller.bench.options import add_slo_args, add_workload_args
-from controller.bench.report import render
+from controller.bench.runner import add_slo_args
 from controller.bench.servers import ServerSpec
-from controller.bench.tables import table
 from controller.bench.targets import (
     Bench,
     add_server_args,
@@ -27,6 +25,9 @@ from controller.bench.targets import (
     run_live,
     run_servers,
 )
+from controller.load.options import add_workload_args
+from controller.results.report import render
+from controller.results.tables import table
 
 RESULT = "sweep.json"
 TABLE = "sweep.md"

@@ -1,9 +1,9 @@
 """``bench chaos``: our daemon under steady mixed-priority load while faults hit it, then the invariants.
 
-It starts the daemon from ``--config`` (with the overrides), runs the load of ``chaos_load`` for
-``--duration`` seconds while ``chaos_faults`` injects a fault every ``--fault-every`` seconds, samples
+It starts the daemon from ``--config`` (with the overrides), runs the load of ``load`` for
+``--duration`` seconds while ``faults`` injects a fault every ``--fault-every`` seconds, samples
 the daemon's resident memory, waits for the gate to empty, sends one last request, stops the daemon and
-looks for what it left behind. ``chaos_verdict`` checks the invariants; the report goes to
+looks for what it left behind. ``verdict`` checks the invariants; the report goes to
 ``OUT/chaos.json`` and the exit status is 0 only when every invariant holds.
 """
 
@@ -23,12 +23,12 @@ from typing import Any
 import aiohttp
 import psutil
 
-from controller.bench.chaos_faults import Injector, engine_core_alive, http_get, inject_faults
-from controller.bench.chaos_load import LoadShape, Sender, run_load
-from controller.bench.chaos_verdict import ChaosVerdictLimits, EndState, verdict
-from controller.bench.client import Target
+from controller.bench.chaos.faults import Injector, engine_core_alive, http_get, inject_faults
+from controller.bench.chaos.load import LoadShape, Sender, run_load
+from controller.bench.chaos.verdict import ChaosVerdictLimits, EndState, verdict
 from controller.bench.servers import Launched, ServerSpec, launched, served_model
 from controller.bench.targets import add_config_args, base_config
+from controller.load.client import Target
 
 RESULT = "chaos.json"
 SHM = Path("/dev/shm")

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from controller.bench.sessions import within
-from controller.bench.workload import RequestSpec
+from controller.load.sessions import within
+from controller.load.workload import RequestSpec
 
 # Common English words: single tokens in most BPE vocabularies (and in the tiny CPU model's).
 _WORDS = (

@@ -21,10 +21,18 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from controller.bench.mix import BATCH, INTERACTIVE, Mix, capacity, run_mix, summarize, unloaded_ttft
+from controller.bench.experiments.mix import (
+    BATCH,
+    INTERACTIVE,
+    Mix,
+    capacity,
+    run_mix,
+    summarize,
+    unloaded_ttft,
+)
 from controller.bench.servers import ServerSpec, launched, load_base_config, served_model
-from controller.bench.tables import VLLM_SERVE, cell
 from controller.bench.targets import parse_assignments
+from controller.results.tables import VLLM_SERVE, cell
 
 DAEMON = "daemon"
 RESULT = "overload.json"

@@ -14,13 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from controller.bench import phases
-from controller.bench.options import add_slo_args, add_workload_args
-from controller.bench.records import read_records, read_series
-from controller.bench.report import render
-from controller.bench.runner import RECORDS, SERIES, read_summary
+from controller.bench.runner import add_slo_args
 from controller.bench.servers import ServerSpec
-from controller.bench.tables import VLLM_SERVE, best_static, run_dirs, table
 from controller.bench.targets import (
     TUNED_KEYS,
     Bench,
@@ -29,6 +24,11 @@ from controller.bench.targets import (
     prepare,
     run_servers,
 )
+from controller.load import phases
+from controller.load.options import add_workload_args
+from controller.results.records import RECORDS, SERIES, read_records, read_series, read_summary
+from controller.results.report import render
+from controller.results.tables import VLLM_SERVE, best_static, run_dirs, table
 
 TABLE = "compare.md"
 PHASES_TABLE = "phases.md"

@@ -1,6 +1,7 @@
-"""The comparison table of run summaries, and the order run directories are listed in.
+"""The comparison table of run summaries, the order run directories are listed in, and a summary's
+few lines for the terminal.
 
-Shared by ``compare``, ``sweep`` and ``report``, which all print or embed it.
+Shared by ``compare``, ``sweep``, ``report``, ``bench run`` and ``targets``, which all print or embed them.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from controller.bench.runner import SUMMARY, read_summary
+from controller.results.records import SUMMARY, read_summary
 
 VLLM_SERVE = "vllm-serve"
 
@@ -87,3 +88,19 @@ def run_dirs(out: Path) -> list[Path]:
     """Every run directory under ``out``: baseline, presets, best, policies, then anything else."""
     dirs = [p.parent for p in out.glob(f"*/{SUMMARY}")]
     return sorted(dirs, key=lambda d: (_rank(read_summary(d)), str(read_summary(d)["target"])))
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    """A few lines for the terminal."""
+    return (
+        f"{s['target']}: {s['requests']} requests "
+        f"({s['ok']} ok, {s['refused']} refused, {s['failed']} failed) "
+        f"in {s['duration_s']:.1f} s\n"
+        f"  throughput {s['throughput_tok_s']:.1f} tok/s, goodput {s['goodput_rps']:.2f} req/s "
+        f"(SLO TTFT {cell(s['slo_ttft_s'], 'g')} s, TPOT {cell(s['slo_tpot_s'], 'g')} s; "
+        f"attainment {cell(s['slo_attainment'], '.1%')})\n"
+        f"  TTFT p50/p99 {cell(s['ttft_p50'])}/{cell(s['ttft_p99'])} s, "
+        f"TPOT p50/p99 {cell(s['tpot_p50'], '.4f')}/{cell(s['tpot_p99'], '.4f')} s, "
+        f"KV mean/max {cell(s['kv_usage_mean'], '.2f')}/{cell(s['kv_usage_max'], '.2f')}, "
+        f"preemptions {cell(s['preemptions'], 'd')}"
+    )

@@ -21,8 +21,8 @@ from typing import Any
 
 import aiohttp
 
-from controller.bench.client import parse_event, pooled_connector
-from controller.bench.records import percentile
+from controller.load.client import parse_event, pooled_connector
+from controller.results.records import percentile
 
 INTERACTIVE, BATCH = "interactive", "batch"
 VOCAB = "the engine serves requests while the controller measures cache usage queue depth".split()

@@ -7,7 +7,7 @@ prompts, not streamed), ``stream_over_limit`` (a streamed completion with more p
 admission limit: it must not hold the gate), ``chat_batch`` (``/v1/chat/completions/batch``, several
 conversations in one body), ``beam_search`` (``use_beam_search`` with ``n`` beams), ``n_choices``
 (``n`` > 1) and ``n_over_limit`` (``n`` above the admission limit). Every request ends in an
-:class:`Outcome` that says how it ended; the verdict (``chaos_verdict``) decides which endings keep
+:class:`Outcome` that says how it ended; the verdict (``verdict``) decides which endings keep
 the rule "every request ends with a response or a clear error within its deadline".
 """
 
@@ -23,8 +23,8 @@ from typing import Any, Literal, get_args
 
 import aiohttp
 
-from controller.bench.client import Target, parse_event, payload
-from controller.bench.workload import RequestSpec
+from controller.load.client import Target, parse_event, payload
+from controller.load.workload import RequestSpec
 
 Kind = Literal[
     "stream",

@@ -22,7 +22,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from controller.bench.workload import RequestSpec, WorkloadError, poisson_arrivals
+from controller.load.workload import RequestSpec, WorkloadError, poisson_arrivals
 
 
 @dataclass(frozen=True)

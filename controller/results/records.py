@@ -161,6 +161,29 @@ def read_series(path: Path) -> list[SeriesPoint]:
     return _read_jsonl(path, SeriesPoint)
 
 
+# --- the run directory -------------------------------------------------------------------------------------
+
+RECORDS = "records.jsonl"
+SERIES = "timeseries.jsonl"
+SUMMARY = "summary.json"
+
+
+def write_run(out: Path, records: Sequence[Any], series: Sequence[Any], summary: dict[str, Any]) -> None:
+    """The three files of a run directory."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_jsonl(out / RECORDS, records)
+    write_jsonl(out / SERIES, series)
+    (out / SUMMARY).write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
+
+
+def read_summary(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / SUMMARY
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir}: no {SUMMARY}; is this a run directory written by bench run?")
+    data: dict[str, Any] = json.loads(path.read_text())
+    return data
+
+
 # --- math --------------------------------------------------------------------------------------------------
 
 

@@ -21,9 +21,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from controller.bench.records import RequestRecord, SeriesPoint, meets_slo, percentile
-from controller.bench.tables import best_static, cell
-from controller.bench.workload import RequestSpec
+from controller.load.workload import RequestSpec
+from controller.results.records import RequestRecord, SeriesPoint, meets_slo, percentile
+from controller.results.tables import best_static, cell
 
 PROMPT_TOKENS = 40
 

@@ -3,7 +3,7 @@
 1. Every request ends with a response or a clear error within its deadline: completed, vLLM's error
    event mid-stream, or a 4xx/5xx with a JSON error (and Retry-After with a 429). A stalled reader the
    daemon cut off (``[server] send_timeout_s``) is allowed; any other cut connection or hang is not.
-2. Every fault did what it must (``chaos_faults``).
+2. Every fault did what it must (``faults``).
 3. The gate's counters return to zero when the load stops (nothing in flight, queued or pending).
 4. The daemon's resident memory does not grow (a least-squares line after the warm-up).
 5. The daemon serves at the end (one more request completes).
@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from controller.bench.chaos_faults import FaultRecord
-from controller.bench.chaos_load import Outcome
-from controller.bench.soak import line_rise
+from controller.bench.chaos.faults import FaultRecord
+from controller.bench.chaos.load import Outcome
+from controller.bench.experiments.soak import line_rise
 
 
 @dataclass
