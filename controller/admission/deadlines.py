@@ -1,13 +1,13 @@
 """Queue deadlines that stand still while the gate is paused.
 
 A waiter's deadline is its enqueue time (under a TTFT bound, when it reached the server) plus its
-class's queue deadline (under a TTFT bound, cut by the measured time from a slot to the first token:
-``ttft.AfterSlot``), plus the time the gate has been paused since it arrived (engine restarts), up to
-``max_pause_s`` (``[guard] max_restart_wait_s``): a request queued through a short restart is kept,
-as the guard promises, but one never waits without bound through failed rebuilds. Its total wait is
-at most ``queue_deadline_s + max_pause_s``. Each waiter has one timer on the event loop; a fake clock
-in tests moves deadlines without waiting (the gate's ``expire_overdue`` then refuses the overdue
-ones).
+class's queue deadline (under a TTFT bound, its class's or its own, cut by the measured time from a
+slot to the first token: ``ttft.AfterSlot``), plus the time the gate has been paused since it
+arrived (engine restarts), up to ``max_pause_s`` (``[guard] max_restart_wait_s``): a request queued
+through a short restart is kept, as the guard promises, but one never waits without bound through
+failed rebuilds. Its total wait is at most ``queue_deadline_s + max_pause_s``. Each waiter has one
+timer on the event loop; a fake clock in tests moves deadlines without waiting (the gate's
+``expire_overdue`` then refuses the overdue ones).
 """
 
 from __future__ import annotations
@@ -30,13 +30,14 @@ class Deadlines:
         clock: Clock,
         on_expire: Callable[[Waiter], None],
         max_pause_s: float = math.inf,
-        queue_deadline_s: Callable[[PriorityClass], float] = lambda spec: spec.queue_deadline_s,
+        queue_deadline_s: Callable[[PriorityClass, float | None], float] | None = None,
     ) -> None:
         self._clock = clock
         self._on_expire = on_expire
-        self.queue_deadline_s = queue_deadline_s
-        """A class's queue deadline now (the gate's: shorter under SLO steering as the measured time
-        from a slot to the first token grows, ``ttft.AfterSlot.queue_deadline_s``)."""
+        self.queue_deadline_s = queue_deadline_s or (lambda spec, _: spec.queue_deadline_s)
+        """A class's queue deadline now for a request with its own TTFT bound or None (the gate's:
+        shorter under SLO steering as the measured time from a slot to the first token grows, and
+        under a request's own bound, ``ttft.AfterSlot.queue_deadline_s``)."""
         self.max_pause_s = max_pause_s
         """Paused seconds that stop a waiter's clock at most (the rest of a pause counts)."""
         self.paused = False
@@ -62,7 +63,7 @@ class Deadlines:
     def deadline(self, w: Waiter) -> float:
         paused = min(self.paused_s() - w.paused_at_enqueue_s, self.max_pause_s)
         start = w.enqueued_mono if w.deadline_from_mono is None else w.deadline_from_mono
-        return start + self.queue_deadline_s(w.queue.spec) + paused
+        return start + self.queue_deadline_s(w.queue.spec, w.ttft_bound_s) + paused
 
     def arm(self, w: Waiter) -> None:
         delay = max(0.0, self.deadline(w) - self._clock())

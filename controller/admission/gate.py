@@ -164,6 +164,7 @@ class AdmissionGate:
         arrived_mono: float | None = None,
         later_call: bool = False,
         ttft_done: bool = False,
+        ttft_bound_s: float | None = None,
     ) -> None:
         """Refuse now (raise ``GateRejected``) or count the request as pending in its class: ``n``
         is what it will generate (prompts x sequences each), ``calls`` the pending places it holds
@@ -171,7 +172,9 @@ class AdmissionGate:
         ``prompt_tokens`` (where known) adds its own prefill to its predicted wait, and under TTFT
         bounds the time since it ``arrived_mono`` counts too (``set_ttft``, ``ttft.AfterSlot``).
         ``later_call``: a further call of a request admitted before, not an arrival; ``ttft_done``: its
-        request has held a slot (its TTFT has happened): no expected wait refuses it, bounds still do."""
+        request has held a slot (its TTFT has happened): no expected wait refuses it, bounds still do.
+        ``ttft_bound_s``: the request's own TTFT bound (a gateway's header), which only tightens its
+        class's (``TtftBounds.bound_s``)."""
         q = self._queue_of(priority)
         self.arrivals_total += not later_call
         if self._refuse_new is not None:
@@ -180,8 +183,9 @@ class AdmissionGate:
         self._expire_pending()
         position, own = self._position(q, n)
         if position > 0:
-            prefill_s = None if ttft_done else self.after_slot.own_s(prompt_tokens, arrived_mono)
-            self._check_wait(q, position, own, n, prefill_s)
+            bounded = ttft_bound_s is not None
+            prefill_s = None if ttft_done else self.after_slot.own_s(prompt_tokens, arrived_mono, bounded)
+            self._check_wait(q, position, own, n, prefill_s, ttft_bound_s)
         q.pending.extend([self._clock()] * calls)
 
     def _position(self, q: ClassQueue, n: int) -> tuple[int, int]:
@@ -195,22 +199,27 @@ class AdmissionGate:
         own = n + q.queued + len(q.pending) - reserved_free
         return (own + higher - shared if own > 0 else own), own
 
-    def _check_wait(self, q: ClassQueue, position: int, own: int, n: int, prefill_s: float | None) -> None:
+    def _check_wait(
+        self, q: ClassQueue, position: int, own: int, n: int, prefill_s: float | None, asked_s: float | None
+    ) -> None:
         """``position`` requests (this one included) would wait ahead of a slot for it, ``own`` of
         them of its class; ``prefill_s`` what it needs after the wait (``AfterSlot.own_s``; None:
-        no expected wait refuses it)."""
+        no expected wait refuses it); ``asked_s`` its own TTFT bound, None without one."""
         spec = q.spec
+        deadline = self.ttft.queue_deadline_s(spec, asked_s)
         own = min(position, own)
         if own > spec.max_queue:
             why = f"{own - n} {spec.name} requests already wait (queue limit {spec.max_queue})"
             self._refuse(q, n, "queue_full", own - spec.max_queue, why)
         rate = self.service_rate()  # under SLO steering the deadline is a share of the TTFT bound
-        if rate is not None and prefill_s is not None and position / rate + prefill_s > spec.queue_deadline_s:
+        if rate is not None and prefill_s is not None and position / rate + prefill_s > deadline:
             wait = f"{position / rate:.1f}s" + (
                 f" + {prefill_s:.2f}s to its first token" if prefill_s else ""
             )
-            why = f"expected wait {wait} exceeds the {spec.name} queue deadline of {spec.queue_deadline_s:g}s"
-            self._refuse(q, n, "expected_wait", position - rate * spec.queue_deadline_s, why)
+            why = f"expected wait {wait} exceeds the {spec.name} queue deadline of {deadline:g}s"
+            if asked_s is not None and deadline < spec.queue_deadline_s:
+                why += f" (its own TTFT bound of {asked_s:g}s)"
+            self._refuse(q, n, "expected_wait", position - rate * deadline, why)
         waiting = sum(o.queued + len(o.pending) for o in self._order)
         free_any = max(0, self._limit - self._in_flight_total)
         excess = waiting + n - free_any - self.max_queue
@@ -263,11 +272,13 @@ class AdmissionGate:
         from_pending: bool = True,
         arrived_mono: float | None = None,
         weight: int = 1,
+        ttft_bound_s: float | None = None,
     ) -> Slot:
         """Wait for a slot in strict class order; raise ``GateRejected`` past the class deadline.
         ``arrived_mono``: when the request reached the server (a TTFT bound counts from then);
         ``weight``: how much of the limit it holds, granted all at once or not at all (``_weight``);
-        ``from_pending``: it takes that many of its class's pending places."""
+        ``from_pending``: it takes that many of its class's pending places; ``ttft_bound_s``: the
+        request's own TTFT bound, which only tightens its class's (its queue deadline)."""
         q = self._queue_of(priority)
         for _ in range(min(weight, len(q.pending)) if from_pending else 0):  # one place per sequence
             q.pending.popleft()
@@ -278,7 +289,8 @@ class AdmissionGate:
             return self._grant(q, self._clock(), weight=self._weight(q, weight))
         now, loop = self._clock(), asyncio.get_running_loop()
         w = Waiter(priority, next(self._seq), now, loop.create_future(), q, self._deadlines.paused_s())
-        w.weight, w.deadline_from_mono = weight, self.after_slot.deadline_from(q.spec, now, arrived_mono)
+        w.weight, w.ttft_bound_s = weight, ttft_bound_s
+        w.deadline_from_mono = self.after_slot.deadline_from(q.spec, now, arrived_mono, ttft_bound_s)
         heapq.heappush(q.heap, (priority, w.seq, w))
         q.queued += 1
         self._deadlines.arm(w)
@@ -361,12 +373,18 @@ class AdmissionGate:
         return len(overdue)
 
     def _expire(self, w: Waiter) -> None:
-        spec, now, deadline = w.queue.spec, self._clock(), self._deadlines.queue_deadline_s(w.queue.spec)
+        spec, now = w.queue.spec, self._clock()
+        deadline = self._deadlines.queue_deadline_s(spec, w.ttft_bound_s)
         wait = now - w.enqueued_mono
         ahead = sum(o.queued for o in self._order[: self._order.index(w.queue) + 1])
         why = f"waited {wait:.1f}s for a slot: past the {spec.name} deadline of {deadline:.3g}s"
-        if w.deadline_from_mono is not None and w.deadline_from_mono < w.enqueued_mono:
-            why += f" since it reached the server {now - w.deadline_from_mono:.1f}s ago (its TTFT bound)"
+        since = w.deadline_from_mono is not None and w.deadline_from_mono < w.enqueued_mono
+        bound = "its TTFT bound"
+        if w.ttft_bound_s is not None and deadline < spec.queue_deadline_s:
+            bound = f"its own TTFT bound of {w.ttft_bound_s:g}s"
+            why += "" if since else f" ({bound})"
+        if since and w.deadline_from_mono is not None:
+            why += f" since it reached the server {now - w.deadline_from_mono:.1f}s ago ({bound})"
         if self._deadlines.paused:  # no engine served meanwhile: not an overload, a 503
             why += f" and max_restart_wait_s = {self._deadlines.max_pause_s:g}s of engine restart"
             self._drop(w, GateRejected(f"{why}; retry later", 503, self.retry_after_s(), "restart_wait"))

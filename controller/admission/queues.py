@@ -58,6 +58,8 @@ class Waiter:
     deadline_from_mono: float | None = None
     """What its queue deadline counts from: when it queued, or under a TTFT bound when it reached
     the server (None: when it queued)."""
+    ttft_bound_s: float | None = None
+    """Its own TTFT bound (a gateway's header), which only tightens its class's; None without one."""
     timer: asyncio.TimerHandle | None = None
 
 

@@ -9,6 +9,11 @@ of it). It must stay within the class's queue deadline, which becomes ``min(queu
 wait_share * TTFT bound)``: the rest of the bound is a margin for what the prediction misses (held to
 the whole bound, the twin's H200 conversation run lost 2.6 % of its goodput), and a queued request
 granted a slot just at its bound would miss it.
+
+A request may carry a TTFT bound of its own (a gateway's header: ``engine/frontend/objectives.py``).
+It only tightens its class's: the request is held to ``min(its own, its class's)`` (``bound_s``), its
+own alone where its class has none (no ``[slo]``), and the prediction and the queue deadline above
+run against that, counted from when it reached the server.
 """
 
 from __future__ import annotations
@@ -50,6 +55,22 @@ class TtftBounds:
                 c = dataclasses.replace(c, queue_deadline_s=bound * self.wait_share)
             out.append(c)
         return out
+
+    def bound_s(self, name: str, asked_s: float | None = None) -> float | None:
+        """The TTFT bound a request of class ``name`` is held to: its class's, tightened by the
+        request's own ``asked_s`` where it names one (never loosened); None when neither sets one."""
+        bound = self.bounds.get(name)
+        if asked_s is None:
+            return bound
+        return asked_s if bound is None else min(bound, asked_s)
+
+    def queue_deadline_s(self, spec: PriorityClass, asked_s: float | None = None) -> float:
+        """The queue deadline of a request of class ``spec`` (as ``bounded`` cut it) that names its
+        own TTFT bound ``asked_s``: cut further to ``wait_share`` of the bound it is held to."""
+        bound = self.bound_s(spec.name, asked_s)
+        if asked_s is None or bound is None:
+            return spec.queue_deadline_s
+        return min(spec.queue_deadline_s, bound * self.wait_share)
 
     @property
     def uses_prompt_length(self) -> bool:
@@ -135,27 +156,39 @@ class AfterSlot:
                 self._quantile = (beyond or 0.0) + (queued or 0.0)
         return self._quantile
 
-    def own_s(self, prompt_tokens: int | None, arrived_mono: float | None = None) -> float:
+    def own_s(
+        self, prompt_tokens: int | None, arrived_mono: float | None = None, bounded: bool = False
+    ) -> float:
         """What a request's TTFT holds besides its wait in the queue: its prefill, and under a bound
-        ``seconds()`` and the time since it reached the server (``arrived_mono``, where known: the
-        front end's parsing, templating and tokenizing, seconds on a loaded CPU)."""
+        (the classes', or the request's own: ``bounded``) ``seconds()`` and the time since it
+        reached the server (``arrived_mono``, where known: the front end's parsing, templating and
+        tokenizing, seconds on a loaded CPU)."""
         ttft = self._bounds()
-        if not ttft.bounds:
+        if not ttft.bounds and not bounded:
             return ttft.prefill_s(prompt_tokens)
         spent = 0.0 if arrived_mono is None else max(0.0, self._clock() - arrived_mono)
         return ttft.prefill_s(prompt_tokens) + self.seconds() + spent
 
-    def deadline_from(self, spec: PriorityClass, now: float, arrived_mono: float | None) -> float:
+    def deadline_from(
+        self, spec: PriorityClass, now: float, arrived_mono: float | None, asked_s: float | None = None
+    ) -> float:
         """What a request of class ``spec`` queued ``now`` counts its queue deadline from: under a
-        TTFT bound, when it reached the server (the bound is the client's), else ``now``."""
-        if arrived_mono is None or spec.name not in self._bounds().bounds:
+        TTFT bound (its class's or its own ``asked_s``), when it reached the server (the bound is the
+        client's), else ``now``."""
+        if arrived_mono is None or self._bounds().bound_s(spec.name, asked_s) is None:
             return now
         return min(now, arrived_mono)
 
-    def queue_deadline_s(self, spec: PriorityClass) -> float:
-        """Class ``spec``'s queue deadline now: a request granted its slot later than its TTFT bound
-        less ``seconds()`` would miss the bound."""
-        bound, lag = self._bounds().bounds.get(spec.name), self.seconds()
+    def queue_deadline_s(self, spec: PriorityClass, asked_s: float | None = None) -> float:
+        """The queue deadline now of a request of class ``spec`` with its own TTFT bound ``asked_s``
+        (None: its class's alone): a request granted its slot later than its bound less
+        ``seconds()`` would miss the bound."""
+        ttft = self._bounds()
+        bound, lag, deadline = (
+            ttft.bound_s(spec.name, asked_s),
+            self.seconds(),
+            ttft.queue_deadline_s(spec, asked_s),
+        )
         if bound is None or lag <= 0:
-            return spec.queue_deadline_s
-        return min(spec.queue_deadline_s, max(0.0, bound - lag))
+            return deadline
+        return min(deadline, max(0.0, bound - lag))

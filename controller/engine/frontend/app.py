@@ -25,6 +25,7 @@ from controller.engine.frontend.auth import with_api_key
 from controller.engine.frontend.client import GateRefusal, GovernedEngineClient
 from controller.engine.frontend.limits import DEFAULT_SERVER_LIMITS, ClientLimits, ServerLimits
 from controller.engine.frontend.load import add_load_route
+from controller.engine.frontend.objectives import refusal_headers
 from controller.engine.frontend.priority import resolve_priorities
 
 ASGIApp = Callable[..., Any]
@@ -36,7 +37,8 @@ requests left at its deadline first (lifecycle/daemon.py ``END_GRACE_S`` is shor
 
 class AdmissionMiddleware:
     """Gives each request its ``RequestContext`` (context.py), holds every response's status line
-    until its first body chunk, and adds ``Retry-After`` to 429/503 answers (vLLM's carry none).
+    until its first body chunk, and adds ``Retry-After`` to 429/503 answers (vLLM's carry none), with
+    the gate's reason where the gate refused (``objectives.refusal_headers``).
 
     Holding the status line is what lets a stream be refused with a status: vLLM's routes return a
     stream's 200 before it runs, and its calls wait for their slots when it is first read. A stream
@@ -93,11 +95,12 @@ class AdmissionMiddleware:
 
     def _with_retry_after(self, start: dict[str, Any], request: context.RequestContext) -> dict[str, Any]:
         """The gate's own figure for the request's class when the gate refused it, else the gate's
-        estimate for the whole queue."""
+        estimate for the whole queue; and the gate's reason, where it refused."""
         if start["status"] not in (429, 503):
             return start
         retry = request.retry_after_s or self.gate.retry_after_s()
-        return {**start, "headers": [*start.get("headers", []), (b"retry-after", str(retry).encode())]}
+        added = [(b"retry-after", str(retry).encode()), *refusal_headers(request.refusal_reason)]
+        return {**start, "headers": [*start.get("headers", []), *added]}
 
     async def _refuse(
         self, send: ASGIApp, request: context.RequestContext, status: int, message: str

@@ -115,7 +115,13 @@ class GovernedEngineClient(EngineClient):
         if request is None or request.admitted:
             return
         try:
-            self._gate.check_admission(request.priority, n, calls=0, arrived_mono=request.arrived_mono)
+            self._gate.check_admission(
+                request.priority,
+                n,
+                calls=0,
+                arrived_mono=request.arrived_mono,
+                ttft_bound_s=request.objectives.ttft_s,
+            )
         except GateRejected as exc:
             raise self._refused(request, exc) from None
         request.admitted = True  # its arrival is counted: its calls are not new arrivals
@@ -146,7 +152,8 @@ class GovernedEngineClient(EngineClient):
         else the call's own kept within the ``[admission]`` bounds (``PriorityBounds.clamp``: vLLM
         passes 0 for a body that names none, so a refusal would refuse clients that asked nothing).
         Its prefill is its prompt's length as vLLM rendered it (no tokenizing of our own). A request
-        that has held a slot (a beam search's later steps) is not refused by its TTFT bound."""
+        that has held a slot (a beam search's later steps) is not refused by its TTFT bound, its
+        class's or its own (a gateway's header: ``objectives.py``)."""
         priority = request.priority if request.resolved else request.bounds.clamp(asked)
         prompt_tokens = self._prompt_len(prompt)
         try:
@@ -158,6 +165,7 @@ class GovernedEngineClient(EngineClient):
                 arrived_mono=None if request.served else request.arrived_mono,
                 later_call=request.admitted,
                 ttft_done=request.served,
+                ttft_bound_s=None if request.served else request.objectives.ttft_s,
             )
         except GateRejected as exc:
             raise self._refused(request, exc) from None
@@ -179,6 +187,7 @@ class GovernedEngineClient(EngineClient):
     def _refused(request: context.RequestContext | None, exc: GateRejected) -> GateRefusal:
         if request is not None:
             request.refusal, request.retry_after_s = (exc.status, exc.message), exc.retry_after_s
+            request.refusal_reason = exc.reason
         return _http_error(exc)
 
     async def _generate(
@@ -199,11 +208,16 @@ class GovernedEngineClient(EngineClient):
         # died under waits for the next engine from when it queues again, as the guard promises, and
         # a later call of a request that has held a slot (a beam search's step) from when it queues.
         arrived = request.arrived_mono if request is not None and not request.served else None
+        bound = request.objectives.ttft_s if request is not None and not request.served else None
         deaths = 0  # engines that died under this call before its first output
         while True:
             try:
                 slot = await self._gate.acquire(
-                    call.priority, call.holds_place, arrived_mono=arrived, weight=call.weight
+                    call.priority,
+                    call.holds_place,
+                    arrived_mono=arrived,
+                    weight=call.weight,
+                    ttft_bound_s=bound,
                 )
             except GateRejected as exc:
                 raise self._refused(request, exc) from None

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from controller.admission.classes import PriorityBounds
 from controller.clock import monotonic
+from controller.engine.frontend.objectives import Objectives, from_headers
 
 PRIORITY_HEADER = "x-vllm-priority"
 
@@ -44,6 +45,10 @@ class RequestContext:
     """[admission] min_priority and default_priority in force when the request arrived."""
     arrived_mono: float = field(default_factory=monotonic)
     """When the request reached the server: a TTFT bound counts from here."""
+    objectives: Objectives = field(default_factory=Objectives)
+    """What its headers ask of its latency (a gateway's TTFT bound and TPOT objective,
+    ``objectives.py``): the TTFT bound goes to the gate with each call, a malformed value is
+    answered 400 by ``priority.py``."""
     admitted: bool = False
     """A call has passed admission: later calls are not new arrivals."""
     served: bool = False
@@ -54,6 +59,8 @@ class RequestContext:
     request's status when the response has not really started (a stream before its first chunk)."""
     retry_after_s: int | None = None
     """The Retry-After of the gate's refusal."""
+    refusal_reason: str | None = None
+    """The gate's reason for its refusal, named in the answer's headers (``objectives.refusal_headers``)."""
 
 
 current: ContextVar[RequestContext | None] = ContextVar("autopilot_request", default=None)
@@ -69,10 +76,11 @@ def priority_header(headers: list[tuple[bytes, bytes]]) -> str | None:
 
 def for_request(headers: list[tuple[bytes, bytes]], bounds: PriorityBounds) -> RequestContext:
     """A new request's context: its priority the header's until ``priority.py`` resolves it (a
-    header that is not an integer reads 0, as vLLM reads it), kept within ``bounds``."""
+    header that is not an integer reads 0, as vLLM reads it), kept within ``bounds``, and the
+    objectives its headers name."""
     header = priority_header(headers)
     try:
         asked = None if header is None else int(header)
     except ValueError:
         asked = 0
-    return RequestContext(bounds.clamp(asked), bounds=bounds, header=header)
+    return RequestContext(bounds.clamp(asked), bounds=bounds, header=header, objectives=from_headers(headers))

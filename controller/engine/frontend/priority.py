@@ -1,5 +1,5 @@
 """The one adapter on vLLM's serving objects: the client's priority, resolved against the
-``[admission]`` bounds as soon as vLLM has parsed the request.
+``[admission]`` bounds as soon as vLLM has parsed the request, and its objectives' headers checked.
 
 What it does: each generating serving object's ``_check_model(request)`` (the first thing every
 generating handler does with its parsed request, before ``_preflight`` and before rendering) is
@@ -9,7 +9,8 @@ urgent than ``min_priority``, past int64 or not an integer is answered 400 there
 answer for that handler, before the gate: it never counts, queues or sheds). The resolved value is
 kept in the request's context (context.py): every ``generate()`` call of the request runs at it,
 including the calls that name none (beam search's steps) or pass the body's raw value (the batch
-route). ``_check_model`` itself runs unchanged.
+route). A request whose TTFT or TPOT header (``objectives.py``) is not a number of milliseconds is
+answered 400 there too, naming the header. ``_check_model`` itself runs unchanged.
 
 Why vLLM offers no other hook: ``generate()`` gets an int where a body that names no priority reads
 0 like one that asks for 0; only the parsed request model (``model_fields_set``) tells them apart,
@@ -53,6 +54,8 @@ def _wrap(serving: Any, original: Callable[..., Awaitable[Any]]) -> Callable[...
     async def check_model(request: Any, *args: Any, **kwargs: Any) -> Any:
         ctx = context.current.get()
         if ctx is not None and not ctx.resolved:
+            if (refused := ctx.objectives.error) is not None:
+                return serving.create_error_response(str(refused), param=refused.header)
             try:
                 ctx.priority = ctx.bounds.resolve(asked_priority(request, ctx.header))
             except PriorityRefused as exc:
