@@ -140,12 +140,15 @@ async def test_a_malformed_header_is_answered_400_before_the_gate(header: str) -
     assert gate.stats().arrivals_total == 0 and events.rejected == []
 
 
-async def test_a_header_bound_refuses_in_the_queue_and_the_answer_names_why() -> None:
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_header_bound_refuses_in_the_queue_and_the_answer_names_why(stream: bool) -> None:
     gate, events = make_gate()  # interactive: 5 s queue deadline
     held = await gate.acquire(0)
     async with make_app(gate) as http:
-        r = await http.post("/v1/completions", json={"priority": 0}, headers={"x-llm-d-slo-ttft-ms": "50"})
-    assert r.status_code == 429 and "its own TTFT bound of 0.05s" in r.json()["error"]
+        body = {"priority": 0, "stream": stream}
+        r = await http.post("/v1/completions", json=body, headers={"x-llm-d-slo-ttft-ms": "50"})
+    error = r.json()["error"]["message"] if stream else r.json()["error"]  # vLLM's body for a stream
+    assert r.status_code == 429 and "its own TTFT bound of 0.05s" in error
     assert r.headers["x-autopilot-refusal"] == "deadline"
     assert r.headers["x-llm-d-request-dropped-reason"] == "rejected-ttl-expired"
     assert int(r.headers["retry-after"]) >= 1
