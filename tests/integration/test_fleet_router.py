@@ -11,6 +11,8 @@ says of the router with ``--policy round_robin``:
   at their limit the client gets the last 429 and its ``Retry-After``;
 * with ``--policy power_of_two`` the router reads each daemon's ``/get_load`` and sends requests to
   the one with the smaller load;
+* a gateway's TTFT header (llm-d's ``x-llm-d-slo-ttft-ms``) sent through the router reaches each
+  daemon's gate: a request its class would queue is refused once its own, tighter bound passes;
 * one daemon's EngineCore killed under load: no request is lost beyond the streams that daemon's
   engine was producing when it died (each ends with a retryable error), and both serve again.
 
@@ -40,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import psutil
 import pytest
 import pytest_asyncio
@@ -245,25 +248,40 @@ async def bench_run(url: str, metrics: str, out: Path, *options: str) -> list[An
 async def at_limit(replica: Replica) -> AsyncIterator[None]:
     """``replica`` holding 2 long streams and queueing a third, sent to it directly: at its limit,
     it refuses the next request with 429. The streams are cut when the block ends."""
+    async with holding(replica, 3):
+        yield
+
+
+@contextlib.asynccontextmanager
+async def holding(replica: Replica, streams: int) -> AsyncIterator[None]:
+    """``replica`` running ``streams`` long streams sent to it directly (2 take its slots, the rest
+    queue), cut when the block ends."""
+    expected = (min(streams, 2), max(0, streams - 2))
     async with http_session() as s:
-        streams = [asyncio.create_task(stream_completion(s, replica.url, LONG)) for _ in range(3)]
+        tasks = [asyncio.create_task(stream_completion(s, replica.url, LONG)) for _ in range(streams)]
         try:
             await wait_for(
-                lambda: (replica.gate()["in_flight"], replica.gate()["queue_depth"]) == (2, 1),
+                lambda: (replica.gate()["in_flight"], replica.gate()["queue_depth"]) == expected,
                 30,
-                f"daemon {replica.name} at its limit",
+                f"daemon {replica.name} holding {expected}",
             )
             yield
         finally:
-            for task in streams:
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(*streams, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
     await wait_for(lambda: replica.gate()["in_flight"] == 0, 30, f"daemon {replica.name} idle again")
 
 
+async def post_status(s: aiohttp.ClientSession, base: str, body: dict[str, Any]) -> int:
+    async with s.post(base + "/v1/completions", json=body) as r:
+        return r.status
+
+
 def counts(r: Replica) -> tuple[int, int]:
+    """Requests admitted, and refused (at admission, or in the queue once their deadline passed)."""
     g = r.gate()
-    return int(g["admitted_total"]), int(g["rejected_total"])
+    return int(g["admitted_total"]), int(g["rejected_total"]) + int(g["timed_out_total"])
 
 
 # -- the checks -------------------------------------------------------------------------------------
@@ -302,6 +320,37 @@ async def test_with_both_at_their_limit_the_client_gets_the_429_and_retry_after(
     assert int(headers["retry-after"]) >= 1
     assert took < 5  # the router's own backoff (5 attempts), not the daemons' Retry-After
     print(f"both at their limit: 429 with Retry-After {headers['retry-after']} after {took:.2f} s")
+
+
+async def test_a_ttft_header_through_the_router_reaches_the_gate(fleet: Fleet) -> None:
+    """Both daemons' slots taken: a request without a header queues (its class waits 600 s); with
+    llm-d's ``x-llm-d-slo-ttft-ms: 300`` each daemon refuses it once its own bound passes, the router
+    tries the daemons in turn, and the last refusal reaches the client with its reason headers."""
+    body = {"model": "tiny", "prompt": "the fleet serves", "max_tokens": 4}
+    queued_before = sum(r.gate()["queue_depth"] for r in (fleet.a, fleet.b))
+    async with holding(fleet.a, 2), holding(fleet.b, 2), http_session() as s:
+        plain = asyncio.create_task(post_status(s, fleet.url, body))
+        await wait_for(
+            lambda: sum(r.gate()["queue_depth"] for r in (fleet.a, fleet.b)) == queued_before + 1,
+            30,
+            "the request without a header to queue",
+        )
+        plain.cancel()
+        await asyncio.gather(plain, return_exceptions=True)
+        refused_before = sum(counts(r)[1] for r in (fleet.a, fleet.b))
+        start = time.monotonic()
+        headers = {"x-llm-d-slo-ttft-ms": "300"}
+        async with s.post(fleet.url + "/v1/completions", json=body, headers=headers) as r:
+            status, answer, got = r.status, await r.json(), {k.lower(): v for k, v in r.headers.items()}
+        took = time.monotonic() - start
+    attempts = sum(counts(r)[1] for r in (fleet.a, fleet.b)) - refused_before
+    assert status == 429, answer
+    assert "own TTFT bound of 0.3s" in answer["error"]["message"], answer
+    assert got["x-autopilot-refusal"] in ("deadline", "expected_wait")
+    assert "x-llm-d-request-dropped-reason" in got and int(got["retry-after"]) >= 1
+    assert 1 <= attempts <= 5 and took < 10
+    reason = got["x-autopilot-refusal"]
+    print(f"TTFT header through the router: 429 ({reason}) after {attempts} tries in {took:.2f} s")
 
 
 async def test_power_of_two_reads_get_load_and_avoids_the_loaded_daemon(fleet: Fleet) -> None:
