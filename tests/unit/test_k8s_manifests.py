@@ -3,7 +3,10 @@ schema, and the manifests agree with one another and with the daemon (ports, pro
 config file, the drain time, the metric the autoscalers read). The pod is hardened: non-root, no
 privilege escalation, no capabilities, seccomp RuntimeDefault, a read-only root with a volume under
 every path the daemon writes, secrets from Secrets (the admin token written as a TOML string), a
-NetworkPolicy, liveness on the restart budget, a rollout that needs no spare GPU.
+NetworkPolicy, liveness on the restart budget, a rollout that needs no spare GPU. The router of the
+fleet (router.yaml, vllm-router) discovers the daemons by their label on their data-plane port, with
+the flags docs/fleet.md recommends, read by the router's own parser; its pod is hardened the same way
+and its account may only watch pods of the namespace.
 """
 
 from __future__ import annotations
@@ -38,17 +41,23 @@ KUBERNETES = "1.33"  # the oldest minor the manifests use a field of (preStop sl
 SATURATION = "autopilot_saturation"
 
 
-def _manifests() -> dict[str, dict[str, Any]]:
-    """Every object in deploy/k8s by kind (one object per kind there)."""
+ROUTER_FILE = "router.yaml"
+
+
+def _manifests(paths: list[Path]) -> dict[str, dict[str, Any]]:
+    """Every object in ``paths`` by kind (one object per kind there)."""
     out: dict[str, dict[str, Any]] = {}
-    for path in sorted(K8S.glob("*.yaml")):
+    for path in paths:
         for doc in yaml.safe_load_all(path.read_text()):
             assert doc["kind"] not in out, f"{path.name}: a second {doc['kind']}"
             out[doc["kind"]] = doc
     return out
 
 
-M = _manifests()
+M = _manifests([p for p in sorted(K8S.glob("*.yaml")) if p.name != ROUTER_FILE])
+"""The daemons' objects."""
+R = _manifests([K8S / ROUTER_FILE])
+"""The router's objects."""
 
 
 def _keda_validator() -> jsonschema.protocols.Validator:
@@ -81,6 +90,11 @@ def test_the_manifests_are_the_expected_set() -> None:
 @pytest.mark.parametrize("kind", sorted(M))
 def test_each_manifest_passes_its_schema(kind: str) -> None:
     _validate(M[kind])
+
+
+@pytest.mark.parametrize("kind", sorted(R))
+def test_each_router_manifest_passes_its_schema(kind: str) -> None:
+    _validate(R[kind])
 
 
 def test_the_schemas_refuse_a_wrong_field() -> None:
@@ -388,3 +402,111 @@ def test_the_network_policy_admits_only_the_pods_two_ports() -> None:
     assert f".{namespace}.svc" in server
     egress = sorted((p["port"], p["protocol"]) for rule in policy["egress"] for p in rule["ports"])
     assert egress == [(53, "TCP"), (53, "UDP"), (443, "TCP")]
+
+
+# -- the router ------------------------------------------------------------------------------------
+
+
+def _router_pod() -> dict[str, Any]:
+    spec: dict[str, Any] = R["Deployment"]["spec"]["template"]["spec"]
+    return spec
+
+
+def _router_container() -> dict[str, Any]:
+    (container,) = _router_pod()["containers"]
+    return dict(container)
+
+
+def _router_args() -> Any:
+    """The router's command line as its own parser reads it (the ``fleet`` extra's wheel)."""
+    launcher = pytest.importorskip(
+        "vllm_router.launch_router",
+        reason="vllm-router is not installed: pip install 'vllm-autopilot[fleet]'",
+    )
+    container = _router_container()
+    assert container["command"] == ["vllm-router"]
+    return launcher.parse_router_args(container["args"])
+
+
+def test_the_router_manifests_are_the_expected_set() -> None:
+    assert set(R) == {"Deployment", "Service", "ServiceAccount", "Role", "RoleBinding"}
+    namespace = M["Namespace"]["metadata"]["name"]
+    assert {doc["metadata"]["namespace"] for doc in R.values()} == {namespace}
+
+
+def test_the_router_discovers_the_daemons_by_label_on_their_data_plane() -> None:
+    args = _router_args()
+    daemon_labels = M["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    assert args.service_discovery is True and args.worker_urls == []
+    assert args.selector and args.selector.items() <= daemon_labels.items()
+    assert args.service_discovery_namespace == M["Deployment"]["metadata"]["namespace"]
+    assert args.service_discovery_port == _ports()["http"]
+    router_labels = R["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    # the router must not discover itself, nor be an endpoint of the daemons' Service
+    assert not args.selector.items() <= router_labels.items()
+    assert not M["Service"]["spec"]["selector"].items() <= router_labels.items()
+
+
+def test_the_router_retries_a_refusal_on_another_replica() -> None:
+    """docs/fleet.md: round_robin moves a 429 or 503 to the next replica; three 503s in a row (a
+    daemon recovering, draining or out of restarts) take a replica out for a while."""
+    args = _router_args()
+    assert args.policy == "round_robin"
+    assert not args.disable_retries and args.retry_max_retries > 1
+    assert not args.disable_circuit_breaker and args.cb_failure_threshold < args.retry_max_retries
+    assert args.host == "0.0.0.0" and args.prometheus_host == "0.0.0.0"
+    ports = {p["name"]: p["containerPort"] for p in _router_container()["ports"]}
+    assert (args.port, args.prometheus_port) == (ports["http"], ports["metrics"])
+
+
+def test_the_router_service_and_probes_use_its_ports() -> None:
+    ports = {p["name"] for p in _router_container()["ports"]}
+    labels = R["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    assert R["Deployment"]["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert R["Service"]["spec"]["selector"].items() <= labels.items()
+    assert {p["targetPort"] for p in R["Service"]["spec"]["ports"]} <= ports
+    c = _router_container()
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readiness", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/liveness", "port": "http"}
+
+
+def test_the_router_may_only_watch_pods_in_its_namespace() -> None:
+    pod = _router_pod()
+    account = R["ServiceAccount"]["metadata"]["name"]
+    assert pod["serviceAccountName"] == account and pod["automountServiceAccountToken"] is True
+    (rule,) = R["Role"]["rules"]
+    assert rule == {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+    binding = R["RoleBinding"]
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": "vllm-router",
+    }
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": account, "namespace": R["ServiceAccount"]["metadata"]["namespace"]}
+    ]
+
+
+def test_the_router_runs_non_root_without_privileges_on_a_read_only_root() -> None:
+    container = _router_container()
+    security = {**_router_pod()["securityContext"], **container["securityContext"]}
+    assert security["runAsNonRoot"] is True and security["runAsUser"] != 0
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    assert security["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert security["readOnlyRootFilesystem"] is True
+    volumes = {v["name"]: v for v in _router_pod()["volumes"]}
+    writable = [m for m in container["volumeMounts"] if not m.get("readOnly", False)]
+    assert [m["mountPath"] for m in writable] == ["/tmp"]
+    assert all("emptyDir" in volumes[m["name"]] for m in writable)
+
+
+def test_the_network_policy_lets_the_router_reach_the_data_plane() -> None:
+    policy = M["NetworkPolicy"]
+    assert policy["metadata"]["namespace"] == R["Deployment"]["metadata"]["namespace"]
+    http_rule = next(r for r in policy["spec"]["ingress"] if r["ports"][0]["port"] == "http")
+    router_labels = R["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    selectors = [
+        peer["podSelector"].get("matchLabels", {}) for peer in http_rule["from"] if "podSelector" in peer
+    ]
+    assert any(selector.items() <= router_labels.items() for selector in selectors)
