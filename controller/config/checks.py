@@ -8,7 +8,8 @@ import difflib
 from typing import Any
 
 from controller.config.secrets import is_loopback
-from policies.base import PolicyError, build_policy
+from policies.base import PolicyError
+from policies.slo import SloTargets
 
 
 def server_option_errors(extra: dict[str, Any], own: list[str]) -> list[str]:
@@ -50,15 +51,11 @@ def cross_table_errors(engine: dict[str, Any], tables: dict[str, Any]) -> list[s
     return errors
 
 
-def policy_errors(engine: dict[str, Any], tables: dict[str, Any]) -> list[str]:
-    """``[control] policy`` must build with its ``[control.params]``."""
+def policy_errors(engine: dict[str, Any], tables: dict[str, Any], slo: SloTargets | None) -> list[str]:
+    """``[control] policy`` must build with its ``[control.params]``, as the daemon builds it."""
+    control = tables["control"]
     try:
-        build_policy(
-            tables["control"].policy,
-            tables["control"].params,
-            max_num_seqs=engine["max_num_seqs"],
-            initial_limit=tables["admission"].limit,
-        )
+        control.build_policy(tables["admission"], slo, engine["max_num_seqs"])
     except PolicyError as exc:
-        return [f"[control] policy = {tables['control'].policy!r}: {exc}"]
+        return [f"[control] policy = {control.policy!r}: {exc}"]
     return []

@@ -29,6 +29,7 @@ from controller.config.fields import non_finite_errors
 from controller.config.fields import suggest as _suggest
 from controller.config.secrets import redact, scrub
 from controller.config.slo import SloTargets, cost_profile_errors, describe_slo, parse_slo
+from policies.base import Policy, build_policy
 
 DEFAULT_CONFIG = Path("config.toml")
 
@@ -170,6 +171,15 @@ class ControlConfig:
     params: dict[str, Any] = field(
         default_factory=dict, metadata={"doc": "[control.params]: the policy's own parameters."}
     )
+
+    def build_policy(self, admission: AdmissionConfig, slo: SloTargets | None, max_num_seqs: int) -> Policy:
+        """The policy this table names, with its params, started at ``[admission] limit`` under the
+        engine's ``max_num_seqs``, steering to ``slo`` where it does: the one construction, which the
+        config check runs to validate the file and the daemon, its reloads and the twin run to use it
+        (``control/build.py``). Raises ``PolicyError``."""
+        return build_policy(
+            self.policy, self.params, max_num_seqs=max_num_seqs, initial_limit=admission.limit, slo=slo
+        )
 
 
 @dataclass(frozen=True)
@@ -350,7 +360,7 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
     if not errors:
         errors.extend(cross_table_errors(engine, tables))
     if not errors:
-        errors.extend(policy_errors(engine, tables))
+        errors.extend(policy_errors(engine, tables, slo))
     if errors:
         raise ConfigError(scrub(errors, data))  # logged and answered: no secret's value in them
     return Config(

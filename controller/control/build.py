@@ -1,29 +1,115 @@
-"""The policy and the normalize stage that the config tables describe, built the same way by the
-daemon (``controller/lifecycle/parts.py``) and the twin (``controller/sim/twin.py``). No vLLM here:
-the twin runs without it."""
+"""The control core, built from the config's tables in one place for the daemon
+(``controller/lifecycle/parts.py``) and the twin (``controller/sim/run.py``) alike: the admission gate
+and its TTFT bounds, the telemetry window, the step-cost model (seeded from ``[control] cost_profile``),
+the policy, the normalize stage, the observer, the actuator, the capacity meter, the step feed and
+the loop. The caller brings its world and nothing of the core: the clock, the engine (the engine host,
+or the twin's engine behind the same interface), the NVML and host samplers (the twin has none), the
+outcome ledger, the gate's event sink, and then its own loop subscribers. A reload
+(``controller/lifecycle/reload.py``) rebuilds the policy, the normalize stage and the TTFT bounds with
+the same functions. No vLLM here: the twin runs without it."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
-from controller.admission.classes import PriorityClass
+from controller.admission.classes import GateEvents, PriorityClass
+from controller.admission.gate import AdmissionGate
 from controller.admission.ttft import NO_BOUNDS, PrefillEstimator, TtftBounds
-from controller.config.load import Config, ControlConfig
+from controller.clock import Clock, monotonic
+from controller.config.load import AdmissionConfig, Config, ControlConfig
+from controller.control.actuator import Actuator, CappedEngine
+from controller.control.capacity import CapacityMeter
+from controller.control.loop import ControlLoop
 from controller.control.normalize import Normalizer
-from policies.base import Policy, build_policy
+from controller.control.observe import EngineKnobs, Observer
+from controller.control.outcomes import OutcomeLedger
+from controller.control.samplers import GpuSource, HostReadingSource
+from controller.control.stepcost import CostPrior, CostReader, StepCostModel, prior_from
+from controller.control.steps import StepFeed, StepSource
+from controller.control.telemetry import TelemetryWindow
+from controller.sim.profile import load_profile
+from policies.base import Policy
 from policies.slo import SloTargets
 
 
-def policy_for(config: Config) -> Policy:
-    """``[control] policy`` and its params, started at ``[admission] limit``, with ``[slo]`` for a
-    policy that steers to it."""
-    return build_policy(
-        config.control.policy,
-        config.control.params,
-        max_num_seqs=config.max_num_seqs,
-        initial_limit=config.admission.limit,
-        slo=config.slo,
+class CoreEngine(EngineKnobs, CappedEngine, StepSource, Protocol):
+    """The engine as the core reaches it: the knobs in force (the observer), the batch cap and the
+    token budget it moves (the actuator), the steps it finished (the step feed)."""
+
+
+E = TypeVar("E", bound=CoreEngine)
+
+
+@dataclass(eq=False)
+class ControlCore(Generic[E]):
+    """The loop and the parts it ticks through, wired."""
+
+    engine: E
+    """The caller's engine, built around ``window`` (its steps' figures go there)."""
+    gate: AdmissionGate
+    window: TelemetryWindow
+    cost: CostReader
+    """The step-cost model (``cost.model``, fed by ``steps``) as the gate's prefill term, /state and
+    the metrics read it."""
+    capacity: CapacityMeter
+    observer: Observer
+    actuator: Actuator
+    steps: StepFeed
+    """The engine's per-step figures, pulled at each tick before observing: ``steps.subscribe``."""
+    loop: ControlLoop
+    """Its subscribers: the capacity meter, then what the caller adds (``loop.subscribe``)."""
+
+
+def build_core(
+    control: ControlConfig,
+    admission: AdmissionConfig,
+    slo: SloTargets | None,
+    outcomes: OutcomeLedger,
+    *,
+    engine: Callable[[TelemetryWindow], E],
+    clock: Clock = monotonic,
+    gpu: GpuSource | None = None,
+    host: HostReadingSource | None = None,
+    gate_events: GateEvents | None = None,
+    capacity_history: int | None = 0,
+) -> ControlCore[E]:
+    """The core ``[control]``, ``[admission]`` and ``[slo]`` describe, on ``clock``, around the engine
+    that ``engine`` builds on the core's telemetry window. ``outcomes`` is configured to ``slo`` and
+    read by each observation; ``capacity_history`` ticks of capacity are kept (None: all)."""
+    window = TelemetryWindow(control.window_s, clock)
+    built = engine(window)
+    a = admission
+    gate = AdmissionGate(a.limit, a.max_queue, a.classes, a.aging_s, clock=clock, events=gate_events)
+    model = StepCostModel(prior=cost_prior_for(control.cost_profile))
+    outcomes.configure(slo)
+    policy = control.build_policy(admission, slo, built.max_num_seqs)
+    capacity = CapacityMeter(window, gate, history=capacity_history)
+    capacity.configure(slo, policy)
+    observer = Observer(window, gate, built, gpu, host, model, outcomes)
+    actuator = Actuator(gate, built)
+    steps = StepFeed(built, [model.update])
+    normalizer, ticked = normalizer_for(control), [capacity.on_tick]
+    loop = ControlLoop(policy, normalizer, observer.observe, actuator, ticked, control.history, steps)
+    cost = CostReader(model, clock, lambda: built.token_budget, lambda: window.finished_mix().cached_share)
+    gate.set_ttft(ttft_for(policy, slo, a.classes, cost))
+    return ControlCore(
+        engine=built,
+        gate=gate,
+        window=window,
+        cost=cost,
+        capacity=capacity,
+        observer=observer,
+        actuator=actuator,
+        steps=steps,
+        loop=loop,
     )
+
+
+def policy_for(config: Config) -> Policy:
+    """The policy a whole config file describes (a reload's; ``ControlConfig.build_policy``)."""
+    return config.control.build_policy(config.admission, config.slo, config.max_num_seqs)
 
 
 def normalizer_for(control: ControlConfig) -> Normalizer:
@@ -35,6 +121,15 @@ def normalizer_for(control: ControlConfig) -> Normalizer:
         max_step_down=control.max_step_down,
         stabilization_s=control.stabilization_s,
     )
+
+
+def cost_prior_for(profile: str) -> CostPrior | None:
+    """``[control] cost_profile`` as the step-cost model's seed (the config loader checked it loads);
+    None: no profile named, the warm-up fits the model."""
+    if not profile:
+        return None
+    loaded = load_profile(profile)
+    return prior_from(loaded.cost.as_dict(), loaded.name)
 
 
 def ttft_for(

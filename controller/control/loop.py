@@ -71,6 +71,10 @@ class ControlLoop:
         self.last_reason = "not_started"
         self._lock = asyncio.Lock()
 
+    def subscribe(self, subscriber: Subscriber) -> None:
+        """Called after each tick, after those subscribed before it."""
+        self._subscribers.append(subscriber)
+
     async def tick(self) -> list[Change]:
         if self._lock.locked():  # never overlap the previous tick
             return []

@@ -125,15 +125,16 @@ def build_observation(
 
 
 class Observer:
-    """The daemon's observe stage: ``build_observation`` over its live sources."""
+    """The observe stage: ``build_observation`` over its live sources (the twin has no NVML and no
+    host sampler: ``gpu`` and ``host`` None)."""
 
     def __init__(
         self,
         window: StatsWindow,
         gate: GateReadings,
         engine: EngineKnobs,
-        gpu: GpuSource,
-        host: HostReadingSource,
+        gpu: GpuSource | None,
+        host: HostReadingSource | None,
         cost: CostSource | None = None,
         outcomes: OutcomeTotals | None = None,
     ) -> None:
@@ -147,8 +148,8 @@ class Observer:
             self.gate,
             e.batch_cap,
             e.max_num_seqs,
-            self.gpu.read(),
-            self.host.read(),
+            self.gpu.read() if self.gpu is not None else None,
+            self.host.read() if self.host is not None else None,
             BudgetReading.of(e),
             self.cost.estimate(eng.now_mono) if self.cost is not None else None,
             self.outcomes,

@@ -2,10 +2,12 @@
 
 Who calls whom, as wired here: the scheduler ticks the control loop; the loop observes through the
 ``Observer`` (gate, telemetry window, engine knobs, NVML, psutil), lets the policy decide, normalizes,
-moves knobs only through the ``Actuator``, then calls its subscribers in order: the diagnosis, the
-capacity meter (``autopilot_saturation``), the memory guard (which may start an engine restart) and
-the decisions metric. The admin server reads ``Parts`` through ``controller.admin.status``; the
-reload handler (``controller.lifecycle.reload``) swaps the live tables into them.
+moves knobs only through the ``Actuator``, then calls its subscribers in order: the capacity meter
+(``autopilot_saturation``), the diagnosis, the memory guard (which may start an engine restart) and
+the decisions metric. The loop and the parts it ticks through are the control core, built by
+``controller.control.build.build_core`` as the twin's is; the rest is the daemon's own. The admin
+server reads ``Parts`` through ``controller.admin.status``; the reload handler
+(``controller.lifecycle.reload``) swaps the live tables into them.
 """
 
 from __future__ import annotations
@@ -20,25 +22,22 @@ from prometheus_client import CollectorRegistry
 
 from controller.admin.metrics import GateMetrics, Metrics
 from controller.admission.gate import AdmissionGate
-from controller.clock import monotonic
 from controller.config.load import Config
 from controller.control.actuator import Actuator
-from controller.control.build import normalizer_for, policy_for, ttft_for
+from controller.control.build import build_core
 from controller.control.capacity import CapacityMeter
 from controller.control.diagnosis import Diagnoser, Diagnosis
 from controller.control.fitcheck import FitCheck
 from controller.control.loop import Change, ControlLoop, Subscriber
 from controller.control.observe import Observer
 from controller.control.samplers import GpuSource, HostReadingSource, HostSource, NvmlSource
-from controller.control.stepcost import CostPrior, CostReader, StepCostModel, prior_from
-from controller.control.steps import StepFeed
+from controller.control.stepcost import CostReader
 from controller.control.telemetry import TelemetryWindow
 from controller.engine.runtime.args import serve_namespace
 from controller.engine.runtime.host import EngineHost
 from controller.lifecycle.guard import Guard
 from controller.lifecycle.notify import Notifier
 from controller.lifecycle.tasks import BackgroundTasks
-from controller.sim.profile import load_profile
 from policies.base import Observation
 
 TICK_JOB = "control_tick"
@@ -110,51 +109,38 @@ def watch_memory(guard: Guard, tasks: BackgroundTasks) -> Subscriber:
     return on_tick
 
 
-def cost_prior_for(profile: str) -> CostPrior | None:
-    """``[control] cost_profile`` as the step-cost model's seed (the config loader checked it loads)."""
-    if not profile:
-        return None
-    loaded = load_profile(profile)
-    return prior_from(loaded.cost.as_dict(), loaded.name)
-
-
 def build_parts(
     config: Config, gpu_source: GpuSource | None = None, host_source: HostReadingSource | None = None
 ) -> Parts:
-    """The parts, wired; nothing starts (no engine, no listener, no task) until the daemon's startup."""
+    """The parts, wired; nothing starts (no engine, no listener, no task) until the daemon's startup.
+    The control core is ``control/build.build_core``'s, as the twin's; the daemon adds its engine
+    host, the NVML and host samplers, the metrics and the subscribers only it has."""
     registry = CollectorRegistry()
     metrics = Metrics(registry)
-    window = TelemetryWindow(config.control.window_s)
-    a = config.admission
-    gate = AdmissionGate(a.limit, a.max_queue, a.classes, a.aging_s, events=GateMetrics(metrics))
     server = config.server
     args = serve_namespace(config.engine, {"host": server.host, "port": server.port, **server.vllm})
-    host = EngineHost(args, window, server.engine_poll_sleep_s)
-    host.outcomes = metrics.outcomes  # each finished request judged against [slo] (control/outcomes.py)
-    metrics.outcomes.configure(config.slo)
-    guard = Guard(config.guard, gate, host, metrics.count_restart, last_step_age=window.last_step_age_s)
     gpu, hostsrc = gpu_source or NvmlSource(), host_source or HostSource()
-    cost_model = StepCostModel(prior=cost_prior_for(config.control.cost_profile))
-    observer = Observer(window, gate, host, gpu, hostsrc, cost_model, metrics.outcomes)
-    actuator = Actuator(gate, host)
-    diagnoser, tasks = Diagnoser(), BackgroundTasks()
-    policy, normalizer = policy_for(config), normalizer_for(config.control)
-    capacity = CapacityMeter(window, gate)
-    capacity.configure(config.slo, policy)
-    subscribers = [diagnoser.on_tick, capacity.on_tick, watch_memory(guard, tasks), metrics.count_decisions]
-    history, steps = config.control.history, StepFeed(host)
-    loop = ControlLoop(policy, normalizer, observer.observe, actuator, subscribers, history, steps)
-    fit_check = FitCheck()  # the start fit against the live one, over the steps served since
-    if loop.steps is not None:  # the engine's per-step figures, pulled at each tick before observing
-        loop.steps.subscribe(cost_model.update)
-        loop.steps.subscribe(fit_check.update)
-    cost = CostReader(
-        cost_model, monotonic, lambda: host.token_budget, lambda: window.finished_mix().cached_share
+    core = build_core(
+        config.control,
+        config.admission,
+        config.slo,
+        metrics.outcomes,
+        engine=lambda window: EngineHost(args, window, server.engine_poll_sleep_s),
+        gpu=gpu,
+        host=hostsrc,
+        gate_events=GateMetrics(metrics),
     )
-    gate.set_ttft(ttft_for(policy, config.slo, a.classes, cost))  # SLO steering's TTFT bounds
+    host, gate, window, loop = core.engine, core.gate, core.window, core.loop
+    host.outcomes = metrics.outcomes  # each finished request judged against [slo] (control/outcomes.py)
+    guard = Guard(config.guard, gate, host, metrics.count_restart, last_step_age=window.last_step_age_s)
+    diagnoser, tasks = Diagnoser(), BackgroundTasks()
+    for subscriber in (diagnoser.on_tick, watch_memory(guard, tasks), metrics.count_decisions):
+        loop.subscribe(subscriber)
+    fit_check = FitCheck()  # the start fit against the live one, over the steps served since
+    core.steps.subscribe(fit_check.update)
     metrics.live.read_from(gate, host, loop)
-    metrics.live.read_cost(cost)
-    metrics.live.read_capacity(capacity)
+    metrics.live.read_cost(core.cost)
+    metrics.live.read_capacity(core.capacity)
     parts = Parts(
         config=config,
         registry=registry,
@@ -166,15 +152,15 @@ def build_parts(
         guard=guard,
         gpu_source=gpu,
         host_source=hostsrc,
-        observer=observer,
-        actuator=actuator,
+        observer=core.observer,
+        actuator=core.actuator,
         diagnoser=diagnoser,
         loop=loop,
         scheduler=AsyncIOScheduler(),
         notifier=Notifier(),
         tasks=tasks,
-        cost=cost,
-        capacity=capacity,
+        cost=core.cost,
+        capacity=core.capacity,
         fit_check=fit_check,
     )
     guard.on_engine_args = parts.adopt_engine

@@ -28,10 +28,10 @@ from controller.config.cli_layer import load_layered
 from controller.config.diff import ConfigDiff, diff_config, engine_overrides, merge_live
 from controller.config.load import Config, ConfigError
 from controller.config.secrets import redact
-from controller.control.build import normalizer_for, policy_for, ttft_for
+from controller.control.build import cost_prior_for, normalizer_for, policy_for, ttft_for
 from controller.control.normalize import Normalizer
 from controller.control.stepcost import CostPrior
-from controller.lifecycle.parts import TICK_JOB, Parts, cost_prior_for
+from controller.lifecycle.parts import TICK_JOB, Parts
 from policies.base import Policy
 
 log = structlog.get_logger(__name__)

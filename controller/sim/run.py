@@ -1,5 +1,6 @@
 """A simulation: the real gate, telemetry window, policy, normalize stage and control loop around the
-twin's engine, all on one virtual clock.
+twin's engine, all on one virtual clock: the daemon's control core, built by the daemon's builder
+(``control/build.build_core``) around the engine behind the engine host's interface (``SimHost``).
 
 Only the engine is simulated. Each request is an asyncio task that does what our engine client
 (``engine/frontend/client.py``) does: ``check_admission`` (refused -> 429), ``AdmissionGate.slot``,
@@ -39,18 +40,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller.admission.gate import AdmissionGate, GateRejected
+from controller.admission.gate import GateRejected
 from controller.clock import FakeClock
 from controller.config.load import AdmissionConfig, ControlConfig
-from controller.control.build import ttft_for
-from controller.control.capacity import CapacityMeter
-from controller.control.loop import Change, ControlLoop
-from controller.control.normalize import Normalizer
-from controller.control.observe import BudgetReading, build_observation
+from controller.control.build import build_core
+from controller.control.loop import Change
 from controller.control.outcomes import OutcomeLedger
-from controller.control.stepcost import CostReader, StepCostModel, prior_from
-from controller.control.steps import EngineStep, StepFeed
-from controller.control.telemetry import TelemetryWindow
+from controller.control.steps import EngineStep
 from controller.control.warmfit import plan, seed_from_warm_up
 from controller.load.workload import RequestSpec, describe
 from controller.results.records import (
@@ -62,9 +58,9 @@ from controller.results.records import (
     tpot,
 )
 from controller.sim.engine import SimEngine, SimRequest, StepPlan
-from controller.sim.profile import Profile, load_profile
+from controller.sim.profile import Profile
 from controller.sim.quantiles import LoadTables, QuantileTable
-from policies.base import Observation, Policy
+from policies.base import Observation
 from policies.slo import SloTargets
 
 SETTLE_ROUNDS = 4
@@ -117,14 +113,50 @@ class SimResult:
         return summarize(self.records, self.duration_s, slo_ttft_s, slo_tpot_s, self.series, extra)
 
 
+class SimHost:
+    """The twin's engine as the daemon's engine host shows itself to the control core
+    (``control/build.CoreEngine``): the knobs in force, the batch cap and the token budget moved
+    (each call returns at once: nothing crosses a process), the steps drained."""
+
+    def __init__(self, engine: SimEngine) -> None:
+        self.engine = engine
+
+    @property
+    def batch_cap(self) -> int:
+        return self.engine.batch_cap
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.engine.max_num_seqs
+
+    @property
+    def token_budget(self) -> int:
+        return self.engine.token_budget
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        return self.engine.max_num_batched_tokens
+
+    @property
+    def token_budget_min(self) -> int:
+        return self.engine.token_budget_min
+
+    async def set_batch_cap(self, cap: int) -> int:
+        return self.engine.set_batch_cap(cap)
+
+    async def set_token_budget(self, budget: int) -> int:
+        return self.engine.set_token_budget(budget)
+
+    async def drain_steps(self) -> list[EngineStep]:
+        return self.engine.drain_steps()
+
+
 class Simulation:
-    """One run of a workload through the twin under one policy. Use ``run`` once."""
+    """One run of a workload through the twin under the tables of ``control``. Use ``run`` once."""
 
     def __init__(
         self,
         profile: Profile,
-        policy: Policy,
-        normalizer: Normalizer,
         control: ControlSettings | None = None,
         seed: int = 0,
         jitter: float = 0.0,
@@ -133,30 +165,24 @@ class Simulation:
         if jitter < 0:
             raise ValueError(f"jitter = {jitter}: must be >= 0 (0.05 = 5 % step-time noise)")
         self.profile = profile
-        self.control = control or ControlSettings()
+        self.control = c = control or ControlSettings()
         self.clock = FakeClock(0.0)
         self.engine = SimEngine(profile.engine, profile.cost)
-        self.window = TelemetryWindow(self.control.control.window_s, self.clock)
-        a = self.control.admission
-        self.gate = AdmissionGate(a.limit, a.max_queue, a.classes, a.aging_s, clock=self.clock)
-        self.changes: list[Change] = []
-        named = self.control.control.cost_profile  # the step-cost model's seed, as the daemon's
-        prior = prior_from(load_profile(named).cost.as_dict(), named) if named else None
-        self.cost = StepCostModel(prior=prior)
-        steps = StepFeed(self, [self.cost.update])
-        self.capacity = CapacityMeter(self.window, self.gate, history=None)  # every tick's saturation
-        self.capacity.configure(self.control.slo, policy)
         self.outcomes = OutcomeLedger(lambda _cls, _outcome: None, clock=self.clock)  # as the daemon's
-        self.outcomes.configure(self.control.slo)
-        subscribers = [self._record_changes, self.capacity.on_tick]
-        self.loop = ControlLoop(policy, normalizer, self.observe, self, subscribers, 50, steps)
-        prefill = CostReader(
-            self.cost,
-            self.clock,
-            lambda: self.engine.token_budget,
-            lambda: self.window.finished_mix().cached_share,
+        core = build_core(
+            c.control,
+            c.admission,
+            c.slo,
+            self.outcomes,
+            engine=lambda _window: SimHost(self.engine),  # the twin's driver records its steps
+            clock=self.clock,
+            capacity_history=None,  # every tick's saturation
         )
-        self.gate.set_ttft(ttft_for(policy, self.control.slo, a.classes, prefill))
+        self.window, self.gate, self.capacity, self.loop = core.window, core.gate, core.capacity, core.loop
+        self.cost = core.cost.model
+        self.observe = core.observer.observe
+        self.changes: list[Change] = []
+        self.loop.subscribe(self._record_changes)
         self._rng = random.Random(seed)
         self.jitter = jitter
         variance = profile.variance if use_variance else None
@@ -172,32 +198,8 @@ class Simulation:
         self._in_flight = 0
         """Requests arrived and not finished (in the front end, queued or in the engine)."""
 
-    # -- actuator: what the loop's apply stage calls ---------------------------------------------------
-    def set_admission_limit(self, limit: int) -> None:
-        self.gate.set_limit(limit)
-
-    async def set_batch_cap(self, cap: int) -> int:
-        return self.engine.set_batch_cap(cap)
-
-    async def set_token_budget(self, budget: int) -> int:
-        return self.engine.set_token_budget(budget)
-
-    async def drain_steps(self) -> list[EngineStep]:
-        """The twin's ``StepSource``: its steps, for ``loop.steps`` consumers (a step-cost model)."""
-        return self.engine.drain_steps()
-
     def _record_changes(self, _obs: Observation, changes: list[Change]) -> None:
         self.changes.extend(changes)
-
-    # -- observation: as the daemon's observer builds it, without NVML and psutil ----------------------
-    def observe(self) -> Observation:
-        e = self.engine
-        budget = BudgetReading(e.token_budget, e.max_num_batched_tokens, e.token_budget_min)
-        snap = self.window.snapshot()
-        cost = self.cost.estimate(snap.now_mono)
-        return build_observation(
-            snap, self.gate, e.batch_cap, e.max_num_seqs, budget=budget, cost=cost, outcomes=self.outcomes
-        )
 
     # -- one request, as our engine client handles it ---------------------------------------------------
     async def _client(self, spec: RequestSpec) -> None:

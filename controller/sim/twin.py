@@ -1,7 +1,7 @@
 """The twin's wiring, written once: a :class:`Simulation` from a profile and the daemon's own tables.
 
-``serve`` builds its policy from ``[control]`` (policy, params, the initial limit of ``[admission]``) and
-its normalize stage from ``[control]``'s limits; every caller of the twin (``simulate``, ``simulate
+The twin's control core is the daemon's, built by ``control/build.build_core`` from the same tables
+(``[control]``, ``[admission]``, ``[slo]``); every caller of the twin (``simulate``, ``simulate
 --compare``, ``bench validate``, the calibration's replay, the tests) builds through
 :func:`build_simulation` so the twin runs what the daemon would run with the same tables.
 """
@@ -14,11 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from controller.config.load import AdmissionConfig, ControlConfig, load_config
-from controller.control.build import normalizer_for
 from controller.results.records import write_run
 from controller.sim.profile import Profile
 from controller.sim.run import ControlSettings, SimResult, Simulation
-from policies.base import build_policy
 from policies.slo import SloBound, SloTargets
 
 
@@ -39,23 +37,8 @@ def build_simulation(
     where the policy does."""
     control = control or ControlConfig()
     admission = admission or AdmissionConfig(limit=profile.engine.max_num_seqs)
-    policy = build_policy(
-        control.policy,
-        dict(control.params),
-        max_num_seqs=profile.engine.max_num_seqs,
-        initial_limit=admission.limit,
-        slo=slo,
-    )
     settings = ControlSettings(control=control, admission=admission, drain_s=drain_s, slo=slo)
-    return Simulation(
-        profile,
-        policy,
-        normalizer_for(control),
-        settings,
-        seed=seed,
-        jitter=jitter,
-        use_variance=use_variance,
-    )
+    return Simulation(profile, settings, seed=seed, jitter=jitter, use_variance=use_variance)
 
 
 def with_config(

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from controller.control.normalize import Normalizer
+from controller.config.load import ControlConfig
 from controller.control.steps import EngineStep
 from controller.load.workload import poisson
 from controller.sim.engine import SimEngine, SimRequest
 from controller.sim.profile import CostModel, EngineLimits
-from controller.sim.run import Simulation
+from controller.sim.run import ControlSettings, Simulation
 from policies.base import Decision, Observation, Policy
 from tests.sim.scenarios import PROFILE
 
@@ -67,7 +67,7 @@ class HalveBudget(Policy):
 
     name = "halve"
 
-    def __init__(self) -> None:
+    def __init__(self, **_engine: int) -> None:
         self.budgets: list[int] = []
 
     def decide(self, obs: Observation, now_mono: float) -> Decision:
@@ -76,8 +76,10 @@ class HalveBudget(Policy):
 
 
 async def test_the_twins_loop_moves_the_budget_and_feeds_its_steps() -> None:
-    policy = HalveBudget()
-    sim = Simulation(PROFILE, policy, Normalizer(limit_max=128))
+    control = ControlConfig(policy=f"{__name__}:HalveBudget", limit_max=128)  # a plug-in, by its path
+    sim = Simulation(PROFILE, ControlSettings(control=control))
+    policy = sim.loop.policy
+    assert isinstance(policy, HalveBudget)
     seen: list[EngineStep] = []
     assert sim.loop.steps is not None
     sim.loop.steps.subscribe(seen.extend)

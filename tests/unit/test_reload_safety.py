@@ -14,8 +14,8 @@ from prometheus_client import CollectorRegistry
 
 from controller.admin.server import make_admin_app
 from controller.config.load import load_config
+from controller.control import build as build_module
 from controller.control.samplers import FakeHostSource
-from controller.lifecycle import parts as parts_module
 from controller.lifecycle.parts import Parts, build_parts
 from controller.lifecycle.reload import Reloader
 from controller.sim.profile import ProfileError
@@ -67,7 +67,7 @@ async def test_a_reload_whose_cost_profile_fails_to_build_changes_no_live_table(
     def vanished(name: str) -> Any:  # the profile went away between validation and its use
         raise ProfileError(f"no profile named {name!r}")
 
-    monkeypatch.setattr(parts_module, "load_profile", vanished)
+    monkeypatch.setattr(build_module, "load_profile", vanished)
     result = await Reloader(p).reload()
     assert result["ok"] is False and "cpu-smollm2" in str(result["errors"])
     assert live_tables(p) == before
