@@ -29,7 +29,7 @@ import aiohttp
 import psutil
 
 from controller.bench.servers import to_toml
-from controller.load.client import parse_event, pooled_connector
+from controller.load.client import pooled_connector, post
 from policies.base import Observation
 
 if TYPE_CHECKING:
@@ -177,7 +177,7 @@ async def stream_completion(
     model: str = "tiny",
 ) -> dict[str, Any]:
     """One streamed /v1/completions request: status, generated tokens (from the usage chunk; a chunk
-    may carry several tokens), content chunks, TTFT and when it ended."""
+    may carry several tokens), content chunks, TTFT and when it ended. Raises a transport error."""
     body = {
         "model": model,
         "prompt": prompt or "the engine serves requests",
@@ -187,35 +187,24 @@ async def stream_completion(
         "stream_options": {"include_usage": True},
         "priority": priority,
     }
-    chunks = tokens = 0
-    t0 = time.monotonic()
-    first: float | None = None
-    async with session.post(base_url + "/v1/completions", json=body) as resp:
-        status = resp.status
-        if status != 200:
-            return {"status": status, "chunks": 0, "headers": dict(resp.headers), "body": await resp.text()}
-        async for line in resp.content:
-            event = parse_event(line)
-            if event is None:
-                continue
-            if "error" in event:
-                return {"status": 500, "chunks": chunks, "tokens": tokens, "error": event}
-            if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
-            if not event.get("choices"):
-                continue  # the usage-only chunk at the end
-            if first is None:
-                first = time.monotonic()
-            chunks += 1
-    done = time.monotonic()
+    answer = await post(session, base_url + "/v1/completions", body)
+    if answer.failure is not None:
+        raise answer.failure
+    if answer.status != 200:
+        return {"status": answer.status, "chunks": 0, "headers": dict(answer.headers), "body": answer.body}
+    tokens = answer.usage["completion_tokens"] if answer.usage else 0
+    if answer.error_event is not None:
+        return {"status": 500, "chunks": answer.chunks, "tokens": tokens, "error": answer.error_event}
+    first = answer.chunk_mono[0] if answer.chunk_mono else None
+    done = answer.ended_mono
     return {
-        "status": status,
-        "chunks": chunks,
+        "status": answer.status,
+        "chunks": answer.chunks,
         "tokens": tokens,
-        "start_mono": t0,
+        "start_mono": answer.sent_mono,
         "first_token_mono": first,
         "done_mono": done,
-        "ttft_s": (first or done) - t0,
+        "ttft_s": (first or done) - answer.sent_mono,
     }
 
 

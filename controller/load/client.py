@@ -1,4 +1,8 @@
-"""The load generator: open-loop, streaming ``/v1/completions`` requests over aiohttp, one record each.
+"""The one client: open-loop, streaming ``/v1/completions`` requests over aiohttp, one record each.
+
+:func:`post` is the one place that sends a request and reads its SSE stream, for every caller (the bench,
+the overload mix, the chaos load, calibration, the tests): what it records, an :class:`Answer`, each turns
+into its own figures. :func:`send` turns it into the bench's ``RequestRecord``.
 
 Each request is sent at its scheduled arrival time whether or not earlier ones finished (open loop: a slow
 server faces the same arrivals as a fast one). Output length is forced: ``max_tokens`` = ``min_tokens`` = the
@@ -10,9 +14,11 @@ between such chunks, E2E the end of the stream; token counts come from the final
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,29 +75,96 @@ def parse_event(line: bytes) -> dict[str, Any] | None:
     return parsed
 
 
-@dataclass
-class _Stream:
-    start: float
-    first: float | None = None
-    last: float | None = None
-    chunks: int = 0
-    usage: dict[str, Any] | None = None
-    error: str | None = None
-    http_status: int | None = None
-    itl: list[float] = field(default_factory=list)
+OnChunk = Callable[["Answer"], Awaitable[bool]]
+"""Called after each streamed event that carries choices, with the answer so far; True hangs up."""
+TRANSPORT_ERRORS = (TimeoutError, ConnectionError, aiohttp.ClientError, json.JSONDecodeError)
+"""What :func:`post` records as ``Answer.failure`` instead of raising (a malformed event included)."""
 
-    def on_event(self, event: dict[str, Any], now: float) -> None:
-        if event.get("error"):  # vLLM reports mid-stream failures as an error event
-            self.error = str(event["error"])[:200]
-        if event.get("choices"):
-            self.chunks += 1
-            if self.first is None:
-                self.first = now
-            else:
-                self.itl.append(now - (self.last or now))
-            self.last = now
+
+@dataclass
+class Answer:
+    """What came back from one POST, as far as it went. Times are on the monotonic clock."""
+
+    sent_mono: float
+    """Just before the request was sent."""
+    ended_mono: float = math.nan
+    """When the answer ended: read to its end, stopped at an error event, hung up or failed."""
+    status: int | None = None
+    """The HTTP status; None when no response came."""
+    headers: Mapping[str, str] = field(default_factory=dict)
+    body: str = ""
+    """The whole body of a non-200 answer, or of a 200 to a request that did not ask for a stream."""
+    chunk_mono: list[float] = field(default_factory=list)
+    """When each streamed event that carries choices arrived (vLLM sends one per engine step, a token
+    or several)."""
+    finished: set[int] = field(default_factory=set)
+    """Indexes of the streamed choices that carried a ``finish_reason``."""
+    usage: dict[str, Any] | None = None
+    """The last streamed ``usage`` object."""
+    error_event: dict[str, Any] | None = None
+    """The streamed event that carried an ``error`` (vLLM's mid-stream failure); reading stops there."""
+    failure: Exception | None = None
+    """The transport error, timeout or malformed event that ended the exchange (one of
+    :data:`TRANSPORT_ERRORS`)."""
+    hung_up: bool = False
+    """``on_chunk`` asked to stop: the connection was closed mid-stream."""
+
+    @property
+    def chunks(self) -> int:
+        return len(self.chunk_mono)
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Sent to the first event with choices; None without one."""
+        return self.chunk_mono[0] - self.sent_mono if self.chunk_mono else None
+
+    def add_event(self, event: dict[str, Any], now: float) -> None:
+        """One streamed event that carries no error, received at ``now``."""
+        choices = event.get("choices") or []
+        if choices:
+            self.chunk_mono.append(now)
+        self.finished.update(c.get("index", 0) for c in choices if c.get("finish_reason"))
         if event.get("usage"):
             self.usage = event["usage"]
+
+
+async def post(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, Any],
+    *,
+    headers: Mapping[str, str] | None = None,
+    on_chunk: OnChunk | None = None,
+) -> Answer:
+    """POST ``body`` as JSON and read the answer: an SSE stream when ``body`` asks for one, else the
+    whole body. Never raises for HTTP or transport errors: they are in the answer."""
+    answer = Answer(time.monotonic())
+    try:
+        async with session.post(url, json=body, headers=headers) as resp:
+            answer.status, answer.headers = resp.status, resp.headers
+            if resp.status != 200 or not body.get("stream"):
+                answer.body = await resp.text(errors="replace")
+            else:
+                await _read_stream(resp, answer, on_chunk)
+    except TRANSPORT_ERRORS as exc:
+        answer.failure = exc
+    answer.ended_mono = time.monotonic()
+    return answer
+
+
+async def _read_stream(resp: aiohttp.ClientResponse, answer: Answer, on_chunk: OnChunk | None) -> None:
+    async for line in resp.content:
+        event = parse_event(line)
+        if event is None:
+            continue
+        if event.get("error"):
+            answer.error_event = event
+            return
+        answer.add_event(event, time.monotonic())
+        if on_chunk is not None and event.get("choices") and await on_chunk(answer):
+            answer.hung_up = True
+            resp.close()
+            return
 
 
 async def send(
@@ -103,61 +176,55 @@ async def send(
     run_start: float,
 ) -> RequestRecord:
     """Send one request and record it; never raises for HTTP or transport errors."""
-    start = time.monotonic()
+    url = f"{target.base_url.rstrip('/')}/v1/completions"
+    answer = await post(session, url, payload(target, spec, prompt))
     base: dict[str, Any] = {
         "index": spec.index,
         "priority": spec.priority,
         "prompt_tokens": prompt_tokens,
         "output_tokens_requested": spec.output_tokens,
-        "arrival_s": start - run_start,
+        "arrival_s": answer.sent_mono - run_start,
     }
-    s = _Stream(start)
-    url = f"{target.base_url.rstrip('/')}/v1/completions"
-    try:
-        async with session.post(url, json=payload(target, spec, prompt)) as resp:
-            s.http_status = resp.status
-            if resp.status != 200:
-                body = (await resp.text())[:200]
-                status: Status = "refused" if resp.status in REFUSED_HTTP else "failed"
-                return RequestRecord(
-                    **base,
-                    output_tokens=0,
-                    status=status,
-                    http_status=resp.status,
-                    e2e_s=time.monotonic() - start,
-                    error=f"HTTP {resp.status}: {body}",
-                )
-            async for line in resp.content:
-                event = parse_event(line)
-                if event is not None:
-                    s.on_event(event, time.monotonic())
-    except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as exc:
-        s.error = f"{type(exc).__name__}: {exc}"[:200]
-    return _finish(base, s, time.monotonic())
+    if answer.failure is None and answer.status != 200:
+        status: Status = "refused" if answer.status in REFUSED_HTTP else "failed"
+        return RequestRecord(
+            **base,
+            output_tokens=0,
+            status=status,
+            http_status=answer.status,
+            e2e_s=answer.ended_mono - answer.sent_mono,
+            error=f"HTTP {answer.status}: {answer.body[:200]}",
+        )
+    return _record(base, answer)
 
 
-def _finish(base: dict[str, Any], s: _Stream, end: float) -> RequestRecord:
-    usage = s.usage or {}
-    out = int(usage.get("completion_tokens", s.chunks))
+def _record(base: dict[str, Any], answer: Answer) -> RequestRecord:
+    usage = answer.usage or {}
+    out = int(usage.get("completion_tokens", answer.chunks))
     if usage.get("prompt_tokens"):
         base = {**base, "prompt_tokens": int(usage["prompt_tokens"])}
-    e2e = end - s.start
-    if s.error is None and s.first is None:
-        s.error = "stream ended without a token"
-    if s.error is None and out < base["output_tokens_requested"]:
-        s.error = f"short output: {out} of {base['output_tokens_requested']} tokens"
-    ttft = None if s.first is None else s.first - s.start
-    ok = s.error is None and ttft is not None
+    e2e = answer.ended_mono - answer.sent_mono
+    error = None
+    if answer.failure is not None:
+        error = f"{type(answer.failure).__name__}: {answer.failure}"[:200]
+    elif answer.error_event is not None:
+        error = str(answer.error_event["error"])[:200]
+    elif answer.ttft_s is None:
+        error = "stream ended without a token"
+    elif out < base["output_tokens_requested"]:
+        error = f"short output: {out} of {base['output_tokens_requested']} tokens"
+    ttft = answer.ttft_s
+    ok = error is None and ttft is not None
     return RequestRecord(
         **base,
         output_tokens=out,
         status="ok" if ok else "failed",
-        http_status=s.http_status,
+        http_status=answer.status,
         ttft_s=ttft,
         tpot_s=tpot(ttft, e2e, out) if ok and ttft is not None else None,
         e2e_s=e2e,
-        itl_s=tuple(s.itl),
-        error=s.error,
+        itl_s=tuple(b - a for a, b in itertools.pairwise(answer.chunk_mono)),
+        error=error,
     )
 
 

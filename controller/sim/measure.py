@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 
 from controller.bench.servers import Launched, ServerSpec, launched, load_base_config
-from controller.load.client import Target, parse_event, payload, pooled_connector
+from controller.load.client import Target, payload, pooled_connector, post
 from controller.load.workload import RequestSpec
 from controller.sim.fit import COLUMNS, Sample, fit, median_sample
 from controller.sim.profile import CostModel, EngineLimits
@@ -55,19 +55,16 @@ class Server:
         return dict(re.findall(r'(\w+)="([^"]*)"', match.group(1))) if match else {}
 
     async def stream(self, prompt_tokens: int, max_tokens: int) -> tuple[float, list[float]]:
-        """Send one request; (time sent, arrival time of each streamed token chunk)."""
+        """Send one request; (time sent, arrival time of each streamed token chunk), monotonic clock.
+        Raises for an HTTP error and re-raises a transport error."""
         prompt = [self.rng.randrange(10, self.vocab) for _ in range(prompt_tokens)]
         body = payload(Target(self.url, self.model), RequestSpec(0, 0.0, prompt_tokens, max_tokens), prompt)
-        t0 = time.perf_counter()
-        times: list[float] = []
-        async with self.session.post(f"{self.url}/v1/completions", json=body) as resp:
-            if resp.status != 200:
-                raise RuntimeError(f"{self.url}: HTTP {resp.status}: {(await resp.text())[:200]}")
-            async for raw in resp.content:
-                event = parse_event(raw)
-                if event is not None and event.get("choices"):
-                    times.append(time.perf_counter())
-        return t0, times
+        answer = await post(self.session, f"{self.url}/v1/completions", body)
+        if answer.failure is not None:
+            raise answer.failure
+        if answer.status != 200:
+            raise RuntimeError(f"{self.url}: HTTP {answer.status}: {answer.body[:200]}")
+        return answer.sent_mono, answer.chunk_mono
 
 
 async def decode_samples(server: Server, n: int, prompt: int, out: int) -> tuple[list[Sample], list[float]]:
@@ -245,14 +242,14 @@ def load_workload(
 
 async def load_phase(server: Server, specs: Sequence[RequestSpec]) -> LoadPhase:
     """Send ``specs`` open loop (each at its ``arrival_s``) and record what each one got."""
-    start = time.perf_counter() + 0.05
+    start = time.monotonic() + 0.05
 
     async def one(spec: RequestSpec) -> tuple[RequestSpec, float, list[float]]:
-        await asyncio.sleep(max(0.0, start + spec.arrival_s - time.perf_counter()))
+        await asyncio.sleep(max(0.0, start + spec.arrival_s - time.monotonic()))
         try:
             t0, times = await server.stream(spec.prompt_tokens, spec.output_tokens)
         except (aiohttp.ClientError, RuntimeError):
-            return spec, time.perf_counter(), []
+            return spec, time.monotonic(), []
         return spec, t0, times
 
     results = await asyncio.gather(*(one(s) for s in specs))

@@ -7,12 +7,13 @@ import json
 import time
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from controller.load import client as client_module
-from controller.load.client import Target, parse_event, payload, run_open_loop
+from controller.load.client import Answer, Target, parse_event, payload, post, run_open_loop
 from controller.load.workload import RequestSpec
 from controller.results.records import RequestRecord
 from tests.helpers import settle
@@ -128,3 +129,78 @@ async def test_concurrency_caps_the_requests_in_flight(monkeypatch: pytest.Monke
     )
     assert [r.index for r in records] == list(range(6))
     assert most == [2]
+
+
+async def _answers(request: web.Request) -> web.StreamResponse:
+    """How a server may answer, picked by the prompt; the request id comes back as a header."""
+    body = await request.json()
+    echo = {"X-Seen-Id": request.headers.get("X-Request-Id", "")}
+    if body["prompt"] == "refuse":
+        return web.json_response({"error": "full"}, status=429, headers={"Retry-After": "2", **echo})
+    if not body.get("stream"):
+        return web.json_response({"choices": [{"text": "whole"}]}, headers=echo)
+    resp = web.StreamResponse(headers=echo)
+    await resp.prepare(request)
+    for i in range(4):
+        await resp.write(_chunk({"choices": [{"index": 0, "text": f" t{i}"}]}))
+        if body["prompt"] == "fail" and i == 1:
+            await resp.write(_chunk({"error": {"message": "engine died", "code": 503}}))
+        if body["prompt"] == "garble" and i == 1:
+            await resp.write(b"data: {not json\n\n")
+    await resp.write(_chunk({"choices": [{"index": 0, "finish_reason": "length"}]}))
+    await resp.write(_chunk({"choices": [], "usage": {"completion_tokens": 4}}))
+    await resp.write(b"data: [DONE]\n\n")
+    return resp
+
+
+@pytest.fixture
+async def answers() -> Any:
+    app = web.Application()
+    app.router.add_post("/v1/completions", _answers)
+    async with TestServer(app) as srv, aiohttp.ClientSession() as session:
+        yield session, str(srv.make_url("/v1/completions"))
+
+
+async def test_post_records_a_stream_its_chunks_finish_and_usage(answers: Any) -> None:
+    session, url = answers
+    answer = await post(session, url, {"prompt": "ok", "stream": True}, headers={"X-Request-Id": "r1"})
+    assert (answer.status, answer.headers["X-Seen-Id"], answer.failure) == (200, "r1", None)
+    assert answer.chunks == 5 and answer.finished == {0} and answer.usage == {"completion_tokens": 4}
+    assert answer.ttft_s == answer.chunk_mono[0] - answer.sent_mono
+    assert answer.sent_mono <= answer.chunk_mono[0] <= answer.chunk_mono[-1] <= answer.ended_mono
+
+
+async def test_post_keeps_the_body_of_a_refusal_and_of_an_answer_not_streamed(answers: Any) -> None:
+    session, url = answers
+    refused = await post(session, url, {"prompt": "refuse", "stream": True})
+    assert (refused.status, refused.headers["Retry-After"], refused.chunks) == (429, "2", 0)
+    assert json.loads(refused.body) == {"error": "full"}
+    whole = await post(session, url, {"prompt": "ok", "stream": False})
+    assert json.loads(whole.body) == {"choices": [{"text": "whole"}]} and whole.chunks == 0
+
+
+async def test_post_stops_at_an_error_event_and_records_a_malformed_one(answers: Any) -> None:
+    session, url = answers
+    failed = await post(session, url, {"prompt": "fail", "stream": True})
+    assert failed.error_event == {"error": {"message": "engine died", "code": 503}}
+    assert failed.chunks == 2 and failed.usage is None and failed.failure is None
+    garbled = await post(session, url, {"prompt": "garble", "stream": True})
+    assert isinstance(garbled.failure, json.JSONDecodeError) and garbled.chunks == 2
+
+
+async def test_post_hangs_up_when_the_chunk_callback_asks(answers: Any) -> None:
+    session, url = answers
+    seen: list[int] = []
+
+    async def hang_up_at_three(answer: Answer) -> bool:
+        seen.append(answer.chunks)
+        return answer.chunks == 3
+
+    answer = await post(session, url, {"prompt": "ok", "stream": True}, on_chunk=hang_up_at_three)
+    assert seen == [1, 2, 3] and answer.hung_up and answer.chunks == 3 and answer.usage is None
+
+
+async def test_post_records_a_refused_connection() -> None:
+    async with aiohttp.ClientSession() as session:
+        answer = await post(session, "http://127.0.0.1:9/v1/completions", {"stream": True})
+    assert answer.status is None and isinstance(answer.failure, aiohttp.ClientConnectionError)

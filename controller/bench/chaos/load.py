@@ -23,7 +23,7 @@ from typing import Any, Literal, get_args
 
 import aiohttp
 
-from controller.load.client import Target, parse_event, payload
+from controller.load.client import Answer, Target, payload, post
 from controller.load.workload import RequestSpec
 
 Kind = Literal[
@@ -197,52 +197,52 @@ class Sender:
     async def _post(
         self, kind: Kind, route: str, body: dict[str, Any], choices: int | None, rid: str
     ) -> Ending:
-        try:
-            async with self.session.post(self.base + route, json=body, headers={"X-Request-Id": rid}) as resp:
-                if resp.status != 200:
-                    clear, detail = _clear_error(resp.status, resp.headers, await resp.text())
-                    return "http_error", resp.status, clear, detail
-                if choices is None:
-                    prompts = len(body["prompt"]) if isinstance(body["prompt"], list) else 1
-                    return await self._read_stream(kind, resp, prompts)
-                data = await resp.json()
-                got = len(data.get("choices") or [])
-                if got == choices:
-                    return "completed", 200, True, ""
-                return "cut", 200, False, f"{got} choices for {choices} asked"
-        except (aiohttp.ClientError, json.JSONDecodeError, ConnectionError) as exc:
-            return "cut", None, False, f"{type(exc).__name__}: {exc}"[:200]
+        async def misbehave(answer: Answer) -> bool:
+            """The rude readers: hang up after the second chunk, or stop reading after the first."""
+            if kind == "disconnect" and answer.chunks == 2:
+                return True
+            if kind == "stall" and answer.chunks == 1:
+                await asyncio.sleep(self.shape.stall_s)
+            return False
 
-    async def _read_stream(self, kind: Kind, resp: aiohttp.ClientResponse, prompts: int) -> Ending:
-        chunks, usage, finished = 0, False, set()
-        async for line in resp.content:
-            event = parse_event(line)
-            if event is None:
-                continue
-            if event.get("error"):
-                return "error_event", 200, True, str(event["error"])[:160]
-            usage = usage or bool(event.get("usage"))
-            for choice in event.get("choices") or []:
-                if choice.get("finish_reason"):
-                    finished.add(choice.get("index", 0))
-            if event.get("choices"):
-                chunks += 1
-                if kind == "disconnect" and chunks == 2:
-                    resp.close()
-                    return "client_disconnect", 200, True, ""
-                if kind == "stall" and chunks == 1:
-                    await asyncio.sleep(self.shape.stall_s)
-        if usage and len(finished) == prompts:
-            return "completed", 200, True, ""
-        return (
-            "cut",
-            200,
-            False,
-            (
-                f"stream ended after {chunks} chunks, {len(finished)} of {prompts} prompts finished, "
-                f"{'with' if usage else 'without'} usage, without an error"
-            ),
+        answer = await post(
+            self.session, self.base + route, body, headers={"X-Request-Id": rid}, on_chunk=misbehave
         )
+        if answer.failure is not None:
+            return "cut", None, False, f"{type(answer.failure).__name__}: {answer.failure}"[:200]
+        if answer.status != 200:
+            clear, detail = _clear_error(answer.status or 0, answer.headers, answer.body)
+            return "http_error", answer.status, clear, detail
+        if choices is None:
+            prompts = len(body["prompt"]) if isinstance(body["prompt"], list) else 1
+            return _stream_ending(answer, prompts)
+        try:
+            data = json.loads(answer.body)
+        except json.JSONDecodeError as exc:
+            return "cut", None, False, f"{type(exc).__name__}: {exc}"[:200]
+        got = len(data.get("choices") or [])
+        if got == choices:
+            return "completed", 200, True, ""
+        return "cut", 200, False, f"{got} choices for {choices} asked"
+
+
+def _stream_ending(answer: Answer, prompts: int) -> Ending:
+    if answer.error_event is not None:
+        return "error_event", 200, True, str(answer.error_event["error"])[:160]
+    if answer.hung_up:
+        return "client_disconnect", 200, True, ""
+    usage, finished = answer.usage is not None, len(answer.finished)
+    if usage and finished == prompts:
+        return "completed", 200, True, ""
+    return (
+        "cut",
+        200,
+        False,
+        (
+            f"stream ended after {answer.chunks} chunks, {finished} of {prompts} prompts finished, "
+            f"{'with' if usage else 'without'} usage, without an error"
+        ),
+    )
 
 
 async def run_load(

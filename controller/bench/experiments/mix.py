@@ -4,14 +4,13 @@ or batch (priority 5, long), whatever the server answers; and the probes that si
 Used by ``bench overload`` (the daemon against ``vllm serve --scheduling-policy priority``, or the daemon at
 several ``engine_poll_sleep_s``) and by ``tests/integration/test_overload.py``. Unlike ``bench run`` it keeps
 what an admission test asks about: each answer's HTTP status (a 200 whose stream carries an error event
-counts as that event's code), its Retry-After, and a per-class TTFT SLO. SSE lines go through the one
-parser (``client.parse_event``), connections through the one pool (``client.pooled_connector``).
+counts as that event's code), its Retry-After, and a per-class TTFT SLO. Requests go through the one
+client (``client.post``), connections through the one pool (``client.pooled_connector``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import statistics
 import time
@@ -21,7 +20,7 @@ from typing import Any
 
 import aiohttp
 
-from controller.load.client import parse_event, pooled_connector
+from controller.load.client import pooled_connector, post
 from controller.results.records import percentile
 
 INTERACTIVE, BATCH = "interactive", "batch"
@@ -88,31 +87,22 @@ async def one_request(
         "stream": stream,
         "priority": priority,
     }
-    sent = time.monotonic()
-    first: float | None = None
-    try:
-        async with session.post(base_url + "/v1/completions", json=body) as resp:
-            if resp.status != 200:
-                text = (await resp.text())[:200]
-                retry = resp.headers.get("Retry-After")
-                return Outcome(cls, resp.status, sent, time.monotonic(), None, retry, text)
-            if not stream:
-                await resp.read()
-                ended = time.monotonic()
-                return Outcome(cls, 200, sent, ended, ended - sent)
-            async for line in resp.content:
-                event = parse_event(line)
-                if event is None:
-                    continue
-                if "error" in event:
-                    code = int(event["error"].get("code") or 500)
-                    detail = "stream error event: " + str(event["error"])[:200]
-                    return Outcome(cls, code, sent, time.monotonic(), None, None, detail)
-                if first is None and event.get("choices"):
-                    first = time.monotonic()
-    except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as exc:
-        return Outcome(cls, 0, sent, time.monotonic(), None, None, f"{type(exc).__name__}: {exc}")
-    return Outcome(cls, 200, sent, time.monotonic(), None if first is None else first - sent)
+    answer = await post(session, base_url + "/v1/completions", body)
+    sent, ended = answer.sent_mono, answer.ended_mono
+    if answer.failure is not None:
+        exc = answer.failure
+        return Outcome(cls, 0, sent, ended, None, None, f"{type(exc).__name__}: {exc}")
+    status = answer.status or 0
+    if status != 200:
+        retry = answer.headers.get("Retry-After")
+        return Outcome(cls, status, sent, ended, None, retry, answer.body[:200])
+    if not stream:
+        return Outcome(cls, 200, sent, ended, ended - sent)
+    if answer.error_event is not None:
+        error = answer.error_event["error"]
+        detail = "stream error event: " + str(error)[:200]
+        return Outcome(cls, int(error.get("code") or 500), sent, ended, None, None, detail)
+    return Outcome(cls, 200, sent, ended, answer.ttft_s)
 
 
 async def run_mix(base_url: str, model: str, mix: Mix) -> list[Outcome]:
