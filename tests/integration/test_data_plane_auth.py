@@ -51,7 +51,7 @@ async def test_invocations_with_the_key_completes(daemon: Daemon) -> None:
         assert (await r.json())["usage"]["completion_tokens"] == 2
 
 
-@pytest.mark.parametrize("path", ["/health", "/ping", "/version", "/metrics", "/load"])
+@pytest.mark.parametrize("path", ["/health", "/ping", "/version", "/metrics", "/load", "/get_load"])
 async def test_the_probes_answer_without_the_key(daemon: Daemon, path: str) -> None:
     async with http_session() as s, s.get(url(daemon, path)) as r:
         assert r.status == 200, (path, r.status)
