@@ -120,6 +120,11 @@ class Policy(ABC):
     """True: the constructor takes ``slo`` (``policies/slo.SloTargets`` or None), which the builder
     passes from ``[slo]`` (a policy that steers to the SLO)."""
 
+    normalize_defaults: ClassVar[Mapping[str, float]] = {}
+    """The normalize stage's anti-flap settings this policy's asks need where ``[control]`` sets none
+    (``tolerance``, ``reverse_after_s``; ``controller/control/normalize.py``): a policy whose asks
+    jitter from tick to tick names a band here instead of keeping one of its own."""
+
     @abstractmethod
     def decide(self, obs: Observation, now_mono: float) -> Decision: ...
 

@@ -13,6 +13,7 @@ concurrency, no more throughput"), with KV preemption avoided and the whole per-
 from __future__ import annotations
 
 import math
+from types import MappingProxyType
 from typing import Any
 
 from policies.base import Decision, Observation, Policy, PolicyError
@@ -49,7 +50,7 @@ class SloPolicy(Policy):
        ``waiting = in_flight - D`` (requests inside the engine not yet running), ``h = max(min_headroom,
        ceil(headroom * D))``: more than ``h`` waiting -> ``D + h`` ("engine_full"); requests queued in
        the gate with the limit reached and at most ``h / 2`` waiting -> ``limit + h`` ("gate_queue");
-       otherwise the limit holds. Always within ``[min_limit, cap + h]``.
+       otherwise the limit holds. At most ``cap + h``.
 
     The knee objective (no ``[slo]``): a batch of ``N`` decodes ``N / step(N)`` tokens a step-second,
     ``step(N) = a + s*N`` with ``s = c + d*k + b*r`` (``r = cost.prefill_per_decode``: the prefill each
@@ -76,26 +77,29 @@ class SloPolicy(Policy):
     queued misses (the limit holds the queue in the gate); a bold one as misses in the engine, which
     good requests then pay for in TPOT.
 
-    Bands against churn: a budget or cap move smaller than ``band`` of the value in force is dropped, and
-    a knob reverses its last direction only ``reverse_after_s`` after its last move (the normalize
-    stage's rate limit still applies: the budget at most doubles or halves per tick).
+    The policy asks for targets; the normalize stage (``controller/control/normalize.py``) clamps them
+    (``[control] cap_min``, ``limit_min``), drops moves within ``tolerance`` of the value in force,
+    holds a quick reversal (``reverse_after_s``) and rate-limits the budget. The steps here are
+    noisy, so the policy names its own defaults for the first two (``normalize_defaults``: tolerance
+    0.1, a reversal held 30 s), which ``[control]`` overrides.
 
-    Parameters (defaults): ``margin`` 0.9; ``kv_target`` 0.9; ``kv_min_running`` 4;
-    ``min_prefill_tokens`` 64; ``headroom`` 0.1; ``min_headroom`` 2; ``min_limit`` 1; ``min_cap`` 1;
-    ``band`` 0.1; ``reverse_after_s`` 30.0; ``stale_after_s`` 5.0; ``knee_share`` 0.05;
-    ``mean_margin`` 0.7, ``mean_margin_min`` 0.2, ``mean_margin_max`` 1.0, ``margin_samples`` 50,
-    ``miss_low`` 0.01, ``miss_high`` 0.03, ``margin_up`` 1.05, ``margin_down`` 0.8. ``slo`` is passed
-    by the builder from ``[slo]`` (not a ``[control.params]`` key).
+    Parameters (defaults): ``margin`` 0.9; ``budget_margin`` 0.9 (``margin`` of the token budget's
+    step); ``kv_target`` 0.9; ``kv_min_running`` 4; ``min_prefill_tokens`` 64; ``headroom`` 0.1;
+    ``min_headroom`` 2; ``stale_after_s`` 5.0; ``knee_share`` 0.05; ``mean_margin`` 0.7,
+    ``mean_margin_min`` 0.2, ``mean_margin_max`` 1.0, ``margin_samples`` 50, ``miss_low`` 0.01,
+    ``miss_high`` 0.03, ``margin_up`` 1.05, ``margin_down`` 0.8. ``slo`` is passed by the builder from
+    ``[slo]`` (not a ``[control.params]`` key).
 
-    States: per knob the direction and time of its last move; the learned mean margin, the served
-    and missed counts at its last look, and whether it bounded the concurrency since.
+    States: the learned mean margin, the served and missed counts at its last look, and whether it
+    bounded the concurrency since.
     """
 
     name = "slo"
     takes_slo = True
+    normalize_defaults = MappingProxyType({"tolerance": 0.1, "reverse_after_s": 30.0})
     param_names = tuple(
-        "margin mean_margin budget_margin ttft_wait_share kv_target kv_min_running min_prefill_tokens "
-        "headroom min_headroom min_limit min_cap band reverse_after_s stale_after_s knee_share "
+        "margin mean_margin budget_margin kv_target kv_min_running min_prefill_tokens "
+        "headroom min_headroom stale_after_s knee_share "
         "mean_margin_min mean_margin_max margin_samples miss_low miss_high margin_up margin_down".split()
     )
 
@@ -108,16 +112,11 @@ class SloPolicy(Policy):
         margin: float = 0.9,
         mean_margin: float = 0.7,
         budget_margin: float = 0.9,
-        ttft_wait_share: float = 0.8,
         kv_target: float = 0.9,
         kv_min_running: int = 4,
         min_prefill_tokens: int = 64,
         headroom: float = 0.1,
         min_headroom: int = 2,
-        min_limit: int = 1,
-        min_cap: int = 1,
-        band: float = 0.1,
-        reverse_after_s: float = 30.0,
         stale_after_s: float = 5.0,
         knee_share: float = 0.05,
         mean_margin_min: float = 0.2,
@@ -132,16 +131,11 @@ class SloPolicy(Policy):
         self.margin = check_float("margin", margin, 0.0, 10.0, lo_open=True)
         self.mean_margin = check_float("mean_margin", mean_margin, 0.0, 10.0, lo_open=True)
         self.budget_margin = check_float("budget_margin", budget_margin, 0.0, 100.0, lo_open=True)
-        self.ttft_wait_share = check_float("ttft_wait_share", ttft_wait_share, 0.0, 1.0, lo_open=True)
         self.kv_target = check_float("kv_target", kv_target, 0.0, 1.0, lo_open=True)
         self.kv_min_running = check_int("kv_min_running", kv_min_running, 1)
         self.min_prefill_tokens = check_int("min_prefill_tokens", min_prefill_tokens, 1)
         self.headroom = check_float("headroom", headroom, 0.0, 10.0)
         self.min_headroom = check_int("min_headroom", min_headroom, 0)
-        self.min_limit = check_int("min_limit", min_limit, 1)
-        self.min_cap = check_int("min_cap", min_cap, 1, max_num_seqs)
-        self.band = check_float("band", band, 0.0, 1.0)
-        self.reverse_after_s = check_float("reverse_after_s", reverse_after_s, 0.0)
         self.stale_after_s = check_float("stale_after_s", stale_after_s, 0.0, lo_open=True)
         self.knee_share = check_float("knee_share", knee_share, 0.0, 0.5, lo_open=True)
         self.mean_margin_min = check_float("mean_margin_min", mean_margin_min, 0.0, 10.0, lo_open=True)
@@ -167,8 +161,6 @@ class SloPolicy(Policy):
         self._settle_until = 0
         """After a move, the served total at which the requests then in flight have ended: the
         next look counts only requests admitted under the new margin."""
-        self._last: dict[str, tuple[int, float]] = {}
-        """knob -> (direction of its last move, +1 / -1, and when)."""
         self._terms: dict[str, float] = {}
 
     def decide(self, obs: Observation, now_mono: float) -> Decision:
@@ -178,7 +170,7 @@ class SloPolicy(Policy):
         cost = obs.cost
         assert cost is not None
         if self.slo is None:
-            return self._knee(obs, cost, now_mono)
+            return self._knee(obs, cost)
         tau = self.margin * self.slo.tightest.tpot_s
         k = cost.kv_tokens_per_seq or 0.0
         reserve = self._reserve(cost, tau)
@@ -196,13 +188,8 @@ class SloPolicy(Policy):
         limit, limit_why = self._limit(obs, runs)
         self._terms = {"tau_s": tau, "kv_tokens_per_seq": k, "cap": cap, "budget": budget, "limit": limit}
         self._terms["mean_margin"] = self.margin_live
-        decision = Decision(
-            self._banded("admission_limit", obs.admission_limit, limit, now_mono, self.band),
-            self._banded("batch_cap", obs.batch_cap, cap, now_mono, self.band),
-            f"slo[{budget_why}; {cap_why}; {runs_why}; {margin_why}; {limit_why}]",
-            token_budget=self._banded("token_budget", obs.token_budget, budget, now_mono, self.band),
-        )
-        return decision
+        why = f"slo[{budget_why}; {cap_why}; {runs_why}; {margin_why}; {limit_why}]"
+        return Decision(limit, cap, why, token_budget=budget)
 
     def _hold_reason(self, obs: Observation) -> str | None:
         if is_stale(obs, self.stale_after_s):
@@ -220,7 +207,7 @@ class SloPolicy(Policy):
             return f"knee: the batch past which more concurrency adds < {self.knee_share:g} of throughput"
         return "slo: the most requests a second within [slo]"
 
-    def _knee(self, obs: Observation, cost: CostEstimate, now_mono: float) -> Decision:
+    def _knee(self, obs: Observation, cost: CostEstimate) -> Decision:
         """No ``[slo]``: the throughput knee's cap (within the KV), the whole budget, the limit above."""
         k = cost.kv_tokens_per_seq or 0.0
         r = cost.prefill_per_decode or 0.0
@@ -236,16 +223,12 @@ class SloPolicy(Policy):
             n_kv = math.floor(self.kv_target * d / obs.kv_usage)
             if n_kv < n:
                 n, why = n_kv, f"cap {n_kv}: KV {obs.kv_usage:.2f} at {d} running > {self.kv_target:g}"
-        cap = max(self.min_cap, min(self.max_num_seqs, n))
+        cap = max(1, min(self.max_num_seqs, n))
         budget = obs.max_num_batched_tokens
         limit, limit_why = self._limit(obs, cap, cut=False)
         self._terms = {"kv_tokens_per_seq": k, "cap": cap, "budget": budget, "limit": limit}
-        return Decision(
-            self._banded("admission_limit", obs.admission_limit, limit, now_mono, self.band),
-            self._banded("batch_cap", obs.batch_cap, cap, now_mono, self.band),
-            f"knee[{why}; budget {budget}: max_num_batched_tokens, no [slo]; {limit_why}]",
-            token_budget=self._banded("token_budget", obs.token_budget, budget, now_mono, self.band),
-        )
+        why = f"knee[{why}; budget {budget}: max_num_batched_tokens, no [slo]; {limit_why}]"
+        return Decision(limit, cap, why, token_budget=budget)
 
     def _cap(
         self, obs: Observation, cost: CostEstimate, tau: float, k: float, reserve: int
@@ -262,7 +245,7 @@ class SloPolicy(Policy):
             n = math.floor(self.kv_target * d / obs.kv_usage)
             if n < cap:
                 cap, why = n, f"cap {n}: KV {obs.kv_usage:.2f} at {d} running > {self.kv_target:g}"
-        return max(self.min_cap, min(self.max_num_seqs, cap)), why
+        return max(1, min(self.max_num_seqs, cap)), why
 
     def _learn_margin(self, obs: Observation) -> str:
         """Steer ``margin_live`` by the share of the requests served since its last look that missed
@@ -322,7 +305,7 @@ class SloPolicy(Policy):
         per_seq = decode + cost.b_s_per_prefill_token * (r or 0.0)
         if r is None or per_seq <= 0:
             return cap, f"runs {cap}: the cap (no prefill mix measured yet)"
-        n = max(self.min_cap, math.floor((bound - cost.a_s) / per_seq))
+        n = max(1, math.floor((bound - cost.a_s) / per_seq))
         if n >= cap:
             return cap, f"runs {cap}: the cap"
         mean = _ms(cost.a_s + per_seq * n)
@@ -353,21 +336,7 @@ class SloPolicy(Policy):
         want, why = runs + h, f"limit {runs + h}: {h} above"
         if cut and waiting > h and d + h < want:
             want, why = d + h, f"limit {d + h}: {waiting} wait in the engine > {h}"
-        return max(self.min_limit, want), why
-
-    def _banded(self, knob: str, current: int, want: int, now_mono: float, band: float) -> int | None:
-        """``want``, or None (hold) for a move within ``band`` of ``current`` or one (smaller than a
-        halving or a doubling) that reverses the knob's last move sooner than ``reverse_after_s``."""
-        if want == current or abs(want - current) <= band * current:
-            return None
-        direction = 1 if want > current else -1
-        last = self._last.get(knob)
-        small = abs(want - current) <= 0.5 * max(want, current)  # a halving or doubling always goes
-        recent = last is not None and now_mono - last[1] < self.reverse_after_s
-        if small and recent and last is not None and last[0] != direction:
-            return None
-        self._last[knob] = (direction, now_mono)
-        return want
+        return max(1, want), why
 
     def params(self) -> dict[str, Any]:
         slo = None if self.slo is None else self.slo.as_dict()

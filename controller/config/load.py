@@ -119,6 +119,13 @@ class AdmissionConfig:
     default_priority: int = _f(
         0, "The priority of a request that names none (header and body).", PRIORITY_MIN, PRIORITY_MAX
     )
+    ttft_wait_share: float = _f(
+        0.8,
+        "Under a policy that steers to [slo]: the share of its TTFT bound a request may wait in the "
+        "gate (its queue deadline is cut to it); the rest is for its prefill and first token.",
+        0.01,
+        1,
+    )
     classes: tuple[PriorityClass, ...] = field(
         default=DEFAULT_CLASSES,
         metadata={"doc": "[admission.classes.NAME]: priority classes (see controller/admission/classes.py)."},
@@ -142,8 +149,21 @@ class ControlConfig:
     window_s: float = _f(10.0, "Length of the engine-stats window the loop observes.", 0.5, 3600)
     history: int = _f(50, "How many recent decisions /state shows.", 1, 10_000)
     limit_max: int = _f(4096, "Ceiling of the admission limit any policy may set.", 1, 1_000_000)
-    tolerance: float = _f(
-        0.0, "Normalize: ignore changes of at most this fraction of the value in force (0 = off).", 0, 1
+    limit_min: int = _f(1, "Floor of the admission limit any policy may set.", 1, 1_000_000)
+    cap_min: int = _f(1, "Floor of the batch cap any policy may set (up to max_num_seqs).", 1, 1_000_000)
+    tolerance: float | None = _f(
+        None,
+        "Normalize: ignore changes of at most this fraction of the value in force (0 = off); unset: the "
+        "policy's own (slo 0.1, the others 0).",
+        0,
+        1,
+    )
+    reverse_after_s: float | None = _f(
+        None,
+        "Normalize: a move back against a knob's last move, sooner than this after it, is held unless "
+        "it halves or doubles the knob (0 = off); unset: the policy's own (slo 30, the others 0).",
+        0,
+        3600,
     )
     max_step_up: float = _f(
         0.0,
@@ -273,6 +293,54 @@ RENAMED: dict[str, dict[str, str]] = {"control": {"tick_seconds": "tick_s", "win
 until the next release; both names in one table is an error, since the file then says two things."""
 
 
+MOVED_PARAMS: dict[str, dict[str, tuple[str, str]]] = {
+    "slo": {
+        "band": ("control", "tolerance"),
+        "reverse_after_s": ("control", "reverse_after_s"),
+        "min_cap": ("control", "cap_min"),
+        "min_limit": ("control", "limit_min"),
+        "ttft_wait_share": ("admission", "ttft_wait_share"),
+    }
+}
+"""Per policy, ``[control.params]`` keys that are now keys of a table -> (table, key): the normalize
+stage's anti-flap and floors, and the gate's wait share. The old place is read, with a warning, until
+the next release; both places in one file is an error."""
+
+
+def relocate_params(
+    tables: dict[str, Any], written: dict[str, dict[str, Any]], errors: list[str], warnings: list[str]
+) -> dict[str, Any]:
+    """``tables`` (each table's dataclass by name) with the policy's moved ``[control.params]`` keys
+    (``MOVED_PARAMS``) set on their tables; ``written``: the tables as the file wrote them, to refuse
+    a key set in both places."""
+    control = tables["control"]
+    moved = MOVED_PARAMS.get(control.policy, {})
+    params, out = dict(control.params), dict(tables)
+    for old, (table, key) in moved.items():
+        if old not in params:
+            continue
+        value = params.pop(old)
+        if key in written.get(table, {}):
+            errors.append(
+                f"[control.params] {old} and [{table}] {key} are both set: {old} is now [{table}] {key}; "
+                f"keep [{table}] {key} only"
+            )
+            continue
+        f = next(f for f in dataclasses.fields(_TABLES[table]) if f.name == key)
+        problems = _check_value("control.params", f, value, written=old)
+        errors.extend(problems)
+        if problems:
+            continue
+        warnings.append(
+            f"[control.params] {old} is now [{table}] {key}: write it there instead; the old place is read "
+            "until the next release"
+        )
+        value = float(value) if str(f.type).startswith("float") else value
+        out[table] = dataclasses.replace(out[table], **{key: value})
+    out["control"] = dataclasses.replace(out["control"], params=params)
+    return out
+
+
 def _build_table(name: str, raw: dict[str, Any], errors: list[str], warnings: list[str]) -> Any:
     cls = _TABLES[name]
     fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in _DICT_FIELDS}
@@ -293,7 +361,7 @@ def _build_table(name: str, raw: dict[str, Any], errors: list[str], warnings: li
             problems = _check_value(name, fields[key], value, written=written)
             errors.extend(problems)
             if not problems:
-                kwargs[key] = float(value) if fields[key].type == "float" else value
+                kwargs[key] = float(value) if str(fields[key].type).startswith("float") else value
         elif name == "server":
             free[key] = value  # a vLLM front-end option, checked against vLLM's parser below
         else:
@@ -345,6 +413,7 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
         errors.append(f"[engine] restart_on_reload = {restart_on_reload!r}: must be true or false")
     warnings: list[str] = []
     tables = {name: _build_table(name, _table(data, name), errors, warnings) for name in _TABLES}
+    tables = relocate_params(tables, {name: _table(data, name) for name in _TABLES}, errors, warnings)
     errors.extend(non_finite_errors("engine", engine))
     errors.extend(non_finite_errors("server", tables["server"].vllm))
     errors.extend(non_finite_errors("control.params", tables["control"].params))

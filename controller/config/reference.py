@@ -19,7 +19,7 @@ from typing import Any
 from controller.admission.classes import _KEYS as CLASS_KEYS
 from controller.admission.classes import DEFAULT_CLASSES, PriorityClass
 from controller.config.diff import LIVE_TABLES
-from controller.config.load import _DICT_FIELDS, _TABLES, RENAMED, SMALL_HOST_CPUS
+from controller.config.load import _DICT_FIELDS, _TABLES, MOVED_PARAMS, RENAMED, SMALL_HOST_CPUS
 from controller.config.slo import KEYS as SLO_KEYS
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
@@ -163,6 +163,19 @@ def _renamed(table: str) -> list[str]:
     ]
 
 
+def _moved() -> list[str]:
+    """A policy's parameters that are now keys of a table, still read from ``[control.params]``."""
+    lines = []
+    for policy, moved in MOVED_PARAMS.items():
+        names = ", ".join(f"`{old}` is `[{table}] {key}`" for old, (table, key) in moved.items())
+        lines += [
+            f"Moved from the `{policy}` policy's parameters: {names}. The old place still loads, with a "
+            "warning, until the next release; both places in one file is an error.",
+            "",
+        ]
+    return lines
+
+
 def _doc(cls: type[Any], field_name: str) -> str:
     return str(next(f.metadata["doc"] for f in dataclasses.fields(cls) if f.name == field_name))
 
@@ -237,7 +250,7 @@ def render() -> str:
         if name == "admission":
             lines += _classes() + _slo()
         if name == "control":
-            lines += ["## `[control.params]`", "", CONTROL_PARAMS, ""]
+            lines += ["## `[control.params]`", "", CONTROL_PARAMS, "", *_moved()]
     return "\n".join(lines).rstrip() + "\n"
 
 

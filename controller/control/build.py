@@ -10,11 +10,11 @@ the same functions. No vLLM here: the twin runs without it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-from controller.admission.classes import GateEvents, PriorityClass
+from controller.admission.classes import GateEvents
 from controller.admission.gate import AdmissionGate
 from controller.admission.ttft import NO_BOUNDS, PrefillEstimator, TtftBounds
 from controller.clock import Clock, monotonic
@@ -90,10 +90,10 @@ def build_core(
     observer = Observer(window, gate, built, gpu, host, model, outcomes)
     actuator = Actuator(gate, built)
     steps = StepFeed(built, [model.update])
-    normalizer, ticked = normalizer_for(control), [capacity.on_tick]
+    normalizer, ticked = normalizer_for(control, policy), [capacity.on_tick]
     loop = ControlLoop(policy, normalizer, observer.observe, actuator, ticked, control.history, steps)
     cost = CostReader(model, clock, lambda: built.token_budget, lambda: window.finished_mix().cached_share)
-    gate.set_ttft(ttft_for(policy, slo, a.classes, cost))
+    gate.set_ttft(ttft_for(policy, slo, a, cost))
     return ControlCore(
         engine=built,
         gate=gate,
@@ -112,11 +112,19 @@ def policy_for(config: Config) -> Policy:
     return config.control.build_policy(config.admission, config.slo, config.max_num_seqs)
 
 
-def normalizer_for(control: ControlConfig) -> Normalizer:
-    """The normalize stage ``[control]`` describes."""
+def normalizer_for(control: ControlConfig, policy: Policy) -> Normalizer:
+    """The normalize stage ``[control]`` describes, with ``policy``'s own anti-flap settings
+    (``Policy.normalize_defaults``) where ``[control]`` sets none."""
+    own = policy.normalize_defaults
+    tolerance, reverse_after_s = control.tolerance, control.reverse_after_s
+    tolerance = own.get("tolerance", 0.0) if tolerance is None else tolerance
+    reverse_after_s = own.get("reverse_after_s", 0.0) if reverse_after_s is None else reverse_after_s
     return Normalizer(
         limit_max=control.limit_max,
-        tolerance=control.tolerance,
+        limit_min=control.limit_min,
+        cap_min=control.cap_min,
+        tolerance=tolerance,
+        reverse_after_s=reverse_after_s,
         max_step_up=control.max_step_up,
         max_step_down=control.max_step_down,
         stabilization_s=control.stabilization_s,
@@ -133,12 +141,12 @@ def cost_prior_for(profile: str) -> CostPrior | None:
 
 
 def ttft_for(
-    policy: Policy, slo: SloTargets | None, classes: Sequence[PriorityClass], prefill: PrefillEstimator | None
+    policy: Policy, slo: SloTargets | None, admission: AdmissionConfig, prefill: PrefillEstimator | None
 ) -> TtftBounds:
     """The gate's TTFT bounds (``admission/ttft.py``) under a policy that steers to ``[slo]``: each
-    class's bound, and the step-cost model's prefill term; under any other policy (or without
-    ``[slo]``) the queue deadlines alone govern, as configured."""
+    class's bound, the step-cost model's prefill term and ``[admission] ttft_wait_share``; under any
+    other policy (or without ``[slo]``) the queue deadlines alone govern, as configured."""
     if slo is None or not policy.takes_slo:
         return NO_BOUNDS
-    share = float(getattr(policy, "ttft_wait_share", 1.0))  # of the bound, a queued request may wait
-    return TtftBounds({c.name: slo.for_class(c.name).ttft_s for c in classes}, prefill, share)
+    bounds = {c.name: slo.for_class(c.name).ttft_s for c in admission.classes}
+    return TtftBounds(bounds, prefill, admission.ttft_wait_share)

@@ -1,8 +1,9 @@
 """The normalize stage: turn a policy's Decision into the knob moves to apply (Kubernetes HPA style).
 
-Shared work lives here once (STYLE.md practice 2): clamping, a tolerance band, a scale-down
-stabilisation window, a maximum step per tick, and "apply only on change". Pure: time comes in as
-``now_mono``; the only state is the recent recommendations the stabilisation window needs. After the
+Shared work lives here once (STYLE.md practice 2): clamping, a tolerance band, a hold on quick
+reversals, a scale-down stabilisation window, a maximum step per tick, and "apply only on change".
+Pure: time comes in as ``now_mono``; the only state is the recent recommendations the stabilisation
+window needs and each knob's last move. After the
 apply stage the loop tells the policy which knobs are in force (``Policy.applied``), so a policy
 never has to guess what this stage made of its ask.
 """
@@ -32,19 +33,23 @@ ask cannot swing a whole step's worth of prefill in one tick."""
 class Normalizer:
     """Decision + Observation -> moves. Stages, in order, for each knob the decision sets:
 
-    1. clamp to ``[1, max_num_seqs]`` (batch cap; the ceiling is ``obs.max_num_seqs``), ``[1, limit_max]``
-       (admission limit) or ``[obs.token_budget_min, obs.max_num_batched_tokens]`` (token budget):
-       suffix ":clamped_min" / ":clamped_max". The clamped value is recorded as
-       this tick's recommendation for the stabilisation window (a knob the decision leaves None, a hold,
-       records nothing).
+    1. clamp to ``[cap_min, max_num_seqs]`` (batch cap; the ceiling is ``obs.max_num_seqs``),
+       ``[limit_min, limit_max]`` (admission limit) or ``[obs.token_budget_min,
+       obs.max_num_batched_tokens]`` (token budget): suffix ":clamped_min" / ":clamped_max". The
+       clamped value is recorded as this tick's recommendation for the stabilisation window (a knob the
+       decision leaves None, a hold, records nothing).
     2. tolerance: a change of at most ``tolerance * current`` is dropped (outcome ":within_tolerance").
-    3. scale-down stabilisation: a decrease goes only down to the highest recommendation of the last
+    3. reversal hold: a move against the knob's last move, sooner than ``reverse_after_s`` after it, is
+       dropped (outcome ":reversal_held") unless it halves or doubles the knob (a large swing is a
+       real change, not churn). A move is its direction at this stage (the stages after it only
+       shorten it) and when, kept for the next ticks.
+    4. scale-down stabilisation: a decrease goes only down to the highest recommendation of the last
        ``stabilization_s`` seconds (Kubernetes' scale-down window): suffix ":stabilized".
-    4. rate limit: a move larger than ``max_step_up`` / ``max_step_down`` (the token budget:
+    5. rate limit: a move larger than ``max_step_up`` / ``max_step_down`` (the token budget:
        ``BUDGET_STEP_UP`` / ``BUDGET_STEP_DOWN``) is cut to it: ":rate_limited".
-    5. apply only on change: a value equal to the one in force gives no move.
+    6. apply only on change: a value equal to the one in force gives no move.
 
-    Stages 2-4 are skipped (only the clamp applies) when the knob in force is outside its bounds (it
+    Stages 2-5 are skipped (only the clamp applies) when the knob in force is outside its bounds (it
     moves straight into them) or when the decision's reason is one of ``urgent_reasons``: an emergency
     cut is not delayed. Each stage that alters a value appends its suffix to the policy's reason, so a
     move reads e.g. "kv_low:rate_limited". ``last_outcome`` keeps, per knob, the reason of the last
@@ -52,21 +57,31 @@ class Normalizer:
     the token budget has an outcome once a policy has asked for it (the policies that never steer it
     leave it out, rather than a ":hold" every tick for a knob they do not know).
 
-    Parameters (defaults: every stage off, so the stage only clamps and drops non-changes):
+    Parameters (defaults: every stage off, so the stage only clamps and drops non-changes; a policy
+    names its own defaults for ``tolerance`` and ``reverse_after_s``, ``Policy.normalize_defaults``,
+    which ``[control]`` overrides):
     ``limit_max``: ceiling of the admission limit (required).
+    ``limit_min`` 1, ``cap_min`` 1: floors of the admission limit and the batch cap.
     ``tolerance`` 0.0: relative band, e.g. 0.1 ignores changes of 10 % of the value in force or less;
     keep ``tolerance * value`` below a policy's step, or the policy's steps are all dropped.
+    ``reverse_after_s`` 0.0: how long after a knob's move a smaller move back is held.
     ``max_step_up`` / ``max_step_down`` 0: the most a knob moves per tick; 0 is no limit, a value below 1
     is a fraction of the value in force (0.5 = 50 %, at least 1), a whole number >= 1 is absolute.
     ``stabilization_s`` 0.0: the scale-down window in seconds.
-    ``urgent_reasons`` ("kv_critical", "preemptions"): reasons exempt from stages 2-4.
+    ``urgent_reasons`` ("kv_critical", "preemptions"): reasons exempt from stages 2-5.
+
+    States: per knob the recommendations inside the stabilisation window, and the direction and time
+    of its last move.
     """
 
     def __init__(
         self,
         *,
         limit_max: int,
+        limit_min: int = 1,
+        cap_min: int = 1,
         tolerance: float = 0.0,
+        reverse_after_s: float = 0.0,
         max_step_up: float = 0.0,
         max_step_down: float = 0.0,
         stabilization_s: float = 0.0,
@@ -75,19 +90,26 @@ class Normalizer:
         if isinstance(limit_max, bool) or not isinstance(limit_max, int) or limit_max < 1:
             raise ValueError(f"limit_max = {limit_max!r}: must be an integer >= 1")
         self.limit_max = limit_max
+        self.limit_min = _check_floor("limit_min", limit_min, limit_max)
+        self.cap_min = _check_floor("cap_min", cap_min, None)
         self.tolerance = _check_number("tolerance", tolerance)
+        self.reverse_after_s = _check_number("reverse_after_s", reverse_after_s)
         self.max_step_up = _check_step("max_step_up", max_step_up)
         self.max_step_down = _check_step("max_step_down", max_step_down)
         self.stabilization_s = _check_number("stabilization_s", stabilization_s)
         self.urgent_reasons = frozenset(urgent_reasons)
         self._recommendations: dict[str, deque[tuple[float, int]]] = {knob: deque() for knob in KNOBS}
+        self._last_move: dict[str, tuple[int, float]] = {}
+        """knob -> (direction of its last move past the reversal hold, +1 / -1, and when)."""
         self.last_outcome: dict[str, str] = {}
 
     def normalize(self, decision: Decision, obs: Observation, now_mono: float) -> list[Move]:
         """The moves to apply this tick, admission limit first, token budget last."""
+        limit_bounds = (self.limit_min, self.limit_max)
+        cap_bounds = (min(self.cap_min, obs.max_num_seqs), obs.max_num_seqs)
         wanted = {
-            "admission_limit": (decision.admission_limit, obs.admission_limit, 1, self.limit_max),
-            "batch_cap": (decision.batch_cap, obs.batch_cap, 1, obs.max_num_seqs),
+            "admission_limit": (decision.admission_limit, obs.admission_limit, *limit_bounds),
+            "batch_cap": (decision.batch_cap, obs.batch_cap, *cap_bounds),
             "token_budget": (
                 decision.token_budget,
                 obs.token_budget,
@@ -132,12 +154,25 @@ class Normalizer:
             return want, reason
         if abs(want - current) <= self.tolerance * current:
             return current, f"{reason}:within_tolerance"
+        if self._reverses(knob, want, current, now):
+            return current, f"{reason}:reversal_held"
         if want < current and highest > want:
             want, reason = min(current, highest), f"{reason}:stabilized"
         step = self._max_step(knob, want > current, current)
         if step is not None and abs(want - current) > step:
             want, reason = current + (step if want > current else -step), f"{reason}:rate_limited"
         return want, reason
+
+    def _reverses(self, knob: str, want: int, current: int, now: float) -> bool:
+        """True: the move turns back the knob's last one sooner than ``reverse_after_s`` and is
+        smaller than a halving or a doubling (hold it); else it becomes the knob's last move."""
+        direction = 1 if want > current else -1
+        last = self._last_move.get(knob)
+        small = abs(want - current) <= 0.5 * max(want, current)
+        if small and last is not None and last[0] != direction and now - last[1] < self.reverse_after_s:
+            return True
+        self._last_move[knob] = (direction, now)
+        return False
 
     def _max_step(self, knob: str, up: bool, current: int) -> int | None:
         """The largest move this tick from ``current``; None: no limit."""
@@ -157,12 +192,16 @@ class Normalizer:
         """Forget the recommendations (a new engine or a new policy starts from nothing)."""
         for window in self._recommendations.values():
             window.clear()
+        self._last_move.clear()
         self.last_outcome.clear()
 
     def params(self) -> dict[str, Any]:
         return {
             "limit_max": self.limit_max,
+            "limit_min": self.limit_min,
+            "cap_min": self.cap_min,
             "tolerance": self.tolerance,
+            "reverse_after_s": self.reverse_after_s,
             "max_step_up": self.max_step_up,
             "max_step_down": self.max_step_down,
             "stabilization_s": self.stabilization_s,
@@ -181,6 +220,14 @@ def _check_number(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
         raise ValueError(f"{name} = {value!r}: must be a number >= 0")
     return float(value)
+
+
+def _check_floor(name: str, value: object, ceiling: int | None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} = {value!r}: must be an integer >= 1")
+    if ceiling is not None and value > ceiling:
+        raise ValueError(f"{name} = {value!r}: above the ceiling {ceiling}; lower it")
+    return value
 
 
 def _check_step(name: str, value: object) -> float:

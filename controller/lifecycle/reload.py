@@ -117,14 +117,15 @@ class Reloader:
         merged = merge_live(old, new)
         control = None
         if {"control", "slo"} & set(diff.live) or new.admission.limit != old.admission.limit:
-            control = policy_for(merged), normalizer_for(merged.control)
+            built = policy_for(merged)
+            control = built, normalizer_for(merged.control, built)
         policy = p.loop.policy if control is None else control[0]
         new_profile = new.control.cost_profile != old.control.cost_profile and p.cost is not None
         tick = new.control.tick_s
         return LiveChange(
             config=merged,
             control=control,
-            ttft=ttft_for(policy, new.slo, new.admission.classes, p.cost),  # the policy's, on the new [slo]
+            ttft=ttft_for(policy, new.slo, new.admission, p.cost),  # on the new [slo] and [admission]
             reseed=new_profile,
             cost_prior=cost_prior_for(new.control.cost_profile) if new_profile else None,
             tick_s=tick if tick != old.control.tick_s else None,

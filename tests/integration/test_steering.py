@@ -123,11 +123,11 @@ async def test_the_loop_sizes_budget_and_cap_to_the_tpot_bound(daemon: Daemon) -
     budget_bound_s = policy.budget_margin * policy.slo.tightest.tpot_s
     assert decode_s + cost.b_s_per_prefill_token * (tick.terms["budget"] - d) <= budget_bound_s
     # and the cap to the batch whose decode step fits the step bound (or fewer, where the KV binds;
-    # never below min_cap)
+    # never below one sequence: a floor above it is the normalize stage's, [control] cap_min)
     step_bound_s = policy.margin * policy.slo.tightest.tpot_s
     assert tick.terms["tau_s"] == pytest.approx(step_bound_s)
     cap = tick.terms["cap"]
     cap_step_s = cost.a_s + (cost.c_s_per_decode_seq + cost.d_s_per_kv_token * k) * cap
-    assert cap == policy.min_cap or cap_step_s <= step_bound_s, (cap, cap_step_s)
+    assert cap == 1 or cap_step_s <= step_bound_s, (cap, cap_step_s)
     cost_now = daemon.parts.cost.current()
     assert cost_now.ready and cost_now.seed.startswith(("warm-up: ", "state file ")) and cost_now.samples > 50

@@ -30,7 +30,8 @@ from policies.base import REGISTRY
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_ADMISSION = {
-    "limit": 64, "max_queue": 1024, "aging_s": 10.0, "min_priority": -(2**63), "default_priority": 0
+    "limit": 64, "max_queue": 1024, "aging_s": 10.0, "min_priority": -(2**63), "default_priority": 0,
+    "ttft_wait_share": 0.8,
 }  # fmt: skip
 DEFAULT = ROOT / "config.toml"
 BASE: dict[str, Any] = tomllib.loads(DEFAULT.read_text())
@@ -76,7 +77,7 @@ def test_default_config_loads() -> None:
             "admission",
             "xyzzy",
             "[admission] unknown key 'xyzzy': known keys: "
-            "aging_s, default_priority, limit, max_queue, min_priority",
+            "aging_s, default_priority, limit, max_queue, min_priority, ttft_wait_share",
         ),
         ("admin", "prot", "[admin] unknown key 'prot': did you mean 'port'?"),
         ("control", "polcy", "[control] unknown key 'polcy': did you mean 'policy'?"),
@@ -217,6 +218,50 @@ def test_an_old_key_name_out_of_range_is_named_as_the_file_wrote_it() -> None:
     assert errors[0].startswith(
         "[control] tick_seconds = 0.01: out of range; use a value in [0.05, 3600]."
     ), errors
+
+
+@pytest.mark.parametrize(
+    ("old", "table", "new", "value"),
+    [
+        ("band", "control", "tolerance", 0.2),
+        ("reverse_after_s", "control", "reverse_after_s", 10.0),
+        ("min_cap", "control", "cap_min", 4),
+        ("min_limit", "control", "limit_min", 3),
+        ("ttft_wait_share", "admission", "ttft_wait_share", 0.5),
+    ],
+)
+def test_a_slo_parameter_moved_to_a_table_loads_from_its_old_place_with_a_warning(
+    old: str, table: str, new: str, value: float
+) -> None:
+    config = parse_config(with_changes(control={"policy": "slo", "params": {old: value}}), DEFAULT)
+    assert getattr(getattr(config, table), new) == value
+    assert old not in config.control.params  # the policy is built without it
+    assert config.warnings == (
+        f"[control.params] {old} is now [{table}] {new}: write it there instead; the old place is read "
+        "until the next release",
+    )
+
+
+def test_a_moved_slo_parameter_set_in_both_places_is_an_error_naming_both() -> None:
+    data = with_changes(control={"policy": "slo", "tolerance": 0.1, "params": {"band": 0.2}})
+    assert errors_of(data) == [
+        "[control.params] band and [control] tolerance are both set: band is now [control] tolerance; "
+        "keep [control] tolerance only"
+    ]
+
+
+def test_a_moved_slo_parameter_is_checked_against_its_new_key() -> None:
+    errors = errors_of(with_changes(control={"policy": "slo", "params": {"ttft_wait_share": 2.0}}))
+    assert len(errors) == 1
+    assert errors[0].startswith(
+        "[control.params] ttft_wait_share = 2.0: out of range; use a value in [0.01, 1]"
+    )
+
+
+def test_another_policy_keeps_its_own_parameter_of_a_moved_name() -> None:
+    config = parse_config(with_changes(control={"policy": "hysteresis", "params": {"min_cap": 4}}), DEFAULT)
+    assert config.control.params == {"min_cap": 4}
+    assert (config.control.cap_min, config.warnings) == (1, ())
 
 
 def test_check_config_prints_an_old_key_name_warning_on_stderr_and_the_json_on_stdout(

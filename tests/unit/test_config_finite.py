@@ -86,7 +86,7 @@ def test_a_non_finite_float_key_is_refused_naming_the_key(table: str, key: str, 
         ("engine", "gpu_memory_utilization"),
         ("server", "uvicorn_keep_alive_s"),  # a free [server] key: a vLLM option or a near miss
         ("control.params", "margin"),
-        ("control.params", "reverse_after_s"),  # bounded above by nothing in the policy
+        ("control.params", "stale_after_s"),  # bounded above by nothing in the policy
     ],
 )
 def test_a_non_finite_free_form_value_is_refused_naming_the_key(table: str, key: str, value: float) -> None:

@@ -16,6 +16,7 @@ from controller.admission.classes import PriorityClass
 from controller.admission.gate import AdmissionGate, GateRejected
 from controller.admission.ttft import NO_BOUNDS, TtftBounds
 from controller.clock import FakeClock
+from controller.config.load import AdmissionConfig
 from controller.control.build import ttft_for
 from controller.control.outcomes import OutcomeLedger
 from controller.control.stepcost import CostPrior, CostReader, StepCostModel
@@ -118,12 +119,13 @@ def test_only_a_policy_that_steers_to_the_slo_bounds_the_gate() -> None:
     slo = SloTargets(
         SloBound(2.0, 0.05), (("interactive", SloBound(1.0, 0.05)), ("batch", SloBound(2.0, 0.05)))
     )
-    steering = build_policy("slo", {"ttft_wait_share": 0.5}, max_num_seqs=64, initial_limit=64, slo=slo)
+    steering = build_policy("slo", {}, max_num_seqs=64, initial_limit=64, slo=slo)
     static = build_policy("static", {}, max_num_seqs=64, initial_limit=64, slo=slo)
-    bounds = ttft_for(steering, slo, (ROOMY, BATCH), Prefill())
+    admission = AdmissionConfig(classes=(ROOMY, BATCH), ttft_wait_share=0.5)
+    bounds = ttft_for(steering, slo, admission, Prefill())
     assert (dict(bounds.bounds), bounds.wait_share) == ({"interactive": 1.0, "batch": 2.0}, 0.5)
-    assert ttft_for(static, slo, (ROOMY, BATCH), Prefill()) is NO_BOUNDS
-    assert ttft_for(steering, None, (ROOMY, BATCH), Prefill()) is NO_BOUNDS
+    assert ttft_for(static, slo, admission, Prefill()) is NO_BOUNDS
+    assert ttft_for(steering, None, admission, Prefill()) is NO_BOUNDS
 
 
 def test_the_cost_models_prefill_term_waits_for_its_samples() -> None:

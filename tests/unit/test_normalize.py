@@ -1,4 +1,5 @@
-"""controller/control/normalize.py: clamp, tolerance, stabilisation, rate limit, apply only on change."""
+"""controller/control/normalize.py: clamp, tolerance, reversal hold, stabilisation, rate limit, apply only
+on change."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ from typing import Any
 
 import pytest
 
+from controller.config.load import ControlConfig
+from controller.control.build import normalizer_for
 from controller.control.normalize import Move, Normalizer
-from policies.base import Decision
+from policies.base import Decision, build_policy
 from tests.helpers import obs
 
 
@@ -27,6 +30,9 @@ CASES: list[tuple[str, dict[str, Any], Decision, dict[str, Any], list[Move]]] = 
     ("clamped_max", {}, cap(100), {}, [(C, 32, 64, "r:clamped_max")]),
     ("clamped_min", {}, cap(0), {}, [(C, 32, 1, "r:clamped_min")]),
     ("limit_clamped_max", {}, Decision(500, None, "r"), {}, [(L, 34, 128, "r:clamped_max")]),
+    ("cap_min", {"cap_min": 8}, cap(2), {}, [(C, 32, 8, "r:clamped_min")]),
+    ("cap_min_above_max_num_seqs", {"cap_min": 80}, cap(2), {}, [(C, 32, 64, "r:clamped_min")]),
+    ("limit_min", {"limit_min": 40}, Decision(20, None, "r"), {}, [(L, 34, 40, "r:clamped_min")]),
     ("clamped_to_current", {}, cap(100), {"batch_cap": 64}, []),
     ("within_tolerance", {"tolerance": 0.1}, cap(35), {}, []),  # |3| <= 3.2
     ("tolerance_down", {"tolerance": 0.1}, cap(29), {}, []),
@@ -126,10 +132,44 @@ def test_damps_the_chatter_of_a_limit_at_equilibrium() -> None:
     assert moves == [(64, 56)]
 
 
+def test_a_quick_reversal_is_held_unless_it_halves_or_doubles_the_knob() -> None:
+    normalizer = Normalizer(limit_max=128, tolerance=0.1, reverse_after_s=30.0)
+    assert normalizer.normalize(cap(35), obs(), 100.0) == []  # within 10 % of 32
+    assert normalizer.last_outcome[C] == "r:within_tolerance"
+    assert normalizer.normalize(cap(48), obs(), 100.0) == [(C, 32, 48, "r")]
+    # 10 s after a move up, a move back down is held ...
+    assert normalizer.normalize(cap(40), obs(batch_cap=48), 110.0) == []
+    assert normalizer.last_outcome[C] == "r:reversal_held"
+    # ... unless it more than halves the cap
+    assert normalizer.normalize(cap(20), obs(batch_cap=48), 111.0) == [(C, 48, 20, "r")]
+    # the move down is now the last: up again is held for 30 s, then goes
+    assert normalizer.normalize(cap(26), obs(batch_cap=20), 140.0) == []
+    assert normalizer.normalize(cap(26), obs(batch_cap=20), 141.0) == [(C, 20, 26, "r")]
+    # each knob has its own last move: the limit's first move is never a reversal
+    assert normalizer.normalize(Decision(20, None, "r"), obs(), 141.0) == [(L, 34, 20, "r")]
+
+
+def test_a_policy_names_its_anti_flap_defaults_and_control_overrides_them() -> None:
+    slo = build_policy("slo", {}, max_num_seqs=64, initial_limit=8)
+    hysteresis = build_policy("hysteresis", {}, max_num_seqs=64, initial_limit=8)
+    anti_flap = ("tolerance", "reverse_after_s")
+
+    def settings(control: ControlConfig, policy: Any) -> tuple[Any, ...]:
+        params = normalizer_for(control, policy).params()
+        return tuple(params[key] for key in anti_flap)
+
+    assert settings(ControlConfig(), slo) == (0.1, 30.0)
+    assert settings(ControlConfig(), hysteresis) == (0.0, 0.0)
+    assert settings(ControlConfig(tolerance=0.25, reverse_after_s=0.0), slo) == (0.25, 0.0)
+
+
 def test_params() -> None:
     assert Normalizer(limit_max=10, max_step_up=0.5, urgent_reasons=("b", "a")).params() == {
         "limit_max": 10,
+        "limit_min": 1,
+        "cap_min": 1,
         "tolerance": 0.0,
+        "reverse_after_s": 0.0,
         "max_step_up": 0.5,
         "max_step_down": 0.0,
         "stabilization_s": 0.0,
@@ -145,6 +185,9 @@ def test_params() -> None:
         ({"limit_max": 10, "max_step_up": 2.5}, "max_step_up = 2.5: use a whole number"),
         ({"limit_max": 10, "max_step_down": True}, "max_step_down = True: must be a number >= 0"),
         ({"limit_max": 10, "stabilization_s": "30s"}, "stabilization_s = '30s': must be a number >= 0"),
+        ({"limit_max": 10, "reverse_after_s": -1}, "reverse_after_s = -1: must be a number >= 0"),
+        ({"limit_max": 10, "cap_min": 0}, "cap_min = 0: must be an integer >= 1"),
+        ({"limit_max": 10, "limit_min": 11}, "limit_min = 11: above the ceiling 10"),
     ],
 )
 def test_bad_params(params: dict[str, Any], message: str) -> None:
