@@ -20,7 +20,7 @@ from controller.config.load import DEFAULT_CONFIG, Config, ConfigError, describe
 from controller.engine.runtime.heap import DAEMON_ARENAS, cap_malloc_arenas
 from controller.lifecycle.logs import configure_logging
 from controller.models.cli import add_model_parser
-from controller.sim.cli import add_calibrate_parser, add_simulate_parser, add_validate_parser
+from controller.sim.cli import add_simulate_parser
 from policies.base import PolicyError
 
 
@@ -78,11 +78,9 @@ def _parser() -> argparse.ArgumentParser:
     add_model_parser(sub)
     add_simulate_parser(sub)
     bench = sub.add_parser("bench", help="benchmark and tune: run, sweep, compare, soak, report, calibrate")
-    bench.set_defaults(func=bench_main)  # run, sweep, compare, soak, report; calibrate sets its own
+    bench.set_defaults(func=bench_main)  # calibrate and validate set their own
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     add_bench_commands(bench_sub)
-    add_calibrate_parser(bench_sub)  # each bench tool adds its own parser to bench_sub
-    add_validate_parser(bench_sub)
     return p
 
 

@@ -1,4 +1,5 @@
-"""``vllm-autopilot bench {run,sweep,compare,frontend,soak,chaos,overload,report}``: parsing and dispatch."""
+"""``vllm-autopilot bench``: parsing and dispatch of run, sweep, compare, frontend, soak, chaos, overload,
+report, calibrate and validate (the last two name their own ``main``)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ DEFAULT_CONFIG = Path("config.toml")
 
 
 def add_bench_commands(cmds: Any) -> None:
-    """Register run, sweep, compare, frontend, soak, chaos, overload and report as ``bench`` commands."""
+    """Register run, sweep, compare, frontend, soak, chaos, overload, report, calibrate and validate as
+    ``bench`` commands."""
     run = cmds.add_parser("run", help="one workload against a running OpenAI-compatible server")
     run.add_argument("--url", required=True, help="data plane, e.g. http://127.0.0.1:8000")
     run.add_argument("--out", type=Path, required=True, help="run directory to write")
@@ -32,6 +34,8 @@ def add_bench_commands(cmds: Any) -> None:
     add_workload_args(run)
     add_slo_args(run)
 
+    from controller.bench.calibrate import run as calibrate
+    from controller.bench.calibrate import validate
     from controller.bench.chaos import run as chaos
     from controller.bench.experiments import compare, frontend, overload, soak, sweep
     from controller.results import report
@@ -43,6 +47,8 @@ def add_bench_commands(cmds: Any) -> None:
     soak.add_parser(cmds)
     overload.add_parser(cmds)
     report.add_parser(cmds)
+    calibrate.add_parser(cmds)
+    validate.add_parser(cmds)
 
 
 def bench_main(args: argparse.Namespace) -> int:

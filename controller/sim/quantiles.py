@@ -96,7 +96,7 @@ class LoadTables:
     had ``levels[i]`` up to ``levels[i + 1] - 1`` requests in flight (the last: ``levels[-1]`` or more).
 
     ``bench calibrate`` fills it with the front-end delay under open-loop load (see
-    ``controller/sim/calibrate.py``); the twin picks the table of the in-flight count a request finds
+    ``controller/bench/calibrate/run.py``); the twin picks the table of the in-flight count a request finds
     when it arrives."""
 
     levels: tuple[int, ...]

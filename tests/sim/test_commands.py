@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from controller.bench.calibrate.validate import RATIO_KEYS
 from controller.cli import main
 from controller.sim.compare import CONFIGS
-from controller.sim.validate import RATIO_KEYS
 
 TRACES = Path(__file__).resolve().parents[2] / "traces"
 

@@ -9,10 +9,15 @@ import random
 
 import pytest
 
+from controller.bench.calibrate.measure import LoadPhase, load_workload
+from controller.bench.calibrate.run import (
+    LOAD_RAMP_S,
+    in_flight_at_send,
+    in_flight_list,
+    loaded_delays,
+    prompt_list,
+)
 from controller.load.workload import RequestSpec
-from controller.sim.calibrate import LOAD_RAMP_S, in_flight_at_send, loaded_delays
-from controller.sim.cli import in_flight_list, prompt_list
-from controller.sim.measure import LoadPhase, load_workload
 from controller.sim.profile import Profile, ProfileError, Variance, dump_profile, load_profile, parse_profile
 from controller.sim.quantiles import LoadTables, QuantileTable, parse_load_tables
 from tests.sim.scenarios import COST, LIMITS, PROFILE, simulate

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from controller.bench.calibrate.fit import Sample, fit, nnls
 from controller.cli import main
 from controller.sim.cli import parse_params
-from controller.sim.fit import Sample, fit, nnls
 from controller.sim.profile import (
     CostModel,
     ProfileError,

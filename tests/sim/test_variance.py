@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
+from controller.bench.calibrate.measure import Measurements, step_ratios
+from controller.bench.calibrate.run import variance
 from controller.load.workload import RequestSpec
-from controller.sim.calibrate import variance
-from controller.sim.measure import Measurements, step_ratios
 from controller.sim.profile import (
     CostModel,
     Profile,

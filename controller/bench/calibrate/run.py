@@ -57,18 +57,27 @@ R^2 and each sample, measured and predicted, so a poor fit is visible.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import bisect
 import json
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from controller.bench.calibrate.fit import fit
+from controller.bench.calibrate.measure import (
+    CalibrationPlan,
+    LoadPhase,
+    Measurements,
+    engine_limits,
+    measure,
+    our_daemon,
+)
 from controller.config.load import AdmissionConfig
-from controller.sim.fit import fit
-from controller.sim.measure import CalibrationPlan, LoadPhase, Measurements, engine_limits, measure
-from controller.sim.profile import CostModel, EngineLimits, Profile, Variance, dump_profile
+from controller.sim.profile import CostModel, EngineLimits, Profile, ProfileError, Variance, dump_profile
 from controller.sim.quantiles import LoadTables, QuantileTable
 from controller.sim.twin import build_simulation
 
@@ -215,3 +224,128 @@ def describe_fit(profile: Profile, path: Path) -> list[str]:
                 f"p50 {t.sample(0.5) * 1e3:.2f} ms, p99 {t.sample(0.99) * 1e3:.2f} ms"
             )
     return lines
+
+
+def add_parser(bench_sub: Any) -> None:
+    plan = CalibrationPlan()
+    p = bench_sub.add_parser(
+        "calibrate",
+        help="fit the twin's cost model from a vLLM server and write a profile",
+        description="Drive prefill-heavy and decode-heavy loads against URL (or our daemon started with "
+        "--config) and fit step_s = a + b*prefill_tokens + c*decode_seqs + d*kv_tokens_read by least "
+        "squares (controller/bench/calibrate/run.py).",
+    )
+    p.add_argument("--url", default=None, help="base URL of a running OpenAI API, e.g. http://127.0.0.1:8000")
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="instead of --url: start our daemon with this config.toml (free ports, the bench's "
+        "launcher), fit against it, stop it",
+    )
+    p.add_argument("--out", type=Path, required=True, help="profile file to write (.toml)")
+    p.add_argument("--name", default=None, help="profile name (default: the file's stem)")
+    p.add_argument("--metrics-url", default=None, help="Prometheus endpoint (default URL/metrics)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="the server's max_num_seqs")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="the server's token budget")
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=None)
+    p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV capacity when /metrics lacks it")
+    p.add_argument("--max-concurrency", type=int, default=64, help="largest decode batch to measure")
+    p.add_argument("--repeats", type=int, default=5, help="measurements of each point (the median is fitted)")
+    p.add_argument(
+        "--prefill-prompts",
+        type=prompt_list,
+        default=plan.prefill_prompts,
+        help="prompt lengths of the prefill points, comma-separated (default 32,...,1536); the "
+        "fit is linear in prefill tokens, and on a CPU long prompts cost more a token "
+        "(attention), so measure the lengths the traffic has",
+    )
+    p.add_argument(
+        "--frontend-probes",
+        type=int,
+        default=200,
+        help="light-load requests timing the front end's spread (0: no [variance])",
+    )
+    p.add_argument(
+        "--load-in-flight",
+        type=in_flight_list,
+        default=plan.load_in_flight,
+        help="in-flight targets of the open-loop phases that time the front end under load "
+        "('' for none; default 2,6,12,24)",
+    )
+    p.add_argument(
+        "--load-phase-s",
+        type=float,
+        default=plan.load_phase_s,
+        help="seconds per load phase, at least (default 30)",
+    )
+    p.add_argument(
+        "--load-requests",
+        type=int,
+        default=plan.load_requests,
+        help="requests per load phase, at least (default 300)",
+    )
+    p.add_argument("--hardware", default="", help="recorded in the profile")
+    p.add_argument("--model", default="", help="recorded in the profile")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Fit against ``--url``, or against our daemon started with ``--config``'s tables."""
+    if (args.url is None) == (args.config is None):
+        print(
+            "bench calibrate: give --url URL (a running server) or --config PATH (start our daemon)",
+            file=sys.stderr,
+        )
+        return 2
+    overrides = {
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "scheduling_policy": args.scheduling_policy,
+        "kv_cache_tokens": args.kv_cache_tokens,
+    }
+    plan = CalibrationPlan(
+        concurrency=tuple(n for n in CalibrationPlan.concurrency if n <= args.max_concurrency),
+        prefill_prompts=args.prefill_prompts,
+        repeats=args.repeats,
+        frontend_probes=args.frontend_probes,
+        load_in_flight=args.load_in_flight,
+        load_requests=args.load_requests,
+        load_phase_s=args.load_phase_s,
+    )
+    name, described = args.name or args.out.stem, (args.hardware, args.model)
+    try:
+        if args.config is None:
+            profile = calibrate(args.url, args.metrics_url, args.out, name, plan, overrides, described)
+        else:
+            with our_daemon(args.config, args.out.parent / f"{args.out.stem}-logs") as server:
+                url, metrics = server.base_url, server.metrics_url
+                profile = calibrate(url, metrics, args.out, name, plan, overrides, described)
+    except (OSError, ProfileError, RuntimeError) as exc:
+        print(f"bench calibrate: {args.url or args.config}: {exc}", file=sys.stderr)
+        return 1
+    print("\n".join(describe_fit(profile, args.out)))
+    return 0
+
+
+def prompt_list(text: str) -> tuple[int, ...]:
+    """``--prefill-prompts``: comma-separated prompt lengths >= 1, at least two (the fit's slope)."""
+    try:
+        values = tuple(sorted({int(v) for v in text.split(",") if v.strip()}))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: write prompt lengths like 16,64,256") from exc
+    if len(values) < 2 or values[0] < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give at least two prompt lengths, each >= 1")
+    return values
+
+
+def in_flight_list(text: str) -> tuple[int, ...]:
+    """``--load-in-flight``: comma-separated counts >= 1, or empty for none."""
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError as exc:
+        msg = f"{text!r}: write in-flight counts like 2,6,12,24 (or '' for none)"
+        raise argparse.ArgumentTypeError(msg) from exc
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: in-flight counts must be >= 1")
+    return values

@@ -30,6 +30,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from controller.bench.calibrate.measure import CalibrationPlan, our_daemon
+from controller.bench.calibrate.run import calibrate, describe_fit
 from controller.config.load import AdmissionConfig
 from controller.load.client import Target, model_info, run_open_loop
 from controller.load.workload import RequestSpec, clamp_lengths, read_azure_trace, trace_window
@@ -94,8 +96,6 @@ def main(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         url = None
         if not args.real_from:
-            from controller.sim.measure import our_daemon
-
             url = stack.enter_context(our_daemon(args.config, args.out / "logs")).base_url
         for ts in args.time_scale:
             window = trace_window(
@@ -155,9 +155,6 @@ def daemon_admission(config: Path) -> AdmissionConfig:
 def refit(profile: Profile, config: Path, out: Path) -> Profile:
     """``profile`` fitted again against our daemon with ``config``'s engine, as ``bench calibrate
     --config`` does, keeping its name, hardware and model strings."""
-    from controller.sim.calibrate import calibrate, describe_fit
-    from controller.sim.measure import CalibrationPlan, our_daemon
-
     path = out / f"{profile.name}.toml"
     engine = tomllib.loads(config.read_text()).get("engine", {})
     keys = ("max_num_seqs", "max_num_batched_tokens", "scheduling_policy")

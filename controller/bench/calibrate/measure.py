@@ -1,8 +1,8 @@
 """The calibration's measurements: controlled loads against a running server, timed from the client.
 
-Prefill-heavy and decode-heavy rows for the fit (``controller/sim/fit.py``), the front-end probes and
-the step gaps for the spread tables, and the open-loop load phases whose replay through the twin gives
-the front end under load (``controller/sim/calibrate.py``: the method, and what is made of these).
+Prefill-heavy and decode-heavy rows for the fit (``fit.py``), the front-end probes and the step gaps for
+the spread tables, and the open-loop load phases whose replay through the twin gives the front end under
+load (``run.py``: the method, and what is made of these).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from typing import Any
 
 import aiohttp
 
+from controller.bench.calibrate.fit import COLUMNS, Sample, fit, median_sample
 from controller.bench.servers import Launched, ServerSpec, launched, load_base_config
 from controller.load.client import Target, payload, pooled_connector, post
 from controller.load.workload import RequestSpec
-from controller.sim.fit import COLUMNS, Sample, fit, median_sample
 from controller.sim.profile import CostModel, EngineLimits
 
 

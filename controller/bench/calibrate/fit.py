@@ -2,7 +2,7 @@
 
 ``step_s = a + b * prefill_tokens + c * decode_seqs + d * kv_tokens_read`` (plus an HTTP overhead that
 only a TTFT row carries) by non-negative least squares over rows scaled to relative error; the method is
-in ``controller/sim/calibrate.py``'s docstring.
+in ``controller/bench/calibrate/run.py``'s docstring.
 """
 
 from __future__ import annotations
