@@ -172,19 +172,23 @@ async def test_each_tick_pulls_the_steps_before_it_observes() -> None:
 
 
 class Core:
-    """The EngineCore's utility calls as the host makes them; the budget clamps as the scheduler does."""
+    """The EngineCore's utility calls as the host makes them; the budget clamps as the scheduler does.
+    ``rows`` are each engine's steps (several engines with data parallelism)."""
 
-    def __init__(self, rows: list[list[Any]]) -> None:
+    def __init__(self, *rows: list[list[Any]]) -> None:
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
         self.rows = rows
 
     async def call_utility_async(self, name: str, *args: Any) -> Any:
+        return (await self.call_utility_all_async(name, *args))[0]  # the first engine's answer
+
+    async def call_utility_all_async(self, name: str, *args: Any) -> list[Any]:
         self.calls.append((name, args))
         if name == "autopilot_drain_steps":
-            return self.rows
+            return list(self.rows)
         if name == "autopilot_set_token_budget":
-            return max(16, min(args[0], 4096))
-        return args[0]
+            return [max(16, min(args[0], 4096))] * len(self.rows)
+        return [args[0]] * len(self.rows)
 
     def shutdown(self, timeout: float = 0.0) -> None:
         pass
@@ -229,6 +233,14 @@ async def test_host_reads_the_engines_budget_moves_it_and_drains_its_steps() -> 
     assert await host.set_token_budget(100_000) == 4096
     assert ("autopilot_set_token_budget", (4096,)) in llm.engine_core.calls
     assert await host.drain_steps() == [EngineStep(1.5, 100, 3, 900, 0.04)]
+
+
+async def test_host_drains_every_data_parallel_engines_steps_in_time_order() -> None:
+    llm = fake_llm()
+    llm.engine_core = Core([[1.0, 0, 2, 40, 0.01], [3.0, 0, 2, 44, 0.01]], [[2.0, 64, 0, 64, 0.02]])
+    host = make_host(llm)
+    await host.start()
+    assert [step.t_mono for step in await host.drain_steps()] == [1.0, 2.0, 3.0]
 
 
 async def test_a_restarted_engine_gets_the_cap_and_the_budget_in_force() -> None:

@@ -314,7 +314,11 @@ class EngineHost:
         none while no engine serves (a retired engine's last steps are lost with it)."""
         if self.dead or self._restarting:
             return []
-        rows = await self.llm.engine_core.call_utility_async(UTILITY_DRAIN)
+        # Every engine's: with data parallelism each EngineCore meters its own steps, and
+        # call_utility_async answers with the first engine's result alone (the others' drained rows
+        # would be lost). Merged in time order, as the step feed hands them on.
+        per_engine = await self.llm.engine_core.call_utility_all_async(UTILITY_DRAIN)
+        rows = sorted((row for engine_rows in per_engine for row in engine_rows), key=lambda row: row[0])
         return [EngineStep(float(t), int(p), int(d), int(kv), float(s)) for t, p, d, kv, s in rows]
 
     async def abort_in_flight(self, reason: str) -> int:
