@@ -1,5 +1,5 @@
 """``vllm-autopilot bench``: parsing and dispatch of run, sweep, compare, frontend, soak, chaos, overload,
-report, calibrate and validate (the last two name their own ``main``)."""
+fleet, report, calibrate and validate (the last two name their own ``main``)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ DEFAULT_CONFIG = Path("config.toml")
 
 
 def add_bench_commands(cmds: Any) -> None:
-    """Register run, sweep, compare, frontend, soak, chaos, overload, report, calibrate and validate as
+    """Register run, sweep, compare, frontend, soak, chaos, overload, fleet, report, calibrate and validate as
     ``bench`` commands."""
     run = cmds.add_parser("run", help="one workload against a running OpenAI-compatible server")
     run.add_argument("--url", required=True, help="data plane, e.g. http://127.0.0.1:8000")
@@ -37,10 +37,11 @@ def add_bench_commands(cmds: Any) -> None:
     from controller.bench.calibrate import run as calibrate
     from controller.bench.calibrate import validate
     from controller.bench.chaos import run as chaos
-    from controller.bench.experiments import compare, frontend, overload, soak, sweep
+    from controller.bench.experiments import compare, fleet, frontend, overload, soak, sweep
     from controller.results import report
 
     chaos.add_parser(cmds)
+    fleet.add_parser(cmds)
     compare.add_parser(cmds)
     frontend.add_parser(cmds)
     sweep.add_parser(cmds)
@@ -54,7 +55,7 @@ def add_bench_commands(cmds: Any) -> None:
 def bench_main(args: argparse.Namespace) -> int:
     """Run the ``bench`` subcommand that ``add_bench_commands`` registered."""
     from controller.bench.chaos import run as chaos
-    from controller.bench.experiments import compare, frontend, overload, soak, sweep
+    from controller.bench.experiments import compare, fleet, frontend, overload, soak, sweep
     from controller.results import report
 
     handlers = {
@@ -66,6 +67,7 @@ def bench_main(args: argparse.Namespace) -> int:
         "overload": overload.main,
         "report": report.main,
         "frontend": frontend.main,
+        "fleet": fleet.main,
     }
     try:
         return handlers[args.bench_command](args)
