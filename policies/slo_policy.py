@@ -21,6 +21,20 @@ from policies.common import check_float, check_int, is_stale
 from policies.cost import CostEstimate
 from policies.slo import SloTargets
 
+MISS_TEST_P = 0.1
+"""The margin is cut only where its look's misses would come at most this often from a true share of
+``miss_high``: a cut (x0.8) undoes four raises (x1.05), so one on a chance cluster of misses costs
+requests for minutes."""
+
+
+def beyond_chance(missed: int, seen: int, share: float) -> bool:
+    """Whether ``missed`` of ``seen`` is more than a true ``share`` gives with probability
+    ``MISS_TEST_P`` (the binomial upper tail)."""
+    if missed <= share * seen:
+        return False
+    below = sum(math.comb(seen, k) * share**k * (1 - share) ** (seen - k) for k in range(missed))
+    return 1.0 - below <= MISS_TEST_P
+
 
 class SloPolicy(Policy):
     """Sizes the three knobs to the TPOT bound and keeps the queue in the gate, where the TTFT bound
@@ -66,7 +80,10 @@ class SloPolicy(Policy):
     ``margin_samples`` requests served since its last look (``Observation.served_total``), the share
     of them that missed a bound of their class in the engine (``missed_total`` less
     ``queued_missed_total``: a TTFT miss spent mostly in the gate's queue counts as a refusal) steers
-    it: above ``miss_high`` it is multiplied by ``margin_down``; below ``miss_low``, or with more
+    it: where the misses show a share above ``miss_high`` beyond chance (``MISS_TEST_P``, a one-sided
+    binomial test: 4 of 50, not 2, since at 3 % two misses in fifty come in 45 % of the looks and a
+    cut at each ratchets the margin down on noise) it is multiplied by ``margin_down``; below
+    ``miss_low``, or with more
     requests refused since that look (``refused_total``, and the queued misses) than missed, where it
     bounded the concurrency at some tick since that look (``runs`` below the cap: a larger margin
     would run more), by ``margin_up``; always within ``[mean_margin_min, mean_margin_max]``. Between
@@ -265,15 +282,15 @@ class SloPolicy(Policy):
             return f"margin {m:.2f}: {seen} of {self.margin_samples} served to judge it"
         share, said = miss / seen, f"{miss} of {seen} served missed"
         new, move = m, 0
-        if share > self.miss_high:
-            move, said = -1, f"{said} > {self.miss_high:.0%}"
+        if beyond_chance(miss, seen, self.miss_high):
+            move, said = -1, f"{said} > {self.miss_high:.0%} beyond chance"
         elif share < self.miss_low or shed > miss:
             # a refusal loses a request as surely as a miss does: while the gate refuses more than
             # the margin lets miss, a bolder margin (more running, a shorter queue) gains requests
             lost = f", fewer than the {shed} refused or late in the queue"
             move, said = 1, said + (f" < {self.miss_low:.0%}" if share < self.miss_low else lost)
         else:
-            said += f" within [{self.miss_low:.0%}, {self.miss_high:.0%}], {shed} refused"
+            said += f" within [{self.miss_low:.0%}, {self.miss_high:.0%}] but for chance, {shed} refused"
         if move and not self._margin_bound:  # the cap or the KV bound what ran: not the margin's doing
             said += ", it did not bound runs"
         elif move > 0:
