@@ -3,7 +3,9 @@ behind ``vllm-router`` (``round_robin`` over a fixed worker list, the recipe's b
 
 First the pair's capacity ``C``: a closed loop of ``--probe-requests`` requests, ``--probe-concurrency``
 at a time, through the router; ``C`` is the sum of the two daemons' ``autopilot_capacity_rps`` (each
-daemon's ``/metrics``, as Prometheus scrapes it) averaged over the probe's second half. Then Poisson
+daemon's ``/metrics``, as Prometheus scrapes it) averaged over the probe's second half, the modelled
+capacity (``--capacity model``), or the requests per second the probe got served (``--capacity
+served``: with enough requests in flight to keep both engines full, what the pair serves). Then Poisson
 arrivals at each ``--shares`` x ``C`` for ``--step-seconds`` each, through the router, while both
 daemons' ``/metrics`` are read every second over the step's last ``--tail`` share: the table gives the
 sum of their ``autopilot_saturation`` (what KEDA's trigger sums, deploy/k8s), each daemon's, the sum of
@@ -52,6 +54,7 @@ def add_parser(cmds: Any) -> None:
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--probe-requests", type=int, default=96, help="requests of the capacity probe")
     p.add_argument("--probe-concurrency", type=int, default=16, help="requests in flight during the probe")
+    p.add_argument("--capacity", choices=("model", "served"), default="model", help="what C is (see above)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -101,10 +104,14 @@ def summarize_readings(readings: list[list[Figures]], key: str) -> tuple[float |
 
 
 async def read_pages(session: aiohttp.ClientSession, urls: list[str]) -> list[Figures]:
+    """Each daemon's figures; none for a daemon whose page did not come (a missed scrape)."""
     pages = []
     for url in urls:
-        async with session.get(url) as r:
-            pages.append(autopilot_figures(await r.text()))
+        try:
+            async with session.get(url) as r:
+                pages.append(autopilot_figures(await r.text()))
+        except (TimeoutError, aiohttp.ClientError):
+            pages.append({})
     return pages
 
 
@@ -208,8 +215,10 @@ async def probe_capacity(fleet: Fleet, args: argparse.Namespace) -> tuple[float,
         raise RuntimeError(
             f"no autopilot_capacity_rps after the probe ({fleet.daemons[0].state_url} says why)"
         )
-    print(f"pair capacity {capacity:.2f} req/s; probe: {summary['ok']} ok in {summary['duration_s']:.0f} s")
-    return capacity, summary
+    served = summary["ok"] / summary["duration_s"]
+    print(f"pair capacity: modelled {capacity:.2f} req/s, served by the probe {served:.2f} req/s", flush=True)
+    summary["capacity_model_rps"] = capacity
+    return (served if args.capacity == "served" else capacity), summary
 
 
 async def step(fleet: Fleet, args: argparse.Namespace, capacity: float, share: float) -> Step:
