@@ -22,7 +22,7 @@ import sys
 import time
 import urllib.request
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +92,8 @@ class Step:
     good: int
     refused: int
     failed: int
+    tail: list[list[Figures]] = field(default_factory=list)
+    """The readings the means come from, one list of the daemons' figures a second."""
 
 
 def summarize_readings(readings: list[list[Figures]], key: str) -> tuple[float | None, list[float | None]]:
@@ -237,8 +239,20 @@ async def step(fleet: Fleet, args: argparse.Namespace, capacity: float, share: f
     tries = (gate_tries(fleet.daemons) - before) / args.step_seconds
     sat_sum, sat = summarize_readings(tail, "saturation")
     cap_sum, _ = summarize_readings(tail, "capacity_rps")
-    counts = [summary[k] for k in ("requests", "ok", "slo_met", "refused", "failed")]
-    result = Step(share, rate, sat_sum, sat, cap_sum, tries, *counts)
+    result = Step(
+        share,
+        rate,
+        sat_sum,
+        sat,
+        cap_sum,
+        tries,
+        sent=summary["requests"],
+        ok=summary["ok"],
+        good=summary["slo_met"],
+        refused=summary["refused"],
+        failed=summary["failed"],
+        tail=tail,
+    )
     print(format_table(capacity, [result]).splitlines()[-1], flush=True)
     return result
 
