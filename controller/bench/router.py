@@ -28,23 +28,39 @@ def router_binary() -> Path:
     return Path(on_path)
 
 
-def router_argv(binary: Path, port: int, workers: Sequence[str], policy: str, metrics_port: int) -> list[str]:
-    """The router on loopback before a fixed worker list, with the recipe's breaker (3 503s in a row)."""
+def router_argv(
+    binary: Path,
+    port: int,
+    workers: Sequence[str],
+    policy: str,
+    metrics_port: int,
+    breaker_open_s: int = 10,
+    request_timeout_s: int = 600,
+) -> list[str]:
+    """The router on loopback before a fixed worker list, with the recipe's breaker (3 503s in a row
+    open it for ``breaker_open_s``)."""
     argv = [str(binary), "--host", HOST, "--port", str(port), "--policy", policy]
     argv += ["--worker-urls", *workers, "--prometheus-port", str(metrics_port)]
     argv += ["--worker-startup-check-interval", "1"]  # also power_of_two's /get_load poll period
-    argv += ["--cb-failure-threshold", "3", "--cb-timeout-duration-secs", "10"]
-    return [*argv, "--request-timeout-secs", "600"]
+    argv += ["--cb-failure-threshold", "3", "--cb-timeout-duration-secs", str(breaker_open_s)]
+    return [*argv, "--request-timeout-secs", str(request_timeout_s)]
 
 
 @contextmanager
 def routed(
-    workers: Sequence[str], log: Path, policy: str = "round_robin", startup_timeout_s: float = 60.0
+    workers: Sequence[str],
+    log: Path,
+    policy: str = "round_robin",
+    startup_timeout_s: float = 60.0,
+    binary: Path | None = None,
+    breaker_open_s: int = 10,
+    request_timeout_s: int = 600,
 ) -> Iterator[str]:
-    """``vllm-router`` in front of ``workers`` (data-plane URLs); yields its URL once it is ready
-    (200 on ``/readiness``: a worker is healthy)."""
+    """``vllm-router`` (``binary``, else ``router_binary()``) in front of ``workers`` (data-plane
+    URLs); yields its URL once it is ready (200 on ``/readiness``: a worker is healthy)."""
     port = free_port()
-    argv = router_argv(router_binary(), port, workers, policy, free_port())
+    exe = router_binary() if binary is None else binary
+    argv = router_argv(exe, port, workers, policy, free_port(), breaker_open_s, request_timeout_s)
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

@@ -30,7 +30,6 @@ import asyncio
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -47,10 +46,11 @@ import psutil
 import pytest
 import pytest_asyncio
 
+from controller.bench.router import routed
+from controller.bench.router import router_binary as bench_router_binary
 from controller.results.records import read_records
 from tests.helpers import (
     ROOT,
-    free_port,
     http_session,
     stream_completion,
     wait_for,
@@ -75,12 +75,11 @@ def router_binary() -> Path:
     """``vllm-router`` from this interpreter's environment (``make test`` installs the ``fleet``
     extra), from PATH, or from the test's own cached environment, installed there on first use;
     the test skips, saying why, where none can be had."""
-    beside = Path(sys.executable).parent / "vllm-router"
-    on_path = shutil.which("vllm-router")
+    with contextlib.suppress(FileNotFoundError):
+        return bench_router_binary()
     cached = ROUTER_CACHE / "bin" / "vllm-router"
-    for candidate in (beside, Path(on_path) if on_path else None, cached):
-        if candidate is not None and candidate.is_file() and os.access(candidate, os.X_OK):
-            return candidate
+    if cached.is_file() and os.access(cached, os.X_OK):
+        return cached
     try:
         subprocess.run([sys.executable, "-m", "venv", str(ROUTER_CACHE)], check=True, capture_output=True)
         pip = [str(ROUTER_CACHE / "bin" / "python"), "-m", "pip", "install", "--quiet"]
@@ -180,33 +179,12 @@ def _port_of(toml_text: str, table: str) -> int:
 
 @contextlib.contextmanager
 def router(binary: Path, workers: list[Replica], folder: Path, policy: str) -> Iterator[str]:
-    """``vllm-router`` in front of ``workers`` with ``policy``; yields its URL once it answers."""
-    port = free_port()
-    command = [str(binary), "--host", "127.0.0.1", "--port", str(port), "--policy", policy]
-    command += ["--worker-urls", *[w.url for w in workers], "--prometheus-port", str(free_port())]
-    command += ["--worker-startup-check-interval", "1"]  # also power_of_two's /get_load poll period
-    command += ["--cb-failure-threshold", "3", "--cb-timeout-duration-secs", "3"]
-    command += ["--request-timeout-secs", "180"]
-    popen = start_group(command, folder / f"router-{policy}.log")
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while not _answers(base + "/readiness"):  # 200 once a worker is healthy
-            log = (folder / f"router-{policy}.log").read_text(errors="replace")[-2000:]
-            assert popen.poll() is None, f"vllm-router exited ({popen.returncode}):\n{log}"
-            assert time.monotonic() < deadline, f"vllm-router not ready:\n{log}"
-            time.sleep(0.2)
+    """``vllm-router`` in front of ``workers`` with ``policy``; yields its URL once it answers. Its
+    breaker stays open 3 s (the recipe's 10 s would outlast the checks after a kill)."""
+    log = folder / f"router-{policy}.log"
+    urls = [w.url for w in workers]
+    with routed(urls, log, policy, binary=binary, breaker_open_s=3, request_timeout_s=180) as base:
         yield base
-    finally:
-        stop_group(popen)
-
-
-def _answers(address: str) -> bool:
-    try:
-        with urllib.request.urlopen(address, timeout=2) as r:
-            return bool(r.status == 200)
-    except OSError:
-        return False
 
 
 @dataclass
