@@ -108,6 +108,7 @@ def state(d: StatusParts) -> dict[str, Any]:
             "timed_out_total": g.timed_out_total,
             "pending": g.pending,
             "paused": d.gate.paused,
+            "arrivals_total": g.arrivals_total,
             "admitted_total": g.admitted_total,
             "rejected_total": g.rejected_total,
             "completed_total": g.completed_total,
