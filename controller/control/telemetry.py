@@ -43,6 +43,9 @@ class StepSample:
     """Output tokens the requests finished in this step generated."""
     finished_prompt_tokens: int = 0
     """Prompt tokens of the requests finished in this step, prefix-cache hits included."""
+    engine_idx: int = 0
+    """Which engine of a data-parallel group took the step (vLLM's ``engine_idx``; 0 without DP).
+    ``running``, ``waiting`` and ``kv_usage`` are that engine's alone."""
 
 
 @dataclass(frozen=True)
@@ -54,10 +57,14 @@ class EngineStats:
     steps: int
     """Engine steps recorded inside the window."""
     running: int
+    """Requests running, summed over the engines (each engine's latest step in the window)."""
     running_max: int
-    """Largest RUNNING count over the window (the count behind ``kv_usage_max``'s peak, or above it)."""
+    """Largest RUNNING count over the window, summed over the engines likewise (the count behind
+    ``kv_usage_max``'s peak, or above it)."""
     waiting: int
+    """Requests waiting inside the engines, summed likewise."""
     kv_usage: float
+    """The fullest engine's KV usage at its latest step: the engine that preempts first."""
     kv_usage_mean: float
     kv_usage_max: float
     preemptions: int
@@ -130,7 +137,7 @@ class TelemetryWindow:
         now = self._clock()
         self._trim(now)
         steps = list(self._steps)
-        last = steps[-1] if steps else None
+        latest, running_max = _latest_per_engine(steps)
         span = self.window_s
         kv = [s.kv_usage for s in steps]
         ttft = [v for s in steps for v in s.ttft_s]
@@ -140,10 +147,10 @@ class TelemetryWindow:
             now_mono=now,
             window_s=span,
             steps=len(steps),
-            running=last.running if last else 0,
-            running_max=max((s.running for s in steps), default=0),
-            waiting=last.waiting if last else 0,
-            kv_usage=last.kv_usage if last else 0.0,
+            running=sum(s.running for s in latest),
+            running_max=running_max,
+            waiting=sum(s.waiting for s in latest),
+            kv_usage=max((s.kv_usage for s in latest), default=0.0),
             kv_usage_mean=sum(kv) / len(kv) if kv else 0.0,
             kv_usage_max=max(kv) if kv else 0.0,
             preemptions=preempted,
@@ -170,5 +177,17 @@ class TelemetryWindow:
         return FinishedMix(n, prefill / n, sum(s.finished_output_tokens for s in self._steps) / n, cached)
 
     def max_running_since(self, t_mono: float) -> int:
-        """Largest RUNNING count reported at or after ``t_mono`` (0 when none)."""
+        """Largest RUNNING count one engine reported at or after ``t_mono`` (0 when none)."""
         return max((s.running for s in self._steps if s.t_mono >= t_mono), default=0)
+
+
+def _latest_per_engine(steps: list[StepSample]) -> tuple[list[StepSample], int]:
+    """Each engine's latest step among ``steps`` (oldest first), and the largest RUNNING count summed
+    over the engines at any step. With data parallelism each engine's stat logger reports its own
+    step into the one window, so the last sample alone is one engine's figures, not the group's."""
+    latest: dict[int, StepSample] = {}
+    running_max = 0
+    for s in steps:
+        latest[s.engine_idx] = s
+        running_max = max(running_max, sum(x.running for x in latest.values()))
+    return list(latest.values()), running_max

@@ -195,3 +195,21 @@ def test_max_steps_bounds_memory() -> None:
     stats = window.snapshot()
     assert (stats.steps, stats.running, window.total_steps) == (2, 4, 5)
     assert window.max_running_since(0.0) == 4
+
+
+def test_data_parallel_engines_are_summed_not_mixed() -> None:
+    """Two engines report into one window: running and waiting are the sum of each engine's latest
+    step, KV usage the fullest engine's, not whichever engine happened to report last."""
+    clock = FakeClock(start=100.0)
+    window = TelemetryWindow(window_s=10.0, clock=clock)
+    for t, engine, running, waiting, kv in [
+        (95.0, 0, 6, 2, 0.50),
+        (96.0, 1, 4, 1, 0.25),
+        (97.0, 0, 7, 0, 0.625),
+        (98.0, 1, 3, 3, 0.125),
+    ]:
+        window.record(StepSample(t, running, waiting, kv, 0, running, (), (), 0, engine_idx=engine))
+    snap = window.snapshot()
+    assert (snap.running, snap.waiting, snap.kv_usage) == (10, 3, 0.625)
+    assert snap.running_max == 11  # engine 0 at 7 beside engine 1 at 4 (t = 97)
+    assert window.max_running_since(96.0) == 7  # one engine's count

@@ -79,6 +79,7 @@ class _WindowLogger(StatLoggerBase):
                 finished_prefill_tokens=sum(r.num_prompt_tokens - r.num_cached_tokens for r in done),
                 finished_output_tokens=sum(r.num_generation_tokens for r in done),
                 finished_prompt_tokens=sum(r.num_prompt_tokens for r in done),
+                engine_idx=engine_idx,
             )
         )
         if self.outcomes is not None:
