@@ -33,6 +33,7 @@ from controller.admission.deadlines import Deadlines
 from controller.admission.errors import GateRejected, shutting_down
 from controller.admission.order import capped, next_queue
 from controller.admission.queues import ClassQueue, GateStats, Slot, Waiter
+from controller.admission.retries import RefusedIds
 from controller.admission.shedding import shed_order
 from controller.admission.ttft import NO_BOUNDS, AfterSlot, TtftBounds
 from controller.clock import Clock, monotonic
@@ -78,7 +79,9 @@ class AdmissionGate:
         self.after_slot = AfterSlot(clock, lambda: self.ttft)  # the client tells it each first token
         self._deadlines = Deadlines(clock, self._expire, max_restart_wait_s, self.after_slot.queue_deadline_s)
         self.admitted_total = self.rejected_total = self.completed_total = self.timed_out_total = 0
-        self.arrivals_total = 0
+        self.arrivals_total = self.retries_total = 0
+        self.refused_ids = RefusedIds(clock)
+        """Ids of requests refused lately: their next arrivals are retries (``retries_total``)."""
         self._refuse_new: GateRejected | None = None
         self._refuse_queued: GateRejected | None = None
         self._unavailable: GateRejected | None = None
@@ -165,6 +168,7 @@ class AdmissionGate:
         later_call: bool = False,
         ttft_done: bool = False,
         ttft_bound_s: float | None = None,
+        request_id: str | None = None,
     ) -> None:
         """Refuse now (raise ``GateRejected``) or count the request as pending in its class: ``n``
         is what it will generate (prompts x sequences each), ``calls`` the pending places it holds
@@ -174,9 +178,12 @@ class AdmissionGate:
         ``later_call``: a further call of a request admitted before, not an arrival; ``ttft_done``: its
         request has held a slot (its TTFT has happened): no expected wait refuses it, bounds still do.
         ``ttft_bound_s``: the request's own TTFT bound (a gateway's header), which only tightens its
-        class's (``TtftBounds.bound_s``)."""
+        class's (``TtftBounds.bound_s``). ``request_id``: the client's id for it (``X-Request-Id``):
+        an arrival of an id refused lately (``refused``) counts in ``retries_total`` too."""
         q = self._queue_of(priority)
         self.arrivals_total += not later_call
+        if not later_call and request_id is not None and self.refused_ids.is_retry(request_id):
+            self.retries_total += 1
         if self._refuse_new is not None:
             self._events.rejected(q.spec.name, self._refuse_new.reason)
             raise self._refuse_new.fresh()
@@ -187,6 +194,12 @@ class AdmissionGate:
             prefill_s = None if ttft_done else self.after_slot.own_s(prompt_tokens, arrived_mono, bounded)
             self._check_wait(q, position, own, n, prefill_s, ttft_bound_s)
         q.pending.extend([self._clock()] * calls)
+
+    def refused(self, request_id: str | None) -> None:
+        """A refusal of the gate's (early or in the queue) was answered to ``request_id``: a router
+        or a client that tries it again here within ``refused_ids.window_s`` is not new demand."""
+        if request_id is not None:
+            self.refused_ids.refused(request_id)
 
     def _position(self, q: ClassQueue, n: int) -> tuple[int, int]:
         """(requests that would wait ahead of a slot for this one, itself included; how many of
@@ -470,4 +483,5 @@ class AdmissionGate:
             closed=self._refuse_new is not None,
             timed_out_total=self.timed_out_total,
             arrivals_total=self.arrivals_total,
+            retries_total=self.retries_total,
         )

@@ -40,8 +40,12 @@ class GateStats:
     timed_out_total: int = 0
     """Requests refused because their queue deadline passed while they waited."""
     arrivals_total: int = 0
-    """Requests that reached admission, each counted once whatever its prompts, ``n`` or outcome
-    (offered load: ``control/capacity.py``)."""
+    """Requests that reached admission, each try counted once whatever its prompts, ``n`` or outcome;
+    a router's or a client's retry of a refused request is a further arrival."""
+    retries_total: int = 0
+    """Of ``arrivals_total``, the tries of a request this gate refused within the last minute (by its
+    ``X-Request-Id``, ``retries.py``): offered load is ``arrivals_total - retries_total``
+    (``control/capacity.py``)."""
 
 
 @dataclass(eq=False)

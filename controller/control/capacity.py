@@ -40,8 +40,15 @@ batch that the SLO and the memory allow::
 * ``offered_rps``: requests arriving at the gate per second over the telemetry window: admitted,
   refused, timed out in the queue, and still queued (``GateStats`` totals, differenced between ticks).
   Not the admitted rate: that cannot pass what the engine takes, so it would read about 1 under any
-  overload; demand the gate refused is demand a further replica would serve. A client that retries a
-  429 counts once per try.
+  overload; demand the gate refused is demand a further replica would serve. A request counts once
+  per replica, not once per try: a try whose ``X-Request-Id`` this gate refused within the last
+  minute is a retry (``GateStats.retries_total``, ``admission/retries.py``), not new demand. A try
+  without the header counts each time (vllm-router passes the client's id on every attempt and
+  makes up none: docs/fleet.md).
+* Across replicas, a request a replica refused and the router tried on another counts on each replica
+  it reached: up to ``min(attempts, N)`` times in the fleet's sum (vllm-router: 5 attempts). That
+  overstates the demand by the refused share, never by more than the attempts: what a replica
+  refused is demand a new replica would serve once, but no replica sees what another refused.
 * Without ``[slo]``, under a policy that steers to the throughput knee (the ``slo`` policy's
   ``knee_share`` ``g``), the batch is the knee instead of the TPOT bound:
   ``D_knee = ceil(a * (1 - g) / (g * x))``, the smallest batch that reaches ``1 - g`` of the peak
@@ -161,6 +168,11 @@ class GateTotals(Protocol):
     def stats(self) -> GateStats: ...
 
 
+def new_arrivals(stats: GateStats) -> int:
+    """The gate's arrivals less the retries of requests it refused: new demand, counted once."""
+    return stats.arrivals_total - stats.retries_total
+
+
 def knee_share_of(policy: Policy) -> float | None:
     """The policy's throughput knee (the ``slo`` policy's ``knee_share``, what it steers to without
     ``[slo]``); None for a policy without one."""
@@ -195,7 +207,7 @@ class CapacityMeter:
         """Without ``[slo]``: the policy's throughput knee, the batch the capacity is counted at."""
         self._arrivals: deque[tuple[float, int]] = deque()
         """(tick time, arrivals so far) over the window."""
-        self._arrivals_at_start = gate.stats().arrivals_total
+        self._arrivals_at_start = new_arrivals(gate.stats())
         """The gate's arrivals when the meter started: none since reads offered 0 from the first tick."""
         self.last = Capacity(None, None, None, "not started")
 
@@ -210,9 +222,10 @@ class CapacityMeter:
 
     def _offered_rps(self, now: float) -> float | None:
         """Requests per second that reached admission over the window: the gate counts each once
-        when it arrives (``GateStats.arrivals_total``), whatever its ``n``, its prompts or what
-        became of it, so requests leaving the queue or refused together move nothing."""
-        total = self.gate.stats().arrivals_total
+        when it arrives (``new_arrivals``), whatever its ``n``, its prompts or what became of it, so
+        requests leaving the queue or refused together move nothing, and retries of a refused one
+        add nothing."""
+        total = new_arrivals(self.gate.stats())
         self._arrivals.append((now, total))
         while len(self._arrivals) > 2 and self._arrivals[1][0] <= now - self.window.window_s:
             self._arrivals.popleft()  # keep one sample at or before the window's start
@@ -221,7 +234,7 @@ class CapacityMeter:
 
     def measure(self, obs: Observation) -> Capacity:
         offered = self._offered_rps(obs.now_mono)
-        if offered is None and self.gate.stats().arrivals_total == self._arrivals_at_start:
+        if offered is None and new_arrivals(self.gate.stats()) == self._arrivals_at_start:
             offered = 0.0  # no rate yet (one tick), but nothing has arrived since the start: idle
         mix = self.window.finished_mix()
         cost, slo = obs.cost, self.slo
