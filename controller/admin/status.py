@@ -109,6 +109,7 @@ def state(d: StatusParts) -> dict[str, Any]:
             "pending": g.pending,
             "paused": d.gate.paused,
             "arrivals_total": g.arrivals_total,
+            "retries_total": g.retries_total,
             "admitted_total": g.admitted_total,
             "rejected_total": g.rejected_total,
             "completed_total": g.completed_total,

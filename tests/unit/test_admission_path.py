@@ -28,7 +28,7 @@ from controller.engine.frontend import context
 from controller.engine.frontend.app import AdmissionMiddleware
 from controller.engine.frontend.client import GateRefusal, GovernedEngineClient
 from controller.engine.frontend.priority import resolve_priorities
-from tests.helpers import Events, FakeHost, Recorder, settle
+from tests.helpers import Events, FakeHost, Recorder, settle, until
 
 CLASSES = (
     PriorityClass("interactive", max_priority=0, max_queue=100, queue_deadline_s=1e6),
@@ -322,3 +322,43 @@ async def test_check_admission_refuses_before_vllm_renders_and_counts_nothing() 
         context.current.reset(token)
     assert len(outputs) == 4 and gate.stats().arrivals_total == 2  # the refused one and this one
     assert [cls for cls, _ in events.rejected] == ["interactive"]
+
+
+async def test_a_refused_request_tried_again_by_its_id_is_a_retry_not_an_arrival() -> None:
+    """What a router does with a 429: the same request, the same ``X-Request-Id``, once more. The
+    gate counts each try in ``arrivals_total`` and the tries of an id it refused in ``retries_total``."""
+    clock = FakeClock()
+    gate = AdmissionGate(1, 0, (PriorityClass("all", max_queue=0, queue_deadline_s=1e6),), clock=clock)
+    held = await gate.acquire(from_pending=False)
+    async with make_app(gate, CountingLLM()) as http:
+        for request_id in ("r1", "r1", "r2", "r1"):
+            r = await http.post("/v1/completions", json={}, headers={"x-request-id": request_id})
+            assert r.status_code == 429, r.text
+        r = await http.post("/v1/completions", json={})  # no id: new demand on every try
+        assert r.status_code == 429, r.text
+        gate.release(held)
+        r = await http.post("/v1/completions", json={}, headers={"x-request-id": "r2"})
+        assert r.status_code == 200, r.text
+    stats = gate.stats()
+    assert (stats.arrivals_total, stats.retries_total) == (6, 3)
+
+
+async def test_a_request_refused_in_the_queue_tried_again_is_a_retry() -> None:
+    """A refusal of a request that had queued (its deadline passed) marks its id as well as one at
+    the door."""
+    clock = FakeClock()
+    gate = AdmissionGate(1, 1, (PriorityClass("all", max_queue=1, queue_deadline_s=1.0),), clock=clock)
+    held = await gate.acquire(from_pending=False)
+    async with make_app(gate, CountingLLM()) as http:
+        for _ in range(2):
+            queued = asyncio.create_task(
+                http.post("/v1/completions", json={}, headers={"x-request-id": "r1"})
+            )
+            await until(lambda: gate.stats().queued == 1)
+            clock.advance(2.0)
+            assert gate.expire_overdue() == 1
+            r = await queued
+            assert r.status_code == 429, r.text
+    gate.release(held)
+    stats = gate.stats()
+    assert (stats.arrivals_total, stats.retries_total, stats.timed_out_total) == (2, 1, 2)

@@ -121,6 +121,7 @@ class GovernedEngineClient(EngineClient):
                 calls=0,
                 arrived_mono=request.arrived_mono,
                 ttft_bound_s=request.objectives.ttft_s,
+                request_id=request.request_id,
             )
         except GateRejected as exc:
             raise self._refused(request, exc) from None
@@ -166,6 +167,7 @@ class GovernedEngineClient(EngineClient):
                 later_call=request.admitted,
                 ttft_done=request.served,
                 ttft_bound_s=None if request.served else request.objectives.ttft_s,
+                request_id=request.request_id,
             )
         except GateRejected as exc:
             raise self._refused(request, exc) from None
@@ -183,11 +185,13 @@ class GovernedEngineClient(EngineClient):
         except Exception:  # a shape without token ids (embeddings, a raw text): no prefill term
             return None
 
-    @staticmethod
-    def _refused(request: context.RequestContext | None, exc: GateRejected) -> GateRefusal:
+    def _refused(self, request: context.RequestContext | None, exc: GateRejected) -> GateRefusal:
+        """The gate's refusal as the request's answer; the gate remembers the request's id, so that
+        a router's or a client's next try of it is counted as a retry (``AdmissionGate.refused``)."""
         if request is not None:
             request.refusal, request.retry_after_s = (exc.status, exc.message), exc.retry_after_s
             request.refusal_reason = exc.reason
+            self._gate.refused(request.request_id)
         return _http_error(exc)
 
     async def _generate(

@@ -17,6 +17,8 @@ from controller.clock import monotonic
 from controller.engine.frontend.objectives import Objectives, from_headers
 
 PRIORITY_HEADER = "x-vllm-priority"
+REQUEST_ID_HEADER = "x-request-id"
+"""The client's id for a request, which vLLM also takes as its own; a router's retries carry it."""
 
 
 @dataclass
@@ -49,6 +51,9 @@ class RequestContext:
     """What its headers ask of its latency (a gateway's TTFT bound and TPOT objective,
     ``objectives.py``): the TTFT bound goes to the gate with each call, a malformed value is
     answered 400 by ``priority.py``."""
+    request_id: str | None = None
+    """The client's ``X-Request-Id``, the same on each try of the request (docs/fleet.md): the gate
+    counts a try of an id it refused lately as a retry, not new demand; None without the header."""
     admitted: bool = False
     """A call has passed admission: later calls are not new arrivals."""
     served: bool = False
@@ -66,21 +71,32 @@ class RequestContext:
 current: ContextVar[RequestContext | None] = ContextVar("autopilot_request", default=None)
 
 
-def priority_header(headers: list[tuple[bytes, bytes]]) -> str | None:
-    """The text of a raw ASGI request's ``X-Vllm-Priority`` header; None without one."""
+def header_text(headers: list[tuple[bytes, bytes]], wanted: str) -> str | None:
+    """The text of a raw ASGI request's header ``wanted`` (in lower case); None without one."""
     for name, value in headers:
-        if name.lower() == PRIORITY_HEADER.encode():
+        if name.lower() == wanted.encode():
             return value.decode("latin-1")
     return None
 
 
+def priority_header(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """The text of a raw ASGI request's ``X-Vllm-Priority`` header; None without one."""
+    return header_text(headers, PRIORITY_HEADER)
+
+
 def for_request(headers: list[tuple[bytes, bytes]], bounds: PriorityBounds) -> RequestContext:
     """A new request's context: its priority the header's until ``priority.py`` resolves it (a
-    header that is not an integer reads 0, as vLLM reads it), kept within ``bounds``, and the
-    objectives its headers name."""
+    header that is not an integer reads 0, as vLLM reads it), kept within ``bounds``, the
+    objectives its headers name, and its ``X-Request-Id``."""
     header = priority_header(headers)
     try:
         asked = None if header is None else int(header)
     except ValueError:
         asked = 0
-    return RequestContext(bounds.clamp(asked), bounds=bounds, header=header, objectives=from_headers(headers))
+    return RequestContext(
+        bounds.clamp(asked),
+        bounds=bounds,
+        header=header,
+        objectives=from_headers(headers),
+        request_id=header_text(headers, REQUEST_ID_HEADER),
+    )
