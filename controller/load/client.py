@@ -18,6 +18,7 @@ import itertools
 import json
 import math
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -175,9 +176,12 @@ async def send(
     prompt_tokens: int,
     run_start: float,
 ) -> RequestRecord:
-    """Send one request and record it; never raises for HTTP or transport errors."""
+    """Send one request and record it; never raises for HTTP or transport errors. Each request has
+    its own ``X-Request-Id``, as a gateway gives it: a router's retries of it carry the same id, by
+    which a daemon counts them as retries, not new demand (docs/fleet.md)."""
     url = f"{target.base_url.rstrip('/')}/v1/completions"
-    answer = await post(session, url, payload(target, spec, prompt))
+    headers = {"X-Request-Id": f"bench-{uuid.uuid4().hex}"}
+    answer = await post(session, url, payload(target, spec, prompt), headers=headers)
     base: dict[str, Any] = {
         "index": spec.index,
         "priority": spec.priority,

@@ -48,13 +48,15 @@ def test_no_readings_give_no_figures() -> None:
 
 def test_the_table_has_a_row_per_step_and_a_dash_for_a_missing_figure() -> None:
     steps = [
-        Step(0.5, 4.0, 0.52, [0.25, 0.27], 8.1, 4.0, 200, 200, 198, 0, 0),
-        Step(1.5, 12.0, None, [None, 1.4], None, 19.5, 600, 420, 400, 180, 0),
+        Step(0.5, 4.0, 0.52, [0.25, 0.27], 8.1, 4.0, 0.0, 200, 200, 198, 0, 0),
+        Step(1.5, 12.0, None, [None, 1.4], None, 19.5, 6.25, 600, 420, 400, 180, 0),
     ]
     rows = format_table(8.0, steps).splitlines()
     assert len(rows) == 4 and "C = 8.00 req/s" in rows[0]
     assert rows[2].split("|")[1:6] == [" 0.50 ", " 4.00 ", " 0.52 ", " 0.25 ", " 0.27 "]
     assert rows[3].split("|")[3:5] == [" - ", " - "]
+    assert rows[3].split("|")[7:9] == [" 19.50 ", " 6.25 "]
+    assert all(row.count("|") == 14 for row in rows)
 
 
 def test_the_router_runs_round_robin_over_the_workers_with_the_recipes_breaker() -> None:

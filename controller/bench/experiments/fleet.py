@@ -9,8 +9,9 @@ served``: with enough requests in flight to keep both engines full, what the pai
 arrivals at each ``--shares`` x ``C`` for ``--step-seconds`` each, through the router, while both
 daemons' ``/metrics`` are read every second over the step's last ``--tail`` share: the table gives the
 sum of their ``autopilot_saturation`` (what KEDA's trigger sums, deploy/k8s), each daemon's, the sum of
-their capacities, the tries that reached the gates (the router retries a 429 on the other replica, and
-the gate counts each try as offered), and what the clients got.
+their capacities, the tries that reached the gates (the router retries a 429 on the other replica, up
+to 5 attempts) and of those the retries each gate recognised by the request's ``X-Request-Id`` (a try
+of a request it refused itself, which its offered rate leaves out), and what the clients got.
 """
 
 from __future__ import annotations
@@ -87,6 +88,9 @@ class Step:
     capacity_sum: float | None
     tries_rps: float
     """Requests that reached the gates per second (router retries included)."""
+    retries_rps: float
+    """Of ``tries_rps``, the tries of a request the same gate had refused (``retries_total``): what
+    the gates' offered rates leave out."""
     sent: int
     ok: int
     good: int
@@ -128,14 +132,16 @@ async def sample(urls: list[str], start_s: float, end_s: float) -> list[list[Fig
     return readings
 
 
-def gate_tries(daemons: list[Launched]) -> int:
-    """Requests that reached the daemons' gates so far, each try counted once (the gate's own
-    ``arrivals_total``)."""
-    total = 0
+def gate_tries(daemons: list[Launched]) -> tuple[int, int]:
+    """Tries that reached the daemons' gates so far, each counted once (the gates' own
+    ``arrivals_total``), and of those the retries of a request the same gate refused
+    (``retries_total``)."""
+    tries = retries = 0
     for d in daemons:
         with urllib.request.urlopen(str(d.state_url), timeout=5) as r:
-            total += int(json.load(r)["gate"]["arrivals_total"])
-    return total
+            gate = json.load(r)["gate"]
+        tries, retries = tries + int(gate["arrivals_total"]), retries + int(gate["retries_total"])
+    return tries, retries
 
 
 @dataclass(frozen=True)
@@ -236,7 +242,8 @@ async def step(fleet: Fleet, args: argparse.Namespace, capacity: float, share: f
     window = ((1 - args.tail) * args.step_seconds, args.step_seconds)
     before = gate_tries(fleet.daemons)
     summary, tail = await offer(fleet, specs, window, args.out / f"step-{share:g}")
-    tries = (gate_tries(fleet.daemons) - before) / args.step_seconds
+    after = gate_tries(fleet.daemons)
+    tries, retries = ((b - a) / args.step_seconds for a, b in zip(before, after, strict=True))
     sat_sum, sat = summarize_readings(tail, "saturation")
     cap_sum, _ = summarize_readings(tail, "capacity_rps")
     result = Step(
@@ -246,6 +253,7 @@ async def step(fleet: Fleet, args: argparse.Namespace, capacity: float, share: f
         sat,
         cap_sum,
         tries,
+        retries,
         sent=summary["requests"],
         ok=summary["ok"],
         good=summary["slo_met"],
@@ -260,14 +268,15 @@ async def step(fleet: Fleet, args: argparse.Namespace, capacity: float, share: f
 def format_table(capacity: float, steps: list[Step]) -> str:
     head = (
         f"| offered / C (C = {capacity:.2f} req/s) | offered req/s | sum of saturation | a | b | "
-        "sum of capacity_rps | tries at the gates /s | sent | ok | within SLO | refused 429 | failed |"
+        "sum of capacity_rps | tries at the gates /s | of which retries /s | sent | ok | within SLO | "
+        "refused 429 | failed |"
     )
-    rows = [head, "|" + " ---: |" * 12]
+    rows = [head, "|" + " ---: |" * 13]
     for s in steps:
         each = " | ".join(cell(v, ".2f") for v in s.saturation)
         rows.append(
             f"| {s.share:.2f} | {s.offered_rps:.2f} | {cell(s.saturation_sum, '.2f')} | {each} | "
-            f"{cell(s.capacity_sum, '.2f')} | {s.tries_rps:.2f} | {s.sent} | {s.ok} | {s.good} | "
-            f"{s.refused} | {s.failed} |"
+            f"{cell(s.capacity_sum, '.2f')} | {s.tries_rps:.2f} | {s.retries_rps:.2f} | {s.sent} | {s.ok} | "
+            f"{s.good} | {s.refused} | {s.failed} |"
         )
     return "\n".join(rows)
