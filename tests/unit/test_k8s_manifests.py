@@ -510,3 +510,30 @@ def test_the_network_policy_lets_the_router_reach_the_data_plane() -> None:
         peer["podSelector"].get("matchLabels", {}) for peer in http_rule["from"] if "podSelector" in peer
     ]
     assert any(selector.items() <= router_labels.items() for selector in selectors)
+
+
+def _scale_up_minutes(behavior: dict[str, Any], start: int, target: int) -> int:
+    """Minutes the HPA takes from ``start`` to ``target`` replicas under ``behavior``'s scale-up
+    policies, each period allowing what the policy ``selectPolicy`` picks (Kubernetes' rule: Pods adds
+    ``value`` pods, Percent ``ceil(current * value / 100)``)."""
+    up = behavior["scaleUp"]
+    assert all(p["periodSeconds"] == 60 for p in up["policies"])
+    pick = max if up.get("selectPolicy", "Max") == "Max" else min
+    n, minutes = start, 0
+    while n < target:
+        steps = [p["value"] if p["type"] == "Pods" else -(-n * p["value"] // 100) for p in up["policies"]]
+        n, minutes = min(target, n + pick(steps)), minutes + 1
+    return minutes
+
+
+@pytest.mark.parametrize("kind", ["HorizontalPodAutoscaler", "ScaledObject"])
+def test_scale_up_grows_with_the_fleet(kind: str) -> None:
+    """2 pods a minute for a small fleet, half the fleet a minute for a large one (docs/fleet.md)."""
+    spec = M[kind]["spec"]
+    behavior = (
+        spec["behavior"]
+        if kind == "HorizontalPodAutoscaler"
+        else spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+    )
+    assert _scale_up_minutes(behavior, 1, 3) == 1  # Pods 2 beats 50 % of 1
+    assert _scale_up_minutes(behavior, 10, 100) == 6  # 10, 15, 23, 35, 53, 80, 100
