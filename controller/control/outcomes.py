@@ -1,12 +1,21 @@
-"""How each request ended, against its class's SLO: counted live per class, and the window's goodput.
+"""How each request ended, against its own SLO: counted live per class, and the window's goodput.
 
-Outcomes: ``good`` (served within its class's ``[slo]`` TTFT and TPOT bounds), ``ttft_missed`` (served,
-its first token later than the TTFT bound; checked first), ``tpot_missed`` (served, first token in
-time, mean time per output token over the bound), ``refused`` (429: a full queue, an expected wait
-past the deadline, shed, or the queue deadline passed) and ``failed`` (503: shutting down, no engine
-able to serve, a restart wait spent; or the engine ended it with an error or an abort). The
-definition of good is ``bench/records.meets_slo``'s: a request with fewer than two output tokens has no
-TPOT and passes that part; without ``[slo]`` a served request is good (there is no bound to miss).
+Outcomes: ``good`` (served within its bounds), ``ttft_missed`` (served, its first token later than
+its TTFT bound; checked first), ``tpot_missed`` (served, first token in time, mean time per output
+token over its TPOT bound), ``refused`` (429: a full queue, an expected wait past the deadline, shed,
+or the queue deadline passed) and ``failed`` (503: shutting down, no engine able to serve, a restart
+wait spent; or the engine ended it with an error or an abort). The definition of good is
+``bench/records.meets_slo``'s: a request with fewer than two output tokens has no TPOT and passes
+that part.
+
+A request's bounds (``judged_bound``) are its class's ``[slo]`` bounds, its TTFT tightened by its own
+where a gateway's header gave one (``engine/frontend/objectives.py``): ``min(class's, its own)``, the
+bound the gate held it to, so a request the gate admitted against its own bound and served late is a
+miss. Without ``[slo]`` its own TTFT bound is its only bound (no TPOT bound), and a request without
+one is good (there is no bound to miss). A header's TPOT objective is not judged: nothing in the
+daemon steers one request's pace (the batch cap and token budget serve every class's bound at once),
+and a miss the daemon could not avoid would cut the slo policy's margin (``missed_total``), the
+limit of every request, for one request's objective.
 
 The TTFT a request is judged by is the client's: its time before the engine (from its arrival at the
 server to its slot: the front end and the gate's queue wait, which the governed client knows and
@@ -21,6 +30,7 @@ never under a made-up class. Refusals come from the gate's events (``admin/metri
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,6 +52,17 @@ def refusal_outcome(reason: str) -> str:
     return "failed" if reason in FAILED_REFUSALS else "refused"
 
 
+def judged_bound(cls_bound: SloBound | None, own_ttft_s: float | None) -> SloBound | None:
+    """The bound a served request is judged by: its class's (``cls_bound``, None without ``[slo]``)
+    with the TTFT tightened to ``own_ttft_s`` (a gateway's header; None: none asked); its own TTFT
+    alone, with no TPOT bound, where its class has none."""
+    if own_ttft_s is None:
+        return cls_bound
+    if cls_bound is None:
+        return SloBound(own_ttft_s, math.inf)
+    return SloBound(min(cls_bound.ttft_s, own_ttft_s), cls_bound.tpot_s)
+
+
 def served_outcome(ttft_s: float, tpot_s: float | None, bound: SloBound | None) -> str:
     """A served request's outcome against ``bound`` (None: no ``[slo]``, always good)."""
     if bound is None:
@@ -61,6 +82,8 @@ class _Started:
     """Ends still expected (a request with ``n`` sequences ends ``n`` times in vLLM's stats)."""
     first_token_s: float | None = None
     """Seconds from entering the engine to the first token, as the engine client saw it arrive."""
+    own_ttft_s: float | None = None
+    """Its own TTFT bound (a gateway's header), which tightens its class's; None: none asked."""
 
 
 class OutcomeLedger:
@@ -77,8 +100,8 @@ class OutcomeLedger:
         self.served_total = 0
         """Requests served to the end (good or a bound missed; not failed) since the ledger started."""
         self.missed_total = 0
-        """Of ``served_total``, those that missed their class's TTFT or TPOT bound: what the slo
-        policy's ``mean_margin`` is steered by (the share of admitted requests that miss)."""
+        """Of ``served_total``, those that missed their TTFT or TPOT bound (``judged_bound``): what
+        the slo policy's ``mean_margin`` is steered by (the share of admitted requests that miss)."""
         self.queued_missed_total = 0
         """Of ``missed_total``, TTFT misses that spent most of their TTFT before the engine (in the
         gate's queue): a shortfall of capacity, as a refusal is, not of the engine's pace."""
@@ -91,11 +114,14 @@ class OutcomeLedger:
         """``[slo]`` in force (at build and on every reload)."""
         self.slo = slo
 
-    def started(self, request_id: str, cls: str, before_engine_s: float, n: int = 1) -> None:
+    def started(
+        self, request_id: str, cls: str, before_engine_s: float, n: int = 1, ttft_s: float | None = None
+    ) -> None:
         """A request of class ``cls`` enters the engine as vLLM's ``request_id``, ``before_engine_s``
-        after it reached the server, with ``n`` sequences."""
+        after it reached the server, with ``n`` sequences and its own TTFT bound ``ttft_s`` (a
+        gateway's header, seconds; None: its class's alone)."""
         self._started.pop(request_id, None)  # a reused id: the latest attempt is the one that ends
-        self._started[request_id] = _Started(cls, max(0.0, before_engine_s), max(1, n))
+        self._started[request_id] = _Started(cls, max(0.0, before_engine_s), max(1, n), own_ttft_s=ttft_s)
         while len(self._started) > MAX_STARTED:
             self._started.pop(next(iter(self._started)))
 
@@ -124,7 +150,8 @@ class OutcomeLedger:
         if error:
             outcome = "failed"
         else:
-            bound = self.slo.for_class(entry.cls) if self.slo is not None else None
+            cls_bound = self.slo.for_class(entry.cls) if self.slo is not None else None
+            bound = judged_bound(cls_bound, entry.own_ttft_s)
             if entry.first_token_s is not None:
                 engine_ttft_s = entry.first_token_s
             outcome = served_outcome(entry.before_engine_s + engine_ttft_s, tpot_s, bound)

@@ -5,6 +5,7 @@ on a fake clock."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from controller.admin.metrics import GateMetrics, Metrics
 from controller.clock import FakeClock
-from controller.control.outcomes import OutcomeLedger, refusal_outcome, served_outcome
+from controller.control.outcomes import OutcomeLedger, judged_bound, refusal_outcome, served_outcome
 from controller.control.telemetry import TelemetryWindow
 from policies.slo import SloBound, SloTargets
 from tests.helpers import write_config
@@ -82,6 +83,42 @@ def test_the_first_token_the_engine_client_saw_judges_the_ttft() -> None:
     ledger.first_token("never-started", 0.1)  # not a request of ours: nothing to judge
     assert counted == [("interactive", "good"), ("interactive", "ttft_missed")]
     assert (ledger.served_total, ledger.missed_total) == (2, 1)
+
+
+@pytest.mark.parametrize(
+    ("cls_bound", "own_ttft_s", "judged"),
+    [(SloBound(1.0, 0.05), 0.4, SloBound(0.4, 0.05)),  # a tighter header TTFT holds
+     (SloBound(1.0, 0.05), 2.0, SloBound(1.0, 0.05)),  # a looser one changes nothing
+     (SloBound(1.0, 0.05), None, SloBound(1.0, 0.05)),
+     (None, 0.4, SloBound(0.4, math.inf)),  # no [slo]: its own TTFT alone, no TPOT bound
+     (None, None, None)],
+)  # fmt: skip
+def test_a_request_is_judged_by_the_tighter_of_its_own_ttft_and_its_classs(
+    cls_bound: SloBound | None, own_ttft_s: float | None, judged: SloBound | None
+) -> None:
+    assert judged_bound(cls_bound, own_ttft_s) == judged
+
+
+def test_the_ledger_counts_a_miss_of_the_requests_own_ttft_bound() -> None:
+    """interactive's bound is 1 s TTFT, 50 ms TPOT; the header's TPOT is not the ledger's to judge."""
+    ledger, counted = _ledger(FakeClock())
+    ledger.started("a", "interactive", before_engine_s=0.1, ttft_s=0.5)
+    ledger.started("b", "interactive", before_engine_s=0.1)
+    ledger.started("c", "interactive", before_engine_s=0.1, ttft_s=5.0)
+    ledger.started("d", "interactive", before_engine_s=0.1, ttft_s=0.5)
+    assert ledger.served("a", engine_ttft_s=0.6, tpot_s=0.04) == "ttft_missed"  # 0.7 s > its 0.5 s
+    assert ledger.served("b", engine_ttft_s=0.6, tpot_s=0.04) == "good"  # 0.7 s within the class's 1 s
+    assert ledger.served("c", engine_ttft_s=1.2, tpot_s=0.04) == "ttft_missed"  # 1.3 s: the class's 1 s holds
+    assert ledger.served("d", engine_ttft_s=0.3, tpot_s=0.06) == "tpot_missed"  # the class's TPOT still holds
+    assert counted == [("interactive", o) for o in ("ttft_missed", "good", "ttft_missed", "tpot_missed")]
+    assert (ledger.served_total, ledger.missed_total, ledger.queued_missed_total) == (4, 3, 0)
+    ledger.configure(None)  # without [slo], a request's own TTFT bound is its only one
+    ledger.started("e", "batch", before_engine_s=0.0, ttft_s=0.2)
+    ledger.started("f", "batch", before_engine_s=0.0, ttft_s=0.2)
+    ledger.started("g", "batch", before_engine_s=0.0)
+    assert ledger.served("e", engine_ttft_s=0.3, tpot_s=0.01) == "ttft_missed"
+    assert ledger.served("f", engine_ttft_s=0.1, tpot_s=10.0) == "good"
+    assert ledger.served("g", engine_ttft_s=30.0, tpot_s=10.0) == "good"
 
 
 def test_each_of_n_sequences_ends_once_and_an_error_is_failed() -> None:

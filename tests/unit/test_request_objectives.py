@@ -1,20 +1,33 @@
 """A gateway's per-request objectives (controller/engine/frontend/objectives.py): a TTFT header only
-tightens the request's class's bound in the gate (early refusal and queue deadline), a malformed one
-is answered 400 before the gate, a TPOT header is checked and kept, and a refusal names its reason in
-our header and llm-d's."""
+tightens the request's class's bound in the gate (early refusal and queue deadline) and in the
+outcome ledger, a malformed one is answered 400 before the gate, a TPOT header is checked and kept,
+a class header (ours or llm-d's) moves the request into that class within the priority bounds, and a
+refusal names its reason in our header and llm-d's."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
 
+import httpx
 import pytest
+from fastapi import FastAPI, Request
 
 from controller.admission.classes import PriorityBounds, PriorityClass
 from controller.admission.gate import AdmissionGate, GateRejected
 from controller.admission.ttft import TtftBounds
 from controller.clock import FakeClock
+from controller.control.outcomes import OutcomeLedger
 from controller.engine.frontend import context
+from controller.engine.frontend.app import AdmissionMiddleware
+from controller.engine.frontend.client import GovernedEngineClient
 from controller.engine.frontend.objectives import from_headers, refusal_headers
+from controller.engine.frontend.priority import resolve_priorities
+from policies.slo import SloBound, SloTargets
+from tests.helpers import FakeHost
+from tests.unit import test_priority_bounds as bounds_app
 from tests.unit.test_admission_middleware import make_app, make_gate
 
 INTERACTIVE = PriorityClass("interactive", max_priority=0, max_queue=100, queue_deadline_s=5.0)
@@ -167,3 +180,161 @@ async def test_an_early_refusal_names_why_and_a_served_request_names_nothing() -
     assert refused.headers["x-autopilot-refusal"] == "queue_full" == events.rejected[0][1]
     assert refused.headers["x-llm-d-request-dropped-reason"] == "rejected-saturated"
     gate.release(held)
+
+
+# -- the class by header ---------------------------------------------------------------------------
+
+CLASSES = (INTERACTIVE, BATCH)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "x-autopilot-class",
+        "X-Autopilot-Class",
+        "x-llm-d-inference-objective",
+        "x-gateway-inference-objective",
+    ],
+)
+def test_each_class_header_name_names_a_class_of_the_table(name: str) -> None:
+    asks = from_headers([(name.encode(), b" Batch ")], CLASSES)
+    assert (asks.cls, asks.cls_header, asks.error) == (BATCH, name.lower(), None)
+
+
+def test_ours_decides_over_llm_ds_and_llm_ds_current_name_over_its_older() -> None:
+    both = raw(x_gateway_inference_objective="interactive", x_llm_d_inference_objective="batch")
+    assert from_headers(both, CLASSES).cls == BATCH
+    assert from_headers([*both, *raw(x_autopilot_class="interactive")], CLASSES).cls == INTERACTIVE
+    # llm-d reads its current name first, whatever its value: an unknown one there is not looked past
+    unknown_first = raw(x_llm_d_inference_objective="food-review", x_gateway_inference_objective="batch")
+    assert from_headers(unknown_first, CLASSES) == from_headers([])
+    assert from_headers(raw(x_autopilot_class=" "), CLASSES) == from_headers([])  # empty: none named
+
+
+def test_an_unknown_class_is_an_error_under_ours_and_ignored_under_llm_ds() -> None:
+    ours = from_headers(raw(x_autopilot_class="gold", x_llm_d_inference_objective="batch"), CLASSES)
+    assert ours.error is not None and ours.error.header == "x-autopilot-class"
+    assert str(ours.error) == (
+        "x-autopilot-class: 'gold' is not a class of this server; send one of: interactive, batch"
+    )
+    assert ours.cls is None
+    llmd = from_headers(raw(x_llm_d_inference_objective="food-review", x_slo_ttft_ms="300"), CLASSES)
+    assert (llmd.cls, llmd.cls_header, llmd.error, llmd.ttft_s) == (None, None, None, 0.3)
+
+
+@pytest.mark.parametrize(
+    ("cls", "asked", "most_urgent", "priority", "refused"),
+    [
+        (BATCH, 0, 0, 1, False),  # the nearest priority of batch's range
+        (BATCH, 7, 0, 7, False),  # already in it: kept
+        (INTERACTIVE, 5, 0, 0, False),
+        (INTERACTIVE, -3, -10, -3, False),
+        (BATCH, 1, 3, 3, False),  # min_priority 3 wins over batch's lower end
+        (INTERACTIVE, 5, 1, 1, True),  # interactive lies wholly below min_priority 1
+        (None, -7, -10, -7, False),  # no class: the priority as it is, within the bounds
+    ],
+)  # fmt: skip
+def test_a_named_class_moves_the_priority_into_its_range_within_the_bounds(
+    cls: PriorityClass | None, asked: int, most_urgent: int, priority: int, refused: bool
+) -> None:
+    asks = from_headers(raw(x_autopilot_class=cls.name) if cls else [], CLASSES)
+    assert asks.within_class(asked, most_urgent) == priority
+    assert (asks.class_refusal(most_urgent) is not None) == refused
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "priority", "cls"),
+    [
+        ({}, {"x-autopilot-class": "batch"}, 5, "batch"),  # the default, in batch's range
+        ({}, {"x-autopilot-class": "interactive"}, 0, "interactive"),  # the default moved to 0
+        ({"priority": 9}, {"x-llm-d-inference-objective": "interactive"}, 0, "interactive"),
+        ({}, {"X-Vllm-Priority": "0", "x-gateway-inference-objective": "batch"}, 1, "batch"),
+        ({"priority": 0}, {"x-llm-d-inference-objective": "food-review"}, 0, "interactive"),  # ignored
+    ],
+)
+async def test_the_class_a_header_names_reaches_gate_and_engine_as_its_priority(
+    body: dict[str, Any], headers: dict[str, str], priority: int, cls: str
+) -> None:
+    http, _, events = bounds_app.make_app(PriorityBounds(most_urgent=0, default=5))
+    async with http:
+        r = await http.post("/v1/completions", json=body, headers=headers)
+    assert (r.status_code, r.json()) == (200, {"priority": [priority]})
+    assert [c for c, _ in events.admitted] == [cls]
+
+
+@pytest.mark.parametrize(
+    ("headers", "most_urgent", "says"),
+    [
+        ({"x-autopilot-class": "gold"}, 0, "'gold' is not a class of this server; send one of: interactive"),
+        ({"x-autopilot-class": "interactive"}, 1, "class 'interactive' runs at priorities up to 0, more"),
+        ({"x-llm-d-inference-objective": "interactive"}, 1, "this server accepts (1 is the most urgent"),
+    ],
+)  # fmt: skip
+async def test_an_unknown_class_of_ours_or_one_past_min_priority_is_answered_400_before_the_gate(
+    headers: dict[str, str], most_urgent: int, says: str
+) -> None:
+    http, gate, events = bounds_app.make_app(PriorityBounds(most_urgent=most_urgent, default=5))
+    async with http:
+        r = await http.post("/v1/completions", json={}, headers=headers)
+    assert r.status_code == 400 and r.json()["param"] == next(iter(headers))
+    assert says in r.json()["error"]
+    assert events.admitted == [] and events.rejected == [] and gate.stats().arrivals_total == 0
+
+
+async def test_a_class_header_moves_a_request_into_that_class_whose_bound_its_ttft_header_tightens() -> None:
+    gate, events = make_gate()  # interactive: 5 s deadline, 1 may queue; batch: none may queue
+    held = await gate.acquire(0)
+    async with make_app(gate) as http:
+        headers = {"x-autopilot-class": "interactive", "x-llm-d-slo-ttft-ms": "50"}
+        r = await http.post("/v1/completions", json={"priority": 3}, headers=headers)
+    assert r.status_code == 429 and "its own TTFT bound of 0.05s" in r.json()["error"]
+    assert r.headers["x-autopilot-refusal"] == "deadline"  # queued in interactive, not refused as batch
+    assert [cls for cls, _ in events.timed_out] == ["interactive"] and events.rejected == []
+    gate.release(held)
+
+
+# -- the outcome ledger ----------------------------------------------------------------------------
+
+
+class FirstTokenLLM:
+    """An engine whose first output came 0.3 s after the request entered it (vLLM's own figure)."""
+
+    def check_admission(self, n: int = 1, request_id: str | None = None) -> None:
+        pass
+
+    async def generate(self, prompt: Any, params: Any, request_id: str, **kwargs: Any) -> AsyncIterator[Any]:
+        yield SimpleNamespace(metrics=SimpleNamespace(first_token_latency=0.3), finished=False)
+
+
+class CountingServing(bounds_app.FakeServing):
+    async def create_completion(self, request: Any, raw_request: Request | None = None) -> Any:
+        if (error := await self._check_model(request)) is not None:
+            return error
+        self._preflight()
+        return {"outputs": len([x async for x in self.client.generate("p", None, "id")])}
+
+
+async def test_the_ledger_judges_a_request_by_its_own_ttft_bound_where_it_is_tighter() -> None:
+    """interactive's [slo] TTFT bound is 1 s: a first token 0.3 s into the engine is good by it, and
+    missed by a header's 200 ms; a header's looser 5 s changes nothing."""
+    ledger = OutcomeLedger(lambda cls, outcome: None, clock=FakeClock())
+    ledger.configure(SloTargets(SloBound(2.0, 0.1), (("interactive", SloBound(1.0, 0.05)),)))
+    host = FakeHost(FirstTokenLLM())
+    host.outcomes = ledger  # type: ignore[attr-defined]
+    gate = AdmissionGate(4, 100, CLASSES)
+    app = FastAPI()
+    app.state.serving = CountingServing(GovernedEngineClient(host, gate, lambda: None))  # type: ignore[arg-type]
+    resolve_priorities(app.state)
+
+    @app.post("/v1/completions")
+    async def completions(raw_request: Request) -> Any:
+        body = bounds_app.CompletionRequest.model_validate(await raw_request.json())
+        return await app.state.serving.create_completion(body, raw_request)
+
+    transport = httpx.ASGITransport(app=AdmissionMiddleware(app, gate))  # type: ignore[arg-type]
+    outcomes = []
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+        for headers in ({}, {"x-llm-d-slo-ttft-ms": "200"}, {"x-autopilot-ttft-ms": "5000"}):
+            assert (await http.post("/v1/completions", json={}, headers=headers)).status_code == 200
+            outcomes.append(ledger.served("id", engine_ttft_s=9.0, tpot_s=0.04))  # 0.3 s judges, not 9
+    assert outcomes == ["good", "ttft_missed", "good"]

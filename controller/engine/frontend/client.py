@@ -151,11 +151,17 @@ class GovernedEngineClient(EngineClient):
         """The gate's admission check for one call of ``request``. Its priority: the request's where
         ``priority.py`` resolved it (so a beam search's steps, which name none, keep the client's),
         else the call's own kept within the ``[admission]`` bounds (``PriorityBounds.clamp``: vLLM
-        passes 0 for a body that names none, so a refusal would refuse clients that asked nothing).
+        passes 0 for a body that names none, so a refusal would refuse clients that asked nothing)
+        and moved into the class its headers name (``objectives.py``).
         Its prefill is its prompt's length as vLLM rendered it (no tokenizing of our own). A request
         that has held a slot (a beam search's later steps) is not refused by its TTFT bound, its
         class's or its own (a gateway's header: ``objectives.py``)."""
-        priority = request.priority if request.resolved else request.bounds.clamp(asked)
+        bounds = request.bounds
+        priority = (
+            request.priority
+            if request.resolved
+            else request.objectives.within_class(bounds.clamp(asked), bounds.most_urgent)
+        )
         prompt_tokens = self._prompt_len(prompt)
         try:
             self._gate.check_admission(
@@ -286,12 +292,15 @@ class GovernedEngineClient(EngineClient):
     def _outcome_started(
         self, request_id: str, slot: Slot, request: context.RequestContext | None, sampling_params: Any
     ) -> None:
-        """Tell the outcome ledger (``control/outcomes.py``) the request's class and the time it spent
-        before the engine (the front end and the gate's queue), which its judged TTFT includes."""
+        """Tell the outcome ledger (``control/outcomes.py``) the request's class, the time it spent
+        before the engine (the front end and the gate's queue), which its judged TTFT includes, and
+        its own TTFT bound (a gateway's header), which tightens its class's there as in the gate."""
         outcomes = getattr(self._host, "outcomes", None)  # a host without a ledger counts nothing
         if outcomes is not None:
             before = slot.granted_mono - (request.arrived_mono if request is not None else slot.granted_mono)
-            outcomes.started(request_id, slot.cls, before, int(getattr(sampling_params, "n", 1) or 1))
+            n = int(getattr(sampling_params, "n", 1) or 1)
+            own = request.objectives.ttft_s if request is not None else None
+            outcomes.started(request_id, slot.cls, before, n, ttft_s=own)
 
     def _first_token(self, output: Any, slot: Slot, call: context.Call, request_id: str) -> None:
         """Tell the gate how long the request took from its slot to its first token: vLLM's own

@@ -9,8 +9,11 @@ urgent than ``min_priority``, past int64 or not an integer is answered 400 there
 answer for that handler, before the gate: it never counts, queues or sheds). The resolved value is
 kept in the request's context (context.py): every ``generate()`` call of the request runs at it,
 including the calls that name none (beam search's steps) or pass the body's raw value (the batch
-route). A request whose TTFT or TPOT header (``objectives.py``) is not a number of milliseconds is
-answered 400 there too, naming the header. ``_check_model`` itself runs unchanged.
+route). A request whose headers (``objectives.py``) name a class moves to the nearest priority of
+that class's range, within the bounds: a class whose whole range is more urgent than
+``min_priority`` is answered 400 there, naming the header, as is a TTFT or TPOT header that is not a
+number of milliseconds and a class of ours the table does not hold. ``_check_model`` itself runs
+unchanged.
 
 Why vLLM offers no other hook: ``generate()`` gets an int where a body that names no priority reads
 0 like one that asks for 0; only the parsed request model (``model_fields_set``) tells them apart,
@@ -22,8 +25,8 @@ responses, the batch chat route, ``/inference``'s generate, scoring, structured 
 to text, and what converts into them (``/invocations``, Anthropic's messages and Cohere's chat over
 the chat handler). A handler without it (a future route) still passes every rule in
 ``GovernedEngineClient.generate()``; only its priority is the call's own kept within the bounds
-(``PriorityBounds.clamp``: clamped, not refused, and a body naming none runs at 0, not at the
-default).
+(``PriorityBounds.clamp``, then moved into the named class where that class is within the bounds:
+clamped, not refused, and a body naming none runs at 0, not at the default).
 
 It also drops the tracebacks vLLM logs for the gate's refusals ending a stream (``QuietRefusals``).
 """
@@ -57,9 +60,12 @@ def _wrap(serving: Any, original: Callable[..., Awaitable[Any]]) -> Callable[...
             if (refused := ctx.objectives.error) is not None:
                 return serving.create_error_response(str(refused), param=refused.header)
             try:
-                ctx.priority = ctx.bounds.resolve(asked_priority(request, ctx.header))
+                asked = ctx.bounds.resolve(asked_priority(request, ctx.header))
             except PriorityRefused as exc:
                 return serving.create_error_response(str(exc), param="priority")
+            if (refused := ctx.objectives.class_refusal(ctx.bounds.most_urgent)) is not None:
+                return serving.create_error_response(str(refused), param=refused.header)
+            ctx.priority = ctx.objectives.within_class(asked, ctx.bounds.most_urgent)
             ctx.resolved = True
         return await original(request, *args, **kwargs)
 
