@@ -37,16 +37,24 @@ class Phase:
 
 def plan(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> list[Phase]:
     """The phases, most informative first, sized within the engine's limits: prefill alone at three
-    sizes, decode batches from 1 to the batch ceiling, and decodes over long prompts."""
+    sizes, decode batches from 1 to the batch ceiling (doubling from 1 to 32, then the ceiling), and
+    decodes over long prompts."""
     room = max(2, max_model_len - 17)  # a prompt and its 16 output tokens fit the model's length
     chunk = max(1, min(max_num_batched_tokens, room))
 
     def prompt(n: int) -> int:
         return max(1, min(n, chunk))
 
-    batches = sorted({min(b, max_num_seqs) for b in (1, 8, 32, max_num_seqs)})
+    def decode(streams: int) -> Phase:
+        # a light load decodes 1-4 streams over chat-sized prompts; larger batches run over short
+        # prompts (their prefill is ``streams`` times longer), the largest for fewer steps
+        short = streams <= 4
+        output = 8 if streams == max_num_seqs and streams > 32 else 16
+        return Phase(streams, prompt(64) if short else 16, output)
+
+    batches = sorted({min(b, max_num_seqs) for b in (2, 4, 8, 16, 32, max_num_seqs)} - {1})
     phases = [Phase(1, prompt(64), 1), Phase(1, 16, 16), Phase(1, prompt(256), 1)]
-    phases += [Phase(b, 16, 16) for b in batches if b > 1]
+    phases += [decode(b) for b in batches]
     phases += [Phase(1, prompt(1024), 1), Phase(min(4, max_num_seqs), prompt(512), 16)]
     return phases
 

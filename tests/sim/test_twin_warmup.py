@@ -28,7 +28,8 @@ def test_without_a_profile_the_twin_starts_from_the_warm_up_fit() -> None:
     assert warm is not None
     # every phase of the plan for max_num_seqs 128, 2048 tokens a step, 4096 of length, in order
     assert warm["phases"] == [
-        "1x64+1", "1x16+16", "1x256+1", "8x16+16", "32x16+16", "128x16+16", "1x1024+1", "4x512+16"
+        "1x64+1", "1x16+16", "1x256+1", "2x64+16", "4x64+16", "8x16+16", "16x16+16", "32x16+16",
+        "128x16+8", "1x1024+1", "4x512+16",
     ]  # fmt: skip
     assert 0 < warm["seconds"] < 20.0
     # the mean model's steps are the profile's linear cost: the fit recovers it

@@ -19,15 +19,18 @@ def test_the_plan_excites_each_term_within_the_engine_limits() -> None:
         Phase(1, 64, 1),
         Phase(1, 16, 16),
         Phase(1, 256, 1),  # prefill alone, one decode
+        Phase(2, 64, 16),
+        Phase(4, 64, 16),  # the batches a light load decodes, over chat-sized prompts
         Phase(8, 16, 16),
+        Phase(16, 16, 16),
         Phase(32, 16, 16),
-        Phase(64, 16, 16),  # decode batches
+        Phase(64, 16, 8),  # larger batches up to the ceiling, the largest for fewer steps
         Phase(1, 1024, 1),
         Phase(4, 512, 16),  # a long prefill, decodes over a long KV
     ]
     small = plan(4, 128, 300)
+    assert [p.streams for p in small] == [1, 1, 1, 2, 4, 1, 4]  # no batch past the ceiling
     assert max(p.prompt_tokens for p in small) == 128  # the per-step token ceiling
-    assert max(p.streams for p in small) == 4  # the batch ceiling
     assert all(p.prompt_tokens + p.output_tokens <= 300 for p in small)
 
 
