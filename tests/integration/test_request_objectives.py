@@ -1,7 +1,9 @@
 """On the real engine (the tiny model): a gateway's TTFT header reaches the gate. With the gate's one
 slot held, a request of the batch class (60 s queue deadline) waits, while the same request with
 ``x-llm-d-slo-ttft-ms: 300`` is refused once its own bound passes, and the answer names why; a
-malformed header is answered 400 by vLLM's own handler.
+malformed header is answered 400 by vLLM's own handler. A class header moves a request into that
+class (the batch body with llm-d's ``x-llm-d-inference-objective: interactive`` queues as
+interactive and runs at priority 0), and a class of ours the daemon does not hold is answered 400.
 
 The slot is held by the test itself, so what queues and what is refused does not hang on the
 engine's speed.
@@ -67,3 +69,27 @@ async def test_a_malformed_ttft_header_is_answered_400_by_vllm(daemon: Daemon) -
     status, _, body, _ = await post(daemon, {"x-slo-ttft-ms": "soon"})
     assert status == 400 and body["error"]["param"] == "x-slo-ttft-ms", body
     assert daemon.parts.gate.stats().arrivals_total == arrivals  # answered before the gate
+
+
+async def test_llm_ds_objective_header_moves_a_request_into_that_class(daemon: Daemon) -> None:
+    gate = daemon.parts.gate
+    held = await gate.acquire(0, from_pending=False)
+    try:
+        named = asyncio.create_task(post(daemon, {"x-llm-d-inference-objective": "interactive"}))
+        await wait_for(
+            lambda: gate.queued_by_class() == {"interactive": 1, "batch": 0},
+            30.0,
+            "it to queue as interactive",
+        )
+    finally:
+        gate.release(held)
+    status, _, body, _ = await named
+    assert status == 200, body
+
+
+async def test_a_class_of_ours_the_daemon_does_not_hold_is_answered_400_by_vllm(daemon: Daemon) -> None:
+    arrivals = daemon.parts.gate.stats().arrivals_total
+    status, _, body, _ = await post(daemon, {"x-autopilot-class": "gold"})
+    assert status == 400 and body["error"]["param"] == "x-autopilot-class", body
+    assert "send one of: interactive, batch" in body["error"]["message"]
+    assert daemon.parts.gate.stats().arrivals_total == arrivals
