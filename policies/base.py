@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from policies.cost import CostEstimate
-from policies.slo import SloTargets
+from policies.slo_targets import SloTargets
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ class Policy(ABC):
     param_names: ClassVar[tuple[str, ...]] = ()
     """The attributes ``params()`` reports (each one a constructor parameter of the same name)."""
     takes_slo: ClassVar[bool] = False
-    """True: the constructor takes ``slo`` (``policies/slo.SloTargets`` or None), which the builder
+    """True: the constructor takes ``slo`` (``policies/slo_targets.SloTargets`` or None), which the builder
     passes from ``[slo]`` (a policy that steers to the SLO)."""
 
     normalize_defaults: ClassVar[Mapping[str, float]] = {}

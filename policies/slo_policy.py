@@ -1,5 +1,5 @@
 """The slo policy: steer the token budget, the batch cap and the admission limit to the SLO, from the
-online step-cost model (``Observation.cost``) and ``[slo]`` (``policies/slo.SloTargets``).
+online step-cost model (``Observation.cost``) and ``[slo]`` (``policies/slo_targets.SloTargets``).
 
 Every knob is sized from a predicted step, ``step(P, D, K) = a + b*P + c*D + d*K`` (P prefill tokens,
 D decoding sequences, K KV tokens they read), planned to ``margin * tpot`` with ``tpot`` the tightest
@@ -19,7 +19,7 @@ from typing import Any
 from policies.base import Decision, Observation, Policy, PolicyError
 from policies.common import check_float, check_int, is_stale
 from policies.cost import CostEstimate
-from policies.slo import SloTargets
+from policies.slo_targets import SloTargets
 
 MISS_TEST_P = 0.1
 """The margin is cut only where its look's misses would come at most this often from a true share of

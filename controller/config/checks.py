@@ -9,7 +9,7 @@ from typing import Any
 
 from controller.config.secrets import is_loopback
 from policies.base import PolicyError
-from policies.slo import SloTargets
+from policies.slo_targets import SloTargets
 
 
 def server_option_errors(extra: dict[str, Any], own: list[str]) -> list[str]:

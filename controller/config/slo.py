@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from controller.admission.classes import PriorityClass
-from policies.slo import SloBound, SloTargets
+from policies.slo_targets import SloBound, SloTargets
 
 __all__ = ["SloTargets", "cost_profile_errors", "describe_slo", "parse_slo", "wait_bounds"]
 

@@ -31,7 +31,7 @@ from controller.control.steps import StepFeed, StepSource
 from controller.control.telemetry import TelemetryWindow
 from controller.sim.profile import load_profile
 from policies.base import Policy
-from policies.slo import SloTargets
+from policies.slo_targets import SloTargets
 
 
 class CoreEngine(EngineKnobs, CappedEngine, StepSource, Protocol):

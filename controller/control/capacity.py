@@ -76,8 +76,8 @@ from controller.admission.queues import GateStats
 from controller.control.telemetry import FinishedMix
 from policies.base import Observation, Policy
 from policies.cost import CostEstimate
-from policies.slo import SloTargets
 from policies.slo_policy import knee_batch
+from policies.slo_targets import SloTargets
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from controller.clock import Clock, monotonic
-from policies.slo import SloBound, SloTargets
+from policies.slo_targets import SloBound, SloTargets
 
 OUTCOMES = ("good", "ttft_missed", "tpot_missed", "refused", "failed")
 FAILED_REFUSALS = frozenset({"shutting_down", "engine_unavailable", "restart_wait"})

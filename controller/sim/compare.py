@@ -22,7 +22,7 @@ from controller.load.workload import RequestSpec
 from controller.sim.profile import Profile
 from controller.sim.run import SimResult
 from controller.sim.twin import build_simulation, write_result
-from policies.slo import SloTargets
+from policies.slo_targets import SloTargets
 
 CONFIGS: list[tuple[str, str, dict[str, Any]]] = [
     ("static-default", "static", {}),  # vLLM as configured: the cap at max_num_seqs, no gate limit below it

@@ -24,7 +24,7 @@ from controller.load.workload import RequestSpec
 from controller.sim.compare import KEYS, table
 from controller.sim.profile import Profile
 from controller.sim.twin import build_simulation, write_result
-from policies.slo import SloTargets
+from policies.slo_targets import SloTargets
 
 AXES = {"limit": int, "budget": int, "deadline": float}
 """The grid's axes (``--grid limit=24,48 budget=1024,8192 deadline=0.8,5``) and their types."""

@@ -61,7 +61,7 @@ from controller.sim.engine import SimEngine, SimRequest, StepPlan
 from controller.sim.profile import Profile
 from controller.sim.quantiles import LoadTables, QuantileTable
 from policies.base import Observation
-from policies.slo import SloTargets
+from policies.slo_targets import SloTargets
 
 SETTLE_ROUNDS = 4
 """Event-loop rounds after each event. The longest chain is: the engine finishes a request -> its task

@@ -17,7 +17,7 @@ from controller.config.load import AdmissionConfig, ConfigError, ControlConfig, 
 from controller.results.records import write_run
 from controller.sim.profile import Profile
 from controller.sim.run import ControlSettings, SimResult, Simulation
-from policies.slo import SloBound, SloTargets
+from policies.slo_targets import SloBound, SloTargets
 
 
 def build_simulation(

@@ -15,8 +15,8 @@ from controller.clock import FakeClock
 from controller.control.capacity import CapacityMeter, fit_capacity, tpot_share_of
 from controller.control.telemetry import FinishedMix, StepSample, TelemetryWindow
 from policies.cost import CostEstimate
-from policies.slo import SloBound, SloTargets
 from policies.slo_policy import SloPolicy
+from policies.slo_targets import SloBound, SloTargets
 from policies.static import StaticPolicy
 from tests.helpers import obs, write_config
 

@@ -14,7 +14,7 @@ from controller.clock import FakeClock
 from controller.control.capacity import CapacityMeter
 from controller.control.telemetry import TelemetryWindow
 from policies.cost import CostEstimate
-from policies.slo import SloBound, SloTargets
+from policies.slo_targets import SloBound, SloTargets
 from policies.static import StaticPolicy
 from tests.helpers import obs
 

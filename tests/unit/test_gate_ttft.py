@@ -23,7 +23,7 @@ from controller.control.stepcost import CostPrior, CostReader, StepCostModel
 from controller.control.steps import EngineStep
 from controller.engine.frontend.client import GovernedEngineClient, engine_queue_s
 from policies.base import build_policy
-from policies.slo import SloBound, SloTargets
+from policies.slo_targets import SloBound, SloTargets
 from tests.helpers import FakeHost
 
 ROOMY = PriorityClass("interactive", max_priority=0, max_queue=100, queue_deadline_s=5.0)

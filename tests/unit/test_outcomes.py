@@ -15,7 +15,7 @@ from controller.admin.metrics import GateMetrics, Metrics
 from controller.clock import FakeClock
 from controller.control.outcomes import OutcomeLedger, judged_bound, refusal_outcome, served_outcome
 from controller.control.telemetry import TelemetryWindow
-from policies.slo import SloBound, SloTargets
+from policies.slo_targets import SloBound, SloTargets
 from tests.helpers import write_config
 
 BOUND = SloBound(ttft_s=2.0, tpot_s=0.1)

@@ -18,7 +18,7 @@ from controller.admission.classes import PriorityClass
 from controller.config.diff import diff_config, merge_live
 from controller.config.load import ConfigError, describe, load_config, parse_config
 from controller.config.slo import wait_bounds
-from policies.slo import SloBound, SloTargets
+from policies.slo_targets import SloBound, SloTargets
 from tests.helpers import write_config
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,8 +9,8 @@ import pytest
 from controller.admin.metrics import reason_label
 from policies.base import BUILT_INS, PolicyError, build_policy
 from policies.cost import CostEstimate
-from policies.slo import SloBound, SloTargets
 from policies.slo_policy import SloPolicy, beyond_chance
+from policies.slo_targets import SloBound, SloTargets
 from tests.helpers import obs
 
 SLO = SloTargets(SloBound(1.0, 0.05), (("interactive", SloBound(1.0, 0.05)),))
