@@ -2,7 +2,7 @@
 
 A request is good when its time to first token is within ``ttft_s`` and its time per output token
 within ``tpot_s``. Pure data, no ``controller`` import: a policy (pure, ``policies/*`` only) and the
-config loader (``controller/config/slo.py``, which builds it) share this one type.
+config loader (``controller/config/slo_table.py``, which builds it) share this one type.
 """
 
 from __future__ import annotations

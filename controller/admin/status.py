@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from controller.admin.metrics import Metrics
 from controller.admission.gate import AdmissionGate
 from controller.config.load import Config, describe
-from controller.config.slo import describe_slo
+from controller.config.slo_table import describe_slo
 from controller.control.capacity import CapacityMeter
 from controller.control.diagnosis import Diagnosis
 from controller.control.fitcheck import FitCheck

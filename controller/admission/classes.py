@@ -34,7 +34,7 @@ class PriorityClass:
     reserved_share: float = 0.0
     """Fraction of the admission limit only this class may use (the rest is shared)."""
     slo_ttft_s: float | None = None
-    """This class's TTFT bound; None: ``[slo] ttft_s`` (``controller/config/slo.py`` resolves it)."""
+    """This class's TTFT bound; None: ``[slo] ttft_s`` (``controller/config/slo_table.py`` resolves it)."""
     slo_tpot_s: float | None = None
     """This class's TPOT bound; None: ``[slo] tpot_s``."""
 

@@ -28,7 +28,7 @@ from controller.config.fields import doc_field as _f
 from controller.config.fields import non_finite_errors
 from controller.config.fields import suggest as _suggest
 from controller.config.secrets import redact, scrub
-from controller.config.slo import SloTargets, cost_profile_errors, describe_slo, parse_slo
+from controller.config.slo_table import SloTargets, cost_profile_errors, describe_slo, parse_slo
 from policies.base import Policy, build_policy
 
 DEFAULT_CONFIG = Path("config.toml")
@@ -266,7 +266,7 @@ class Config:
     """[engine] restart_on_reload: apply [engine] changes on reload through the guard's
     drain-and-restart (queued requests kept). False: they stay pending until the service restarts."""
     slo: SloTargets | None = None
-    """[slo] resolved per class (controller/config/slo.py); None: the file has no [slo]."""
+    """[slo] resolved per class (controller/config/slo_table.py); None: the file has no [slo]."""
     overlay: dict[str, dict[str, Any]] = field(default_factory=dict)
     """The command line's tables, laid over the file again at each reload (config/cli_layer.py)."""
     warnings: tuple[str, ...] = ()

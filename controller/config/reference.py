@@ -1,6 +1,6 @@
 """docs/configuration.md, generated from the typed fields themselves: every key's doc, default and
 bounds come from ``doc_field`` (``load.py``), the class keys from ``admission/classes.py``, the
-``[slo]`` keys from ``slo.py``, and whether a key applies live on reload from ``diff.py``. The
+``[slo]`` keys from ``slo_table.py``, and whether a key applies live on reload from ``diff.py``. The
 fields are the one source; this module only lays them out, and a unit test fails when the committed
 file and the code disagree.
 
@@ -20,7 +20,7 @@ from controller.admission.classes import _KEYS as CLASS_KEYS
 from controller.admission.classes import DEFAULT_CLASSES, PriorityClass
 from controller.config.diff import LIVE_TABLES
 from controller.config.load import _DICT_FIELDS, _TABLES, MOVED_PARAMS, RENAMED, SMALL_HOST_CPUS
-from controller.config.slo import KEYS as SLO_KEYS
+from controller.config.slo_table import KEYS as SLO_KEYS
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 REGENERATE = "python -m controller.config.reference"

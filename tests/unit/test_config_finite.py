@@ -19,7 +19,7 @@ import pytest
 
 from controller.admission.classes import PriorityClass
 from controller.config.load import _TABLES, ConfigError, load_config, parse_config
-from controller.config.slo import KEYS as SLO_KEYS
+from controller.config.slo_table import KEYS as SLO_KEYS
 from controller.control.samplers import FakeHostSource
 from controller.lifecycle.parts import build_parts
 from controller.lifecycle.reload import Reloader

@@ -9,7 +9,7 @@ from pathlib import Path
 from controller.admission.classes import _KEYS as CLASS_KEYS
 from controller.config import reference
 from controller.config.load import _DICT_FIELDS, _TABLES
-from controller.config.slo import KEYS as SLO_KEYS
+from controller.config.slo_table import KEYS as SLO_KEYS
 
 
 def test_committed_reference_matches_the_code() -> None:

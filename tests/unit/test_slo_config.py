@@ -17,7 +17,7 @@ import pytest
 from controller.admission.classes import PriorityClass
 from controller.config.diff import diff_config, merge_live
 from controller.config.load import ConfigError, describe, load_config, parse_config
-from controller.config.slo import wait_bounds
+from controller.config.slo_table import wait_bounds
 from policies.slo_targets import SloBound, SloTargets
 from tests.helpers import write_config
 
