@@ -25,7 +25,7 @@ from controller.engine.frontend.app import AdmissionMiddleware
 from controller.engine.frontend.client import GovernedEngineClient
 from controller.engine.frontend.objectives import from_headers, refusal_headers
 from controller.engine.frontend.priority import resolve_priorities
-from policies.slo import SloBound, SloTargets
+from policies.slo_targets import SloBound, SloTargets
 from tests.helpers import FakeHost
 from tests.unit import test_priority_bounds as bounds_app
 from tests.unit.test_admission_middleware import make_app, make_gate
