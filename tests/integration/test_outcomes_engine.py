@@ -24,7 +24,9 @@ class Sink:
         self.reports: list[tuple[str, float, float | None, bool]] = []
         self.first_tokens: dict[str, float] = {}
 
-    def started(self, request_id: str, cls: str, before_engine_s: float, n: int = 1) -> None:
+    def started(
+        self, request_id: str, cls: str, before_engine_s: float, n: int = 1, ttft_s: float | None = None
+    ) -> None:
         pass
 
     def first_token(self, request_id: str, engine_ttft_s: float) -> None:

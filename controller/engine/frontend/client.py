@@ -25,6 +25,7 @@ from controller.clock import monotonic
 from controller.engine.frontend import context
 from controller.engine.frontend.pump import EngineStream
 from controller.engine.runtime.host import EngineHost
+from controller.engine.runtime.stats import OutcomeSink
 
 RETRIES_AFTER_ENGINE_DEATH = 1
 """A call the engine died under before its first output runs again on the next engine this many
@@ -295,7 +296,7 @@ class GovernedEngineClient(EngineClient):
         """Tell the outcome ledger (``control/outcomes.py``) the request's class, the time it spent
         before the engine (the front end and the gate's queue), which its judged TTFT includes, and
         its own TTFT bound (a gateway's header), which tightens its class's there as in the gate."""
-        outcomes = getattr(self._host, "outcomes", None)  # a host without a ledger counts nothing
+        outcomes: OutcomeSink | None = getattr(self._host, "outcomes", None)  # none: counts nothing
         if outcomes is not None:
             before = slot.granted_mono - (request.arrived_mono if request is not None else slot.granted_mono)
             n = int(getattr(sampling_params, "n", 1) or 1)
@@ -315,7 +316,7 @@ class GovernedEngineClient(EngineClient):
             return
         seconds = latency or monotonic() - slot.granted_mono
         self._gate.after_slot.first_token(seconds, call.prompt_tokens, engine_queue_s(metrics))
-        outcomes = getattr(self._host, "outcomes", None)
+        outcomes: OutcomeSink | None = getattr(self._host, "outcomes", None)
         if outcomes is not None:
             outcomes.first_token(request_id, seconds)
 

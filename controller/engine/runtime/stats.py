@@ -29,7 +29,9 @@ class OutcomeSink(Protocol):
     enters the engine (``started``) and its first token (``first_token``), this logger each one that
     finished (``served``)."""
 
-    def started(self, request_id: str, cls: str, before_engine_s: float, n: int = 1) -> None: ...
+    def started(
+        self, request_id: str, cls: str, before_engine_s: float, n: int = 1, ttft_s: float | None = None
+    ) -> None: ...
 
     def first_token(self, request_id: str, engine_ttft_s: float) -> None: ...
 
