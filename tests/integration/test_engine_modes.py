@@ -110,17 +110,24 @@ async def decoding_stream(s: aiohttp.ClientSession, d: Daemon) -> AsyncIterator[
 async def prefill_beside_streams(
     d: Daemon, s: aiohttp.ClientSession, streams: int
 ) -> tuple[int, list[EngineStep]]:
-    """A long prompt's tokens and the engine's steps while it is served beside ``streams`` decoding
-    streams (one per engine: the load-balancing client sends each to the engine with fewer)."""
+    """A long prompt's tokens and the engine's steps while it is served beside a decoding stream:
+    ``streams`` of them first (one per engine, as the load-balancing client spreads them), and one
+    more for each try whose prompt landed on an engine with none (the balancer reads the engines'
+    counts as they last reported them, so two streams sent at once can share an engine)."""
     async with contextlib.AsyncExitStack() as stack:
         for _ in range(streams):
             await stack.enter_async_context(decoding_stream(s, d))
-        await d.parts.host.drain_steps()
-        body = {"model": "tiny", "prompt": LONG_PROMPT, "max_tokens": 3, "ignore_eos": True}
-        async with s.post(url(d, "/v1/completions"), json=body) as r:
-            assert r.status == 200, await r.text()
-            tokens = int((await r.json())["usage"]["prompt_tokens"])
-        return tokens, await d.parts.host.drain_steps()
+        for _ in range(4):
+            await d.parts.host.drain_steps()
+            body = {"model": "tiny", "prompt": LONG_PROMPT, "max_tokens": 3, "ignore_eos": True}
+            async with s.post(url(d, "/v1/completions"), json=body) as r:
+                assert r.status == 200, await r.text()
+                tokens = int((await r.json())["usage"]["prompt_tokens"])
+            steps = await d.parts.host.drain_steps()
+            if any(st.prefill_tokens and st.decode_seqs for st in steps):
+                break  # it shared a step with a stream: beside one
+            await stack.enter_async_context(decoding_stream(s, d))
+        return tokens, steps
 
 
 async def generated_by_engine(d: Daemon, s: aiohttp.ClientSession) -> dict[str, float]:
