@@ -139,7 +139,11 @@ class EngineHost:
         eargs = engine_args(args)
         vllm_config = eargs.create_engine_config()
         # Match vLLM's own choice (async scheduling or not) with our capped subclass of it.
-        eargs.scheduler_cls = scheduler_path(bool(vllm_config.scheduler_config.async_scheduling))
+        got = bool(vllm_config.scheduler_config.async_scheduling)
+        eargs.scheduler_cls = scheduler_path(got)
+        if getattr(eargs, "async_scheduling", None) and not got:
+            # vLLM's platform turns it off without a word (on a CPU, always): say so, once a build
+            log.warning("async_scheduling_off", reason="asked for, but vLLM's platform turned it off")
         set_poll_sleep(self.poll_sleep_s)  # the EngineCore and its workers inherit the environment
         if self.poll_sleep_s and (problem := plugin_problem()):
             log.warning("engine_poll_sleep_ignored", reason=problem)
