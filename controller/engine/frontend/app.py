@@ -25,7 +25,7 @@ from controller.engine.frontend.auth import with_api_key
 from controller.engine.frontend.client import GateRefusal, GovernedEngineClient
 from controller.engine.frontend.limits import DEFAULT_SERVER_LIMITS, ClientLimits, ServerLimits
 from controller.engine.frontend.load import add_load_route
-from controller.engine.frontend.objectives import from_headers, refusal_headers
+from controller.engine.frontend.objectives import refusal_headers
 from controller.engine.frontend.priority import resolve_priorities
 
 ASGIApp = Callable[..., Any]
@@ -61,11 +61,9 @@ class AdmissionMiddleware:
             await self.app(scope, receive, send)
             return
         bounds = self.bounds()  # the header's priority until priority.py resolves the body's
-        headers = scope.get("headers", [])
-        request = context.for_request(headers, bounds)
-        # the class its headers name, looked up in the gate's class table in force now (a reload
-        # changes it), and the priority that class gives it
-        request.objectives = from_headers(headers, self.gate.classes)
+        # the class its headers name is looked up in the gate's class table in force now (a reload
+        # changes it), and gives it its priority
+        request = context.for_request(scope.get("headers", []), bounds, self.gate.classes)
         request.priority = request.objectives.within_class(request.priority, bounds.most_urgent)
         held: dict[str, Any] | None = None
         answered = False  # the refusal went out in place of the stream: drop what vLLM sends

@@ -9,10 +9,11 @@ those calls share the request's arrival time, its resolved priority and whether 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
-from controller.admission.classes import PriorityBounds
+from controller.admission.classes import PriorityBounds, PriorityClass
 from controller.clock import monotonic
 from controller.engine.frontend.objectives import Objectives, from_headers
 
@@ -84,10 +85,13 @@ def priority_header(headers: list[tuple[bytes, bytes]]) -> str | None:
     return header_text(headers, PRIORITY_HEADER)
 
 
-def for_request(headers: list[tuple[bytes, bytes]], bounds: PriorityBounds) -> RequestContext:
+def for_request(
+    headers: list[tuple[bytes, bytes]], bounds: PriorityBounds, classes: Sequence[PriorityClass] = ()
+) -> RequestContext:
     """A new request's context: its priority the header's until ``priority.py`` resolves it (a
     header that is not an integer reads 0, as vLLM reads it), kept within ``bounds``, the
-    objectives its headers name, and its ``X-Request-Id``."""
+    objectives its headers name (a class looked up in ``classes``, the gate's in force), and its
+    ``X-Request-Id``."""
     header = priority_header(headers)
     try:
         asked = None if header is None else int(header)
@@ -97,6 +101,6 @@ def for_request(headers: list[tuple[bytes, bytes]], bounds: PriorityBounds) -> R
         bounds.clamp(asked),
         bounds=bounds,
         header=header,
-        objectives=from_headers(headers),
+        objectives=from_headers(headers, classes),
         request_id=header_text(headers, REQUEST_ID_HEADER),
     )
