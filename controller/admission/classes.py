@@ -37,6 +37,16 @@ class PriorityClass:
     """This class's TTFT bound; None: ``[slo] ttft_s`` (``controller/config/slo_table.py`` resolves it)."""
     slo_tpot_s: float | None = None
     """This class's TPOT bound; None: ``[slo] tpot_s``."""
+    order: str = "arrival"
+    """Who of the class's waiters (of one priority) gets the next slot: ``arrival`` (first come,
+    first served) or ``shortest`` (the fewest prompt tokens first). When more wait than can start
+    within their deadline, ``shortest`` serves more of them in time (a short prompt's prefill
+    delays those behind it less); a long prompt may then wait past its deadline and be refused
+    (429) under sustained load. Opt-in: it trades fairness to long prompts for the count."""
+
+    @property
+    def shortest_first(self) -> bool:
+        return self.order == "shortest"
 
     def contains(self, priority: int) -> bool:
         lo_ok = self.min_priority is None or priority >= self.min_priority
@@ -102,6 +112,13 @@ _KEYS: dict[str, tuple[type, float, float, str]] = {
     "slo_ttft_s": (float, 0.001, 86_400, "this class's time-to-first-token bound, overriding [slo] ttft_s"),
     "slo_tpot_s": (float, 0.0001, 60, "this class's time-per-output-token bound, overriding [slo] tpot_s"),
 }
+CHOICE_KEYS: dict[str, tuple[tuple[str, ...], str]] = {
+    "order": (
+        ("arrival", "shortest"),
+        "who of the class's waiters goes first: arrival, or the shortest prompt",
+    ),
+}
+"""Keys whose value is one of a few names: (the names, the doc)."""
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 
 
@@ -118,13 +135,22 @@ def parse_classes(raw: Any, errors: list[str]) -> tuple[PriorityClass, ...]:
         if not _NAME.match(name):
             errors.append(f"{where}: class names are metric labels; use lowercase letters, digits, '_'")
         if not isinstance(table, dict):
-            errors.append(f"{where}: must be a table of {', '.join(_KEYS)}")
+            errors.append(f"{where}: must be a table of {', '.join([*_KEYS, *CHOICE_KEYS])}")
             continue
         kwargs: dict[str, Any] = {}
         for key, value in table.items():
+            if key in CHOICE_KEYS:
+                names, doc = CHOICE_KEYS[key]
+                if value in names:
+                    kwargs[key] = value
+                else:
+                    choices = ", ".join(map(repr, names))
+                    errors.append(f"{where} {key} = {value!r}: must be one of {choices} ({doc})")
+                continue
             if key not in _KEYS:
-                close = difflib.get_close_matches(key, list(_KEYS), n=1)
-                hint = f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(_KEYS)}"
+                known = [*_KEYS, *CHOICE_KEYS]
+                close = difflib.get_close_matches(key, known, n=1)
+                hint = f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(known)}"
                 errors.append(f"{where} unknown key '{key}': {hint}")
                 continue
             want, lo, hi, doc = _KEYS[key]

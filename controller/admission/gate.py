@@ -113,8 +113,7 @@ class AdmissionGate:
         for oq in old.values():
             for w in oq.live():
                 w.queue = self._queue_of(w.priority)
-                heapq.heappush(w.queue.heap, (w.priority, w.seq, w))
-                w.queue.queued += 1
+                w.queue.push(w)
                 if w.timer is not None:
                     w.timer.cancel()
                 self._deadlines.arm(w)
@@ -130,6 +129,12 @@ class AdmissionGate:
     @property
     def classes(self) -> list[PriorityClass]:
         return [q.spec for q in self._order]
+
+    @property
+    def uses_prompt_length(self) -> bool:
+        """A request's prompt length counts here: in its predicted TTFT (``ttft.TtftBounds``) or
+        in its rank in a class that serves the shortest prompt first."""
+        return self.ttft.uses_prompt_length or any(q.spec.shortest_first for q in self._order)
 
     def class_name(self, priority: int) -> str:
         return self._queue_of(priority).spec.name
@@ -188,7 +193,7 @@ class AdmissionGate:
             self._events.rejected(q.spec.name, self._refuse_new.reason)
             raise self._refuse_new.fresh()
         self._expire_pending()
-        position, own = self._position(q, n)
+        position, own = self._position(q, n, priority, prompt_tokens)
         if position > 0:
             bounded = ttft_bound_s is not None
             prefill_s = None if ttft_done else self.after_slot.own_s(prompt_tokens, arrived_mono, bounded)
@@ -201,15 +206,17 @@ class AdmissionGate:
         if request_id is not None:
             self.refused_ids.refused(request_id)
 
-    def _position(self, q: ClassQueue, n: int) -> tuple[int, int]:
+    def _position(self, q: ClassQueue, n: int, priority: int, prompt_tokens: int | None) -> tuple[int, int]:
         """(requests that would wait ahead of a slot for this one, itself included; how many of
         them are of its own class). Its class's own waiters first fill the class's free reserved
-        slots; the rest compete for shared slots behind every more urgent waiter."""
+        slots; the rest compete for shared slots behind every more urgent waiter. In a class that
+        serves the shortest prompt first, only the waiters it would queue behind count
+        (``ClassQueue.ahead_of``)."""
         free = max(0, self._free_for(q))
         reserved_free = min(free, max(0, q.spec.reserved_slots(self._limit) - self._in_flight[q.spec.name]))
         shared = free - reserved_free
         higher = sum(o.queued + len(o.pending) for o in self._order[: self._order.index(q)])
-        own = n + q.queued + len(q.pending) - reserved_free
+        own = n + q.ahead_of(priority, prompt_tokens) + len(q.pending) - reserved_free
         return (own + higher - shared if own > 0 else own), own
 
     def _check_wait(
@@ -286,12 +293,14 @@ class AdmissionGate:
         arrived_mono: float | None = None,
         weight: int = 1,
         ttft_bound_s: float | None = None,
+        prompt_tokens: int | None = None,
     ) -> Slot:
         """Wait for a slot in strict class order; raise ``GateRejected`` past the class deadline.
         ``arrived_mono``: when the request reached the server (a TTFT bound counts from then);
         ``weight``: how much of the limit it holds, granted all at once or not at all (``_weight``);
         ``from_pending``: it takes that many of its class's pending places; ``ttft_bound_s``: the
-        request's own TTFT bound, which only tightens its class's (its queue deadline)."""
+        request's own TTFT bound, which only tightens its class's (its queue deadline);
+        ``prompt_tokens``: what it prefills, where known (its rank in a ``shortest`` class)."""
         q = self._queue_of(priority)
         for _ in range(min(weight, len(q.pending)) if from_pending else 0):  # one place per sequence
             q.pending.popleft()
@@ -302,10 +311,9 @@ class AdmissionGate:
             return self._grant(q, self._clock(), weight=self._weight(q, weight))
         now, loop = self._clock(), asyncio.get_running_loop()
         w = Waiter(priority, next(self._seq), now, loop.create_future(), q, self._deadlines.paused_s())
-        w.weight, w.ttft_bound_s = weight, ttft_bound_s
+        w.weight, w.ttft_bound_s, w.prompt_tokens = weight, ttft_bound_s, prompt_tokens or 0
         w.deadline_from_mono = self.after_slot.deadline_from(q.spec, now, arrived_mono, ttft_bound_s)
-        heapq.heappush(q.heap, (priority, w.seq, w))
-        q.queued += 1
+        q.push(w)
         self._deadlines.arm(w)
         try:
             return await w.future
@@ -368,8 +376,10 @@ class AdmissionGate:
         return next_queue(self._order, now, self.aging_s, self._free_for, self._weight, own)
 
     @asynccontextmanager
-    async def slot(self, priority: int = 0, arrived_mono: float | None = None) -> AsyncIterator[Slot]:
-        granted = await self.acquire(priority, arrived_mono=arrived_mono)
+    async def slot(
+        self, priority: int = 0, arrived_mono: float | None = None, prompt_tokens: int | None = None
+    ) -> AsyncIterator[Slot]:
+        granted = await self.acquire(priority, arrived_mono=arrived_mono, prompt_tokens=prompt_tokens)
         try:
             yield granted
         finally:

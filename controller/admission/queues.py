@@ -64,26 +64,46 @@ class Waiter:
     the server (None: when it queued)."""
     ttft_bound_s: float | None = None
     """Its own TTFT bound (a gateway's header), which only tightens its class's; None without one."""
+    prompt_tokens: int = 0
+    """Tokens its prompt prefills, where known (0: unknown); ranks it in a ``shortest`` class."""
     timer: asyncio.TimerHandle | None = None
 
 
 class ClassQueue:
-    """One class's waiters (priority, then arrival) and its pending admissions."""
+    """One class's waiters (priority, then arrival or, in a ``shortest`` class, prompt length then
+    arrival) and its pending admissions."""
 
     def __init__(self, spec: PriorityClass) -> None:
         self.spec = spec
-        self.heap: list[tuple[int, int, Waiter]] = []
+        self.heap: list[tuple[int, int, int, Waiter]] = []
         self.queued = 0
         self.pending: deque[float] = deque()
         self.last_grant_mono = -math.inf
 
     def head(self) -> Waiter | None:
-        while self.heap and self.heap[0][2].future.done():  # cancelled, expired or shed
+        while self.heap and self.heap[0][3].future.done():  # cancelled, expired or shed
             heapq.heappop(self.heap)
-        return self.heap[0][2] if self.heap else None
+        return self.heap[0][3] if self.heap else None
 
     def live(self) -> list[Waiter]:
-        return [w for _, _, w in self.heap if not w.future.done()]
+        return [e[3] for e in self.heap if not e[3].future.done()]
+
+    def _rank(self, prompt_tokens: int | None) -> int:
+        return (prompt_tokens or 0) if self.spec.shortest_first else 0
+
+    def push(self, w: Waiter) -> None:
+        """Queue ``w`` in its place (``head`` is the next to get a slot)."""
+        heapq.heappush(self.heap, (w.priority, self._rank(w.prompt_tokens), w.seq, w))
+        self.queued += 1
+
+    def ahead_of(self, priority: int, prompt_tokens: int | None) -> int:
+        """Waiters that a request of ``priority`` and ``prompt_tokens`` would queue behind: all of
+        them in arrival order; in a ``shortest`` class, those of a more urgent priority or of the
+        same with as short a prompt (a prompt of unknown length ranks as the shortest)."""
+        if not self.spec.shortest_first:
+            return self.queued
+        mine = (priority, self._rank(prompt_tokens))
+        return sum(1 for e in self.heap if e[:2] <= mine and not e[3].future.done())
 
     def expire_pending(self, horizon: float) -> None:
         """Forget pending admissions older than ``horizon`` (their request never reached the gate)."""
@@ -93,5 +113,5 @@ class ClassQueue:
     def compact(self) -> None:
         """Drop finished entries once they outnumber the live ones (memory stays flat)."""
         if len(self.heap) > 2 * self.queued + 16:
-            self.heap = [e for e in self.heap if not e[2].future.done()]
+            self.heap = [e for e in self.heap if not e[3].future.done()]
             heapq.heapify(self.heap)

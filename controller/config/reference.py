@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from controller.admission.classes import _KEYS as CLASS_KEYS
-from controller.admission.classes import DEFAULT_CLASSES, PriorityClass
+from controller.admission.classes import CHOICE_KEYS, DEFAULT_CLASSES, PriorityClass
 from controller.config.diff import LIVE_TABLES
 from controller.config.load import _DICT_FIELDS, _TABLES, MOVED_PARAMS, RENAMED, SMALL_HOST_CPUS
 from controller.config.slo_table import KEYS as SLO_KEYS
@@ -199,6 +199,9 @@ def _classes() -> list[str]:
     for key, (_, lo, hi, doc) in CLASS_KEYS.items():
         shown = " / ".join(_fmt(getattr(c, key)) for c in DEFAULT_CLASSES)
         lines.append(_row(f"`{key}`", _fmt(defaults[key]), shown, _range(lo, hi), reload, doc))
+    for key, (names, doc) in CHOICE_KEYS.items():
+        shown = " / ".join(_fmt(getattr(c, key)) for c in DEFAULT_CLASSES)
+        lines.append(_row(f"`{key}`", _fmt(defaults[key]), shown, ", ".join(map(_fmt, names)), reload, doc))
     return [*lines, ""]
 
 

@@ -223,7 +223,7 @@ class Simulation:
             return
         done: asyncio.Future[SimRequest] = asyncio.get_running_loop().create_future()
         try:
-            async with self.gate.slot(spec.priority, t0) as slot:
+            async with self.gate.slot(spec.priority, t0, spec.prompt_tokens) as slot:
                 req = SimRequest.of(spec, self.clock())
                 req.on_finish = done.set_result
                 self.engine.add(req)

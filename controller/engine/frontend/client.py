@@ -185,7 +185,7 @@ class GovernedEngineClient(EngineClient):
 
     def _prompt_len(self, prompt: Any) -> int | None:
         """Tokens the prompt prefills, read off vLLM's rendered input (None where it does not say)."""
-        if not self._gate.ttft.uses_prompt_length:
+        if not self._gate.uses_prompt_length:
             return None
         try:
             return int(extract_prompt_len(self.model_config, prompt))
@@ -229,6 +229,7 @@ class GovernedEngineClient(EngineClient):
                     arrived_mono=arrived,
                     weight=call.weight,
                     ttft_bound_s=bound,
+                    prompt_tokens=call.prompt_tokens,
                 )
             except GateRejected as exc:
                 raise self._refused(request, exc) from None

@@ -30,7 +30,8 @@ class Call:
     weight: int = 1
     """The sequences it runs in the engine (its sampling's ``n``): its slot's weight."""
     prompt_tokens: int | None = None
-    """Tokens its prompt prefills, as vLLM rendered it (under SLO steering; else None)."""
+    """Tokens its prompt prefills, as vLLM rendered it (where the gate uses it:
+    ``AdmissionGate.uses_prompt_length``; else None)."""
     holds_place: bool = False
     """It holds pending places in its class, one per sequence (counted at admission, taken when it
     queues); the middleware gives them back when the request ends without the call ever running."""
