@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from controller.control.steps import EngineStep
+from controller.control.steps import EngineStep, StepCost, costs
 from policies.cost import TERMS, CostEstimate
 
 SCALES = np.array([1.0, 1024.0, 64.0, 65536.0])
@@ -102,8 +102,14 @@ def prior_from(cost: Mapping[str, float], name: str, prior_samples: float = 20.0
     return CostPrior((a, b, c, d), name=name, prior_samples=prior_samples)
 
 
+def fittable(step: StepCost) -> bool:
+    """A step the fit takes in: a positive, finite time and some work scheduled."""
+    return math.isfinite(step.step_s) and step.step_s > 0 and step.prefill_tokens + step.decode_seqs > 0
+
+
 class StepCostModel:
-    """Recursive least squares over ``EngineStep`` records (a ``StepConsumer``: ``update``)."""
+    """Recursive least squares over the scheduler's figures of ``EngineStep`` records (a
+    ``StepConsumer``: ``update``)."""
 
     def __init__(self, settings: FitSettings | None = None, prior: CostPrior | None = None) -> None:
         self.settings = settings or FitSettings()
@@ -140,17 +146,13 @@ class StepCostModel:
         """Take in a tick's steps, oldest first (the ``StepFeed`` consumer). Each is predicted by the
         fit as it was before the batch; the kept ones update it at once, in information form (the same
         result as one recursive update per step, with one small inverse per batch)."""
-        kept = [
-            s
-            for s in steps
-            if math.isfinite(s.step_s) and s.step_s > 0 and s.prefill_tokens + s.decode_seqs > 0
-        ]
+        kept = [(t, s) for t, s in costs(steps) if fittable(s)]
         if not kept:
             return
-        self._track_batch(kept)
-        self.last_decode_seqs = kept[-1].decode_seqs
-        x = np.array([[1.0, s.prefill_tokens, s.decode_seqs, s.kv_tokens] for s in kept]) / SCALES
-        y = np.array([s.step_s for s in kept])
+        self._track_batch([s for _, s in kept])
+        self.last_decode_seqs = kept[-1][1].decode_seqs
+        x = np.array([[1.0, s.prefill_tokens, s.decode_seqs, s.kv_tokens] for _, s in kept]) / SCALES
+        y = np.array([s.step_s for _, s in kept])
         pred = x @ self._theta
         keep = []
         relearn = False  # once the model is found wrong, this batch's predictions are stale
@@ -162,10 +164,10 @@ class StepCostModel:
         if not any(keep):
             return
         self._learn(x[keep], y[keep])
-        for step, yi, pi in itertools.compress(zip(kept, y, pred, strict=True), keep):
-            self._track(float(yi), float(pi), step.t_mono)
+        for (t_mono, _), yi, pi in itertools.compress(zip(kept, y, pred, strict=True), keep):
+            self._track(float(yi), float(pi), t_mono)
 
-    def _track_batch(self, steps: Sequence[EngineStep]) -> None:
+    def _track_batch(self, steps: Sequence[StepCost]) -> None:
         """The KV read and the prefill/decode mix of the steps, as sums with the fit's forgetting
         factor. KV per decoding sequence is a ratio of the sums, not a mean of each step's ratio: a
         step that decodes one sequence beside three prompts reads four requests' KV, and its ratio

@@ -1,5 +1,23 @@
-"""One engine step's cost figures: what the online step-cost model fits and what the scheduler
-subclass inside the EngineCore measures (the twin's engine emits the same records)."""
+"""One engine step's figures, the one record every consumer of them reads: the telemetry window, the
+step-cost model, the fit check, the warm-up's fit, the capacity meter (through the window) and the
+twin, whose engine makes the same records.
+
+A step is known from two places, and the record names each part by where it is measured:
+
+* ``cost`` (``StepCost``): what the scheduler subclass measures inside the EngineCore
+  (``controller/engine/runtime/stepmeter.py``), right around the forward pass: the tokens the step
+  prefilled, the sequences it decoded, the KV tokens they attend over, and its time. The step-cost
+  model fits these.
+* ``stats`` (``StepStats``): what vLLM's stat logger reports in the API process
+  (``controller/engine/runtime/stats.py``): the scheduler's queues and KV usage after the step, and what
+  the step's outputs did for the requests (tokens, TTFT, ITL, requests finished). The telemetry
+  window summarises these.
+
+On the real engine the two parts arrive apart, each record carrying one: the stat logger runs in the
+API process once per batch of outputs that reaches it over IPC (one call may cover several steps, or
+none), while the EngineCore's own figures wait in its ring until the control loop drains it, so no
+step id joins them. The twin knows both of each step at once and fills both.
+"""
 
 from __future__ import annotations
 
@@ -13,22 +31,83 @@ log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
-class EngineStep:
-    """One scheduler step: the tokens it prefilled, the sequences it decoded, the KV tokens those
-    sequences attend over, and how long the step took (schedule to output, seconds).
+class StepCost:
+    """A step's cost figures, as the scheduler measures them inside the EngineCore.
 
     ``kv_tokens`` counts as the twin's ``CostModel.kv_tokens_read`` does (each scheduled request's
     computed tokens plus its new ones), so a fit compares with, and can be seeded from, a profile.
-
-    ``t_mono`` is ``time.monotonic()`` at the step's end; CLOCK_MONOTONIC is system-wide on Linux, so
-    a value taken in the EngineCore process compares with the daemon's clock.
     """
 
-    t_mono: float
     prefill_tokens: int
+    """Tokens the step prefilled (a prompt's chunk, or a preempted request's recompute)."""
     decode_seqs: int
+    """Sequences the step decoded."""
     kv_tokens: int
+    """KV tokens the step's attention reads."""
     step_s: float
+    """How long the step took, schedule to output (seconds)."""
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """A step as vLLM's stat-logger hook reports it."""
+
+    running: int
+    """Requests in the scheduler's RUNNING set after the step."""
+    waiting: int
+    """Requests waiting inside the engine (not in our gate)."""
+    kv_usage: float
+    """Fraction of KV-cache blocks in use, 0..1."""
+    preempted: int
+    """Requests preempted during the step."""
+    generated_tokens: int
+    """Tokens generated during the step."""
+    ttft_s: tuple[float, ...]
+    """Time to first token of the requests that got it in this step (seconds)."""
+    itl_s: tuple[float, ...]
+    """Inter-token latencies observed in this step (seconds)."""
+    finished: int
+    """Requests that finished in this step."""
+    finished_prefill_tokens: int = 0
+    """Prompt tokens the requests finished in this step had to prefill: their prompts less the
+    prefix-cache hits (what the request mix costs in prefill, ``controller/control/capacity.py``)."""
+    finished_output_tokens: int = 0
+    """Output tokens the requests finished in this step generated."""
+    finished_prompt_tokens: int = 0
+    """Prompt tokens of the requests finished in this step, prefix-cache hits included."""
+
+
+@dataclass(frozen=True)
+class EngineStep:
+    """One engine step: when it ended, which engine took it, and what is known of it (the module's
+    docstring says why the real engine's records carry one part each)."""
+
+    t_mono: float
+    """When the step ended, on the monotonic clock: the EngineCore's at the step's end for a record
+    with ``cost``, the daemon's when the stat logger reported it for one with ``stats`` alone (the
+    twin's virtual end of the step for both). CLOCK_MONOTONIC is system-wide on Linux, so a value
+    taken in the EngineCore process compares with the daemon's clock."""
+    cost: StepCost | None = None
+    """The scheduler's own figures; None where the record comes from the stat logger, or the step
+    scheduled no token (no forward pass)."""
+    stats: StepStats | None = None
+    """The stat logger's figures; None where the record comes from the EngineCore."""
+    engine_idx: int = 0
+    """Which engine of a data-parallel group took the step (vLLM's ``engine_idx``; 0 without DP).
+    ``stats.running``, ``stats.waiting`` and ``stats.kv_usage`` are that engine's alone."""
+
+    @classmethod
+    def measured(
+        cls, t_mono: float, prefill_tokens: int, decode_seqs: int, kv_tokens: int, step_s: float
+    ) -> EngineStep:
+        """A record of the scheduler's figures alone (the EngineCore's ring, a test's step)."""
+        return cls(t_mono, cost=StepCost(prefill_tokens, decode_seqs, kv_tokens, step_s))
+
+
+def costs(steps: Sequence[EngineStep]) -> list[tuple[float, StepCost]]:
+    """The steps that carry the scheduler's figures, as (end time, figures), in order: what the
+    step-cost model, the fit check and the warm-up's fit read."""
+    return [(s.t_mono, s.cost) for s in steps if s.cost is not None]
 
 
 class StepSource(Protocol):

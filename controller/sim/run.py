@@ -425,8 +425,8 @@ class Simulation:
 
     def _end_step(self, plan: StepPlan, t: float, step_s: float) -> bool:
         """Apply a step at its end: the window records it, finished requests' tasks are woken."""
-        sample, done = self.engine.finish_step(plan, t, step_s)
-        self.window.record(sample)
+        step, done = self.engine.finish_step(plan, t, step_s)
+        self.window.record(step)
         for req in done:
             assert req.on_finish is not None
             req.on_finish(req)

@@ -13,7 +13,8 @@ from controller.admin.metrics import Metrics
 from controller.admission.queues import GateStats
 from controller.clock import FakeClock
 from controller.control.capacity import CapacityMeter, fit_capacity, tpot_share_of
-from controller.control.telemetry import FinishedMix, StepSample, TelemetryWindow
+from controller.control.steps import EngineStep, StepStats
+from controller.control.telemetry import FinishedMix, TelemetryWindow
 from policies.cost import CostEstimate
 from policies.slo_policy import SloPolicy
 from policies.slo_targets import SloBound, SloTargets
@@ -98,8 +99,8 @@ def _gauges(meter: CapacityMeter, gate: FakeGate) -> CollectorRegistry:
 
 
 def _finish(window: TelemetryWindow, t: float, n: int, prefill: int = 200, output: int = 100) -> None:
-    sample = StepSample(t, 8, 0, 0.3, 0, n * output, (), (), n, n * prefill, n * output)
-    window.record(sample)
+    stats = StepStats(8, 0, 0.3, 0, n * output, (), (), n, n * prefill, n * output)
+    window.record(EngineStep(t, stats=stats))
 
 
 def _meter(clock: FakeClock) -> tuple[CapacityMeter, FakeGate, TelemetryWindow]:

@@ -160,7 +160,7 @@ async def test_each_tick_pulls_the_steps_before_it_observes() -> None:
     clock, engine = FakeClock(0.0), Engine()
     policy = Scripted(Decision(None, None, "hold"), Decision(None, None, "hold"))
     loop, pulled = loop_over(engine, policy, clock)
-    step = EngineStep(1.0, 128, 2, 300, 0.02)
+    step = EngineStep.measured(1.0, 128, 2, 300, 0.02)
     engine.steps = [step]
     await loop.tick()
     assert pulled == [[step]] and loop.steps is not None and loop.steps.total == 1
@@ -232,7 +232,7 @@ async def test_host_reads_the_engines_budget_moves_it_and_drains_its_steps() -> 
     assert await host.set_token_budget(1) == 16
     assert await host.set_token_budget(100_000) == 4096
     assert ("autopilot_set_token_budget", (4096,)) in llm.engine_core.calls
-    assert await host.drain_steps() == [EngineStep(1.5, 100, 3, 900, 0.04)]
+    assert await host.drain_steps() == [EngineStep.measured(1.5, 100, 3, 900, 0.04)]
 
 
 async def test_host_drains_every_data_parallel_engines_steps_in_time_order() -> None:

@@ -20,7 +20,8 @@ from vllm.config import VllmConfig
 from vllm.v1.engine import FinishReason
 from vllm.v1.metrics.loggers import StatLoggerBase
 
-from controller.control.telemetry import StepSample, TelemetryWindow
+from controller.control.steps import EngineStep, StepStats
+from controller.control.telemetry import TelemetryWindow
 from controller.engine.runtime.warmup import REQUEST_PREFIX
 
 
@@ -67,23 +68,20 @@ class _WindowLogger(StatLoggerBase):
             return
         it = iteration_stats
         done = it.finished_requests if it else []  # FinishedRequestStats: each request's token counts
-        self.window.record(
-            StepSample(
-                t_mono=self.window.now(),
-                running=scheduler_stats.num_running_reqs if scheduler_stats else 0,
-                waiting=scheduler_stats.num_waiting_reqs if scheduler_stats else 0,
-                kv_usage=float(scheduler_stats.kv_cache_usage) if scheduler_stats else 0.0,
-                preempted=it.num_preempted_reqs if it else 0,
-                generated_tokens=it.num_generation_tokens if it else 0,
-                ttft_s=tuple(it.time_to_first_tokens_iter) if it else (),
-                itl_s=tuple(it.inter_token_latencies_iter) if it else (),
-                finished=len(done),
-                finished_prefill_tokens=sum(r.num_prompt_tokens - r.num_cached_tokens for r in done),
-                finished_output_tokens=sum(r.num_generation_tokens for r in done),
-                finished_prompt_tokens=sum(r.num_prompt_tokens for r in done),
-                engine_idx=engine_idx,
-            )
+        stats = StepStats(
+            running=scheduler_stats.num_running_reqs if scheduler_stats else 0,
+            waiting=scheduler_stats.num_waiting_reqs if scheduler_stats else 0,
+            kv_usage=float(scheduler_stats.kv_cache_usage) if scheduler_stats else 0.0,
+            preempted=it.num_preempted_reqs if it else 0,
+            generated_tokens=it.num_generation_tokens if it else 0,
+            ttft_s=tuple(it.time_to_first_tokens_iter) if it else (),
+            itl_s=tuple(it.inter_token_latencies_iter) if it else (),
+            finished=len(done),
+            finished_prefill_tokens=sum(r.num_prompt_tokens - r.num_cached_tokens for r in done),
+            finished_output_tokens=sum(r.num_generation_tokens for r in done),
+            finished_prompt_tokens=sum(r.num_prompt_tokens for r in done),
         )
+        self.window.record(EngineStep(self.window.now(), stats=stats, engine_idx=engine_idx))
         if self.outcomes is not None:
             report_finished(self.outcomes, done)
 

@@ -19,8 +19,8 @@ from collections.abc import Callable, Mapping
 from typing import Protocol
 
 StepTuple = tuple[float, int, int, int, float]
-"""An ``EngineStep`` as plain values (t_mono, prefill_tokens, decode_seqs, kv_tokens, step_s): what
-the utility call returns through msgpack."""
+"""An ``EngineStep``'s time and cost figures as plain values (t_mono, prefill_tokens, decode_seqs,
+kv_tokens, step_s): what the utility call returns through msgpack."""
 
 RING = 4096
 """Steps kept between two drains: the daemon drains every tick (about a second), and even a fast
