@@ -21,11 +21,14 @@ step id joins them. The twin knows both of each step at once and fills both.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import structlog
+
+from controller.clock import Clock, monotonic
 
 log = structlog.get_logger(__name__)
 
@@ -111,38 +114,89 @@ def costs(steps: Sequence[EngineStep]) -> list[tuple[float, StepCost]]:
 
 
 class StepSource(Protocol):
-    """Where the steps come from: the engine host (measured inside the EngineCore by the scheduler
-    subclass) or the twin. Each call returns the steps since the last one, oldest first."""
+    """Where the steps wait to be pulled: the engine host (the scheduler subclass's ring inside each
+    EngineCore). Each call returns the steps since the last one, oldest first."""
 
     async def drain_steps(self) -> list[EngineStep]: ...
 
 
 StepConsumer = Callable[[Sequence[EngineStep]], None]
-"""Gets each tick's new steps (maybe none), oldest first; e.g. the step-cost model's update."""
+"""Gets steps, oldest first (maybe none); e.g. the telemetry window's or the step-cost model's
+``update``. A consumer reads the part it needs (``EngineStep.cost`` or ``EngineStep.stats``) and
+passes over records without it."""
+
+KEPT = 4096
+"""Published steps kept for the next tick, as the EngineCore's ring keeps its own (``stepmeter.RING``):
+the loop ticks about every second, and past this many the oldest are dropped."""
 
 
 class StepFeed:
-    """Pulls a source's steps once per tick (the control loop calls ``pull`` before it observes) and
-    hands them to each consumer in order, so every consumer sees every step exactly once."""
+    """The one route of the engine's steps to every consumer.
 
-    def __init__(self, source: StepSource, consumers: Sequence[StepConsumer] = ()) -> None:
+    Steps enter as the engine makes them known: ``publish`` where they are pushed (vLLM's stat
+    logger, on the event loop; the twin's driver, at each step's end), ``pull`` where they wait in
+    the EngineCore's ring (an IPC call, which the control loop makes once a tick, before it
+    observes). A consumer either ``watch``es, and gets each step at once (the telemetry window: the
+    liveness check, the gate's prefix-cache share and /state read it between ticks), or
+    ``subscribe``s, and gets at each tick every step since the last one (the step-cost model and the
+    fit check learn once a tick). Either way it sees each step exactly once.
+    """
+
+    def __init__(
+        self,
+        source: StepSource | None = None,
+        consumers: Sequence[StepConsumer] = (),
+        clock: Clock = monotonic,
+    ) -> None:
         self.source = source
+        """Where the tick pulls from; None: every step is published (the twin)."""
         self.consumers = list(consumers)
+        self.watchers: list[StepConsumer] = []
+        self.resets: list[Callable[[], None]] = []
+        self.now = clock
+        """The clock a publisher stamps its steps with (``EngineStep.t_mono``)."""
+        self._kept: deque[EngineStep] = deque(maxlen=KEPT)
         self.total = 0
-        """Steps pulled since the feed was built."""
+        """Steps handed to the tick's consumers since the feed was built."""
 
     def subscribe(self, consumer: StepConsumer) -> None:
+        """``consumer`` gets, at each tick, the steps since the last one."""
         self.consumers.append(consumer)
 
+    def watch(self, consumer: StepConsumer, reset: Callable[[], None] | None = None) -> None:
+        """``consumer`` gets each step as it comes, and ``reset`` is called when a new engine serves
+        (what it kept of the last one is stale)."""
+        self.watchers.append(consumer)
+        if reset is not None:
+            self.resets.append(reset)
+
+    def publish(self, steps: Sequence[EngineStep]) -> None:
+        """Steps the engine pushed: to each watcher now, to each consumer at the next tick."""
+        for consume in self.watchers:
+            consume(steps)
+        self._kept.extend(steps)
+
+    def engine_started(self) -> None:
+        """A new engine serves (the engine host adopted it): each watcher's view starts over."""
+        for reset in self.resets:
+            reset()
+
     async def pull(self) -> list[EngineStep]:
-        """The source's new steps, after every consumer has had them. A failed drain (an engine that
-        died between two ticks) loses those steps, never the tick: the loop's subscribers, the memory
-        guard among them, must still run."""
-        try:
-            steps = await self.source.drain_steps()
-        except Exception as exc:
-            log.warning("engine_steps_lost", error=f"{type(exc).__name__}: {exc}")
-            return []
+        """The source's new steps (each watcher gets them), then every step since the last tick, in
+        time order, to each consumer; returns those. A failed drain (an engine that died between two
+        ticks) loses the source's steps, never the tick: the loop's subscribers, the memory guard
+        among them, must still run."""
+        pulled: list[EngineStep] = []
+        if self.source is not None:
+            try:
+                pulled = await self.source.drain_steps()
+            except Exception as exc:
+                log.warning("engine_steps_lost", error=f"{type(exc).__name__}: {exc}")
+        if pulled:
+            for consume in self.watchers:
+                consume(pulled)
+        steps = sorted([*self._kept, *pulled], key=lambda s: s.t_mono)
+        self._kept.clear()
         self.total += len(steps)
         for consume in self.consumers:
             consume(steps)

@@ -1,14 +1,16 @@
 """The engine-stats window: what the engine reported over the last seconds.
 
 vLLM calls our stat logger once per engine step that produced output (never when idle), on the event
-loop. Each call becomes an ``EngineStep`` with its ``stats`` part (``controller/control/steps.py``);
-``TelemetryWindow.snapshot`` summarises the window. Time arrives as an argument or from the injected
+loop. Each call becomes an ``EngineStep`` with its ``stats`` part (``controller/control/steps.py``),
+which the step feed hands the window at once (it watches the feed); ``TelemetryWindow.snapshot``
+summarises the window. Time arrives as an argument or from the injected
 clock, never from a hidden read.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from controller.clock import Clock, monotonic
@@ -87,6 +89,11 @@ class TelemetryWindow:
 
     def now(self) -> float:
         return self._clock()
+
+    def update(self, steps: Sequence[EngineStep]) -> None:
+        """Take in steps as the feed hands them (a ``StepConsumer``), oldest first."""
+        for step in steps:
+            self.record(step)
 
     def record(self, step: EngineStep) -> None:
         """Take in a step the stat logger reported; one without its figures (the EngineCore's) is

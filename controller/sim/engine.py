@@ -35,7 +35,6 @@ Each step's duration is the profile's ``CostModel``; the engine reports every st
 (``controller/engine/runtime/stats.py``) builds from vLLM's ``SchedulerStats`` / ``IterationStats``,
 so the real ``TelemetryWindow`` and policies see the same signals, and the ``cost`` that our
 scheduler subclass measures inside the real EngineCore (``controller/engine/runtime/stepmeter.py``).
-The steps that ran a forward pass are kept in a ring of ``STEP_RING`` for ``drain_steps``.
 """
 
 from __future__ import annotations
@@ -53,8 +52,6 @@ from controller.load.workload import RequestSpec
 from controller.sim.kvcache import BlockTable, KVCache
 from controller.sim.profile import CostModel, EngineLimits
 
-STEP_RING = 4096
-"""Steps kept between two drains, as in the real engine's ring."""
 OWN_KEY = 1 << 62
 """A request's own content is keyed ``OWN_KEY + request_id``, apart from the workload's segment ids."""
 
@@ -186,7 +183,6 @@ class SimEngine:
         )
         self.token_budget = limits.max_num_batched_tokens
         """``max_num_scheduled_tokens``: the most tokens one step issues."""
-        self.step_log: deque[EngineStep] = deque(maxlen=STEP_RING)
         self.record_token_times = record_token_times
         self.total_preemptions = 0
         self.steps = 0
@@ -202,12 +198,6 @@ class SimEngine:
         value in force; never preempts (a running prefill gets smaller chunks)."""
         self.token_budget = max(self.token_budget_min, min(int(budget), self.max_num_batched_tokens))
         return self.token_budget
-
-    def drain_steps(self) -> list[EngineStep]:
-        """The steps finished since the last drain, oldest first."""
-        steps = list(self.step_log)
-        self.step_log.clear()
-        return steps
 
     # -- requests ---------------------------------------------------------------------------------
     def add(self, req: SimRequest) -> None:
@@ -358,7 +348,4 @@ class SimEngine:
             finished_output_tokens=sum(r.output_tokens for r in done),
             finished_prompt_tokens=sum(r.prompt_tokens for r in done),
         )
-        step = EngineStep(t_end, cost=cost, stats=stats)
-        if cost is not None:
-            self.step_log.append(step)
-        return step, done
+        return EngineStep(t_end, cost=cost, stats=stats), done

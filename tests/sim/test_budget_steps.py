@@ -23,16 +23,15 @@ def test_a_lower_budget_splits_a_prompt_into_more_steps_and_each_step_is_recorde
     e = SimEngine(LIMITS, COST)
     assert e.set_token_budget(100) == 100
     e.add(SimRequest(1, 10, 20, 0, arrival_t=0.0))
-    scheduled = []
+    scheduled, steps = [], []
     for t in range(1, 6):
         plan = e.plan()
         scheduled.append(sum(n for _, n in plan.scheduled))
-        e.finish_step(plan, float(t), step_s=0.5 if t == 1 else None)
+        steps.append(e.finish_step(plan, float(t), step_s=0.5 if t == 1 else None)[0])
         if t == 1:
             e.add(SimRequest(2, 250, 2, 0, arrival_t=1.0))
     # the first prompt alone, then the second in chunks beside the first one's decodes, then two decodes
     assert scheduled == [10, 100, 100, 53, 2]
-    steps = e.drain_steps()
     assert (steps[0].t_mono, steps[0].cost) == (1.0, StepCost(10, 0, 10, 0.5))  # the driver's draw, if any
     assert all(s.stats is not None for s in steps)  # the twin knows both parts of each step
     assert [(s.prefill_tokens, s.decode_seqs, s.kv_tokens) for _, s in costs(steps[1:5])] == [
@@ -43,7 +42,7 @@ def test_a_lower_budget_splits_a_prompt_into_more_steps_and_each_step_is_recorde
     ]
     assert steps[1].cost is not None
     assert steps[1].cost.step_s == COST.step_s(99, 1, 110)  # else the cost model's mean
-    assert len(steps) == 5 and e.drain_steps() == []
+    assert len(costs(steps)) == 5
 
 
 def test_a_step_of_prefill_alone_takes_up_to_max_num_batched_tokens() -> None:

@@ -13,7 +13,7 @@ from controller.admin.metrics import Metrics
 from controller.admission.queues import GateStats
 from controller.clock import FakeClock
 from controller.control.capacity import CapacityMeter, fit_capacity, tpot_share_of
-from controller.control.steps import EngineStep, StepStats
+from controller.control.steps import EngineStep, StepFeed, StepStats
 from controller.control.telemetry import FinishedMix, TelemetryWindow
 from policies.cost import CostEstimate
 from policies.slo_policy import SloPolicy
@@ -252,7 +252,9 @@ def test_the_stat_logger_records_each_finished_requests_tokens() -> None:
 
     from controller.engine.runtime.stats import stat_logger_factory
 
-    window = TelemetryWindow(10.0, FakeClock(5.0))
+    clock = FakeClock(5.0)
+    window, feed = TelemetryWindow(10.0, clock), StepFeed(clock=clock)
+    feed.watch(window.update)
     it = IterationStats()
     it.finished_requests = [
         FinishedRequestStats(
@@ -260,6 +262,6 @@ def test_the_stat_logger_records_each_finished_requests_tokens() -> None:
         ),
         FinishedRequestStats(FinishReason.STOP, num_prompt_tokens=200, num_generation_tokens=10),
     ]
-    logger = stat_logger_factory(window)(None, 0)  # type: ignore[arg-type]  # the factory reads no config
+    logger = stat_logger_factory(feed)(None, 0)  # type: ignore[arg-type]  # the factory reads no config
     logger.record(SchedulerStats(num_running_reqs=3, kv_cache_usage=0.2), it)
     assert window.finished_mix() == FinishedMix(2, 200.0, 30.0, pytest.approx(100 / 500))

@@ -13,7 +13,6 @@ from controller.control.actuator import TOKEN_BUDGET_MIN, Actuator, token_budget
 from controller.control.loop import ControlLoop
 from controller.control.normalize import Move, Normalizer
 from controller.control.steps import EngineStep, StepFeed
-from controller.control.telemetry import TelemetryWindow
 from policies.base import Decision, Observation, Policy
 from tests.helpers import obs
 
@@ -165,7 +164,7 @@ async def test_each_tick_pulls_the_steps_before_it_observes() -> None:
     await loop.tick()
     assert pulled == [[step]] and loop.steps is not None and loop.steps.total == 1
     engine.fail_drain = True  # a failed drain loses those steps, never the tick
-    assert await loop.tick() == [] and len(policy.seen) == 2 and pulled == [[step]]
+    assert await loop.tick() == [] and len(policy.seen) == 2 and pulled == [[step], []]
 
 
 # -- the engine host ----------------------------------------------------------------------------------
@@ -221,7 +220,7 @@ def make_host(*llms: Any) -> Any:
 
     queue = list(llms)
     args = argparse.Namespace(max_num_seqs=8, kv_cache_memory_bytes=1 << 20, model="m")
-    return EngineHost(args, TelemetryWindow(10.0), builder=lambda _a: queue.pop(0), two_engines_fit=True)
+    return EngineHost(args, StepFeed(), builder=lambda _a: queue.pop(0), two_engines_fit=True)
 
 
 async def test_host_reads_the_engines_budget_moves_it_and_drains_its_steps() -> None:

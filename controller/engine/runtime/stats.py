@@ -1,4 +1,5 @@
-"""vLLM stat logger -> our TelemetryWindow, and each finished request's figures -> its outcome.
+"""vLLM stat logger -> the step feed (the telemetry window watches it), and each finished request's
+figures -> its outcome.
 
 vLLM calls ``record`` on the event loop once per engine step that produced output. The
 ``SchedulerStats``/``IterationStats`` classes are not a stable vLLM interface, so they are read here
@@ -20,8 +21,7 @@ from vllm.config import VllmConfig
 from vllm.v1.engine import FinishReason
 from vllm.v1.metrics.loggers import StatLoggerBase
 
-from controller.control.steps import EngineStep, StepStats
-from controller.control.telemetry import TelemetryWindow
+from controller.control.steps import EngineStep, StepFeed, StepStats
 from controller.engine.runtime.warmup import REQUEST_PREFIX
 
 
@@ -52,9 +52,9 @@ def report_finished(sink: OutcomeSink, done: list[Any]) -> None:
         sink.served(str(r.request_id), max(0.0, r.e2e_latency - r.decode_time), tpot, error)
 
 
-class _WindowLogger(StatLoggerBase):
-    def __init__(self, window: TelemetryWindow, outcomes: OutcomeSink | None = None) -> None:
-        self.window = window
+class _FeedLogger(StatLoggerBase):
+    def __init__(self, feed: StepFeed, outcomes: OutcomeSink | None = None) -> None:
+        self.feed = feed
         self.outcomes = outcomes
 
     def record(
@@ -81,7 +81,7 @@ class _WindowLogger(StatLoggerBase):
             finished_output_tokens=sum(r.num_generation_tokens for r in done),
             finished_prompt_tokens=sum(r.num_prompt_tokens for r in done),
         )
-        self.window.record(EngineStep(self.window.now(), stats=stats, engine_idx=engine_idx))
+        self.feed.publish([EngineStep(self.feed.now(), stats=stats, engine_idx=engine_idx)])
         if self.outcomes is not None:
             report_finished(self.outcomes, done)
 
@@ -90,11 +90,11 @@ class _WindowLogger(StatLoggerBase):
 
 
 def stat_logger_factory(
-    window: TelemetryWindow, outcomes: OutcomeSink | None = None
+    feed: StepFeed, outcomes: OutcomeSink | None = None
 ) -> Callable[[VllmConfig, int], StatLoggerBase]:
     """A per-engine stat-logger factory, as ``AsyncLLM(stat_loggers=[...])`` takes."""
 
     def factory(vllm_config: VllmConfig, engine_index: int = 0) -> StatLoggerBase:
-        return _WindowLogger(window, outcomes)
+        return _FeedLogger(feed, outcomes)
 
     return factory
