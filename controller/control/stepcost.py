@@ -140,6 +140,10 @@ class StepCostModel:
         self._mix = (0.0, 0.0, 0.0)
         """Sums of prefill tokens, decode seqs and steps, each with the forgetting factor
         (``CostEstimate.prefill_per_decode``)."""
+        self._pace = (0.0, 0.0, 0.0)
+        """Sums, with the forgetting factor, over the decoding steps since the fit was trusted: their
+        wall-clock time (step and the gap before it), the fit's prediction of them, and their count
+        (``CostEstimate.pace``)."""
 
     # -- learning ---------------------------------------------------------------------------------
     def update(self, steps: Sequence[EngineStep]) -> None:
@@ -154,6 +158,7 @@ class StepCostModel:
         x = np.array([[1.0, s.prefill_tokens, s.decode_seqs, s.kv_tokens] for _, s in kept]) / SCALES
         y = np.array([s.step_s for _, s in kept])
         pred = x @ self._theta
+        self._track_pace([s for _, s in kept], pred)
         keep = []
         relearn = False  # once the model is found wrong, this batch's predictions are stale
         for yi, pi in zip(y, pred, strict=True):
@@ -178,6 +183,18 @@ class StepCostModel:
             p, d, n = self._mix
             self._mix = (lam * p + s.prefill_tokens, lam * d + s.decode_seqs, lam * n + 1.0)
             self._kv_sum = lam * self._kv_sum + s.kv_tokens
+
+    def _track_pace(self, steps: Sequence[StepCost], pred: np.ndarray) -> None:
+        """The wall clock of the decoding steps against the fit's prediction of each, made before the
+        step was taken in: outliers count (a step that waited took that long), the gap before the step
+        too (``StepCost.gap_s``). Only once the fit is trusted: a fit still learning predicts anything."""
+        if self.samples < self.min_samples:
+            return
+        lam = self.settings.forgetting
+        for s, p in zip(steps, pred, strict=True):
+            if s.decode_seqs > 0 and p > 0:
+                wall, predicted, n = self._pace
+                self._pace = (lam * wall + s.step_s + s.gap_s, lam * predicted + float(p), lam * n + 1.0)
 
     def _is_outlier(self, y: float, pred: float) -> bool:
         s = self.settings
@@ -283,6 +300,7 @@ class StepCostModel:
             seed=self.prior.name if self.prior else "",
             kv_tokens_per_seq=self._kv_sum / self._mix[1] if self._mix[1] > 0 else None,
             prefill_per_decode=self._prefill_per_decode(),
+            pace=self._pace_ratio(),
         )
 
     def _prefill_per_decode(self) -> float | None:
@@ -291,6 +309,13 @@ class StepCostModel:
         p, d, n = self._mix
         enough = n >= 0.1 / (1.0 - self.settings.forgetting)
         return p / d if enough and d > 0 else None
+
+    def _pace_ratio(self) -> float | None:
+        """Wall clock per decoding step over the fit's prediction of it; None until a tenth of the
+        fit's memory in such steps."""
+        wall, predicted, n = self._pace
+        enough = n >= 0.1 / (1.0 - self.settings.forgetting)
+        return wall / predicted if enough and predicted > 0 else None
 
     def _quality(self) -> tuple[float | None, float | None]:
         if not self._recent:

@@ -49,6 +49,10 @@ class StepCost:
     """KV tokens the step's attention reads."""
     step_s: float
     """How long the step took, schedule to output (seconds)."""
+    gap_s: float = 0.0
+    """Time from the previous step's end to this one's start, where a sequence ran on from that step
+    (the engine was busy): the engine loop's own work between steps and, on a shared CPU, the wait
+    for a core. 0 where the engine may have idled, and in the twin (``stepmeter.StepMeter``)."""
 
 
 @dataclass(frozen=True)
@@ -103,10 +107,16 @@ class EngineStep:
 
     @classmethod
     def measured(
-        cls, t_mono: float, prefill_tokens: int, decode_seqs: int, kv_tokens: int, step_s: float
+        cls,
+        t_mono: float,
+        prefill_tokens: int,
+        decode_seqs: int,
+        kv_tokens: int,
+        step_s: float,
+        gap_s: float = 0.0,
     ) -> EngineStep:
         """A record of the scheduler's figures alone (the EngineCore's ring, a test's step)."""
-        return cls(t_mono, cost=StepCost(prefill_tokens, decode_seqs, kv_tokens, step_s))
+        return cls(t_mono, cost=StepCost(prefill_tokens, decode_seqs, kv_tokens, step_s, gap_s))
 
 
 def costs(steps: Sequence[EngineStep]) -> list[tuple[float, StepCost]]:

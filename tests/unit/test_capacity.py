@@ -44,6 +44,19 @@ def test_capacity_matches_the_hand_computation() -> None:
     assert fit.capacity_rps == pytest.approx(CAPACITY_RPS) == pytest.approx(1 / (1 / 18 + 0.2 + 0.02))
 
 
+def test_the_fit_is_counted_at_the_engines_pace() -> None:
+    """A wall-clock step 1.25x the fit's: a = 0.0125, x = 2.75e-3, D* = floor(0.0375 / 2.75e-3) = 13,
+    s(13) = 0.0125 + 13 * 2.75e-3 = 0.04825 s, capacity 13 / (100 * 0.04825) = 2.6943 requests/s."""
+    paced = dataclasses.replace(COST, pace=1.25)
+    fit = fit_capacity(paced, 0.050, MIX, kv_batch=None, max_num_seqs=64)
+    assert not isinstance(fit, str)
+    assert (fit.batch, fit.bound, fit.pace) == (13, "tpot", 1.25)
+    assert fit.mean_step_s == pytest.approx(0.04825)
+    assert fit.capacity_rps == pytest.approx(13 / (100 * 0.04825))
+    unmeasured = fit_capacity(dataclasses.replace(COST, pace=None), 0.050, MIX, None, 64)
+    assert not isinstance(unmeasured, str) and unmeasured.capacity_rps == pytest.approx(CAPACITY_RPS)
+
+
 def test_kv_and_the_engine_ceiling_bound_the_batch() -> None:
     kv = fit_capacity(COST, 0.050, MIX, kv_batch=12, max_num_seqs=64)
     assert not isinstance(kv, str) and (kv.batch, kv.bound) == (12, "kv")

@@ -238,3 +238,26 @@ def test_kv_per_decoding_sequence_is_a_ratio_of_sums_not_a_mean_of_each_steps_ra
     model.update(steps)
     k = model.estimate(now_mono=4.0).kv_tokens_per_seq
     assert k == pytest.approx(13_164 / 41, rel=0.01)
+
+
+def test_the_pace_is_the_wall_clock_of_the_decoding_steps_over_the_fit() -> None:
+    """Steps measured as the seed predicts, each after a 1 ms gap: the pace is the wall clock (the
+    step and its gap) over the prediction, summed over the decoding steps; prefills alone count not."""
+    model = StepCostModel(prior=CostPrior(TRUE, name="true"))
+    steps = make_steps(1000, prefill=False)
+    assert model.estimate(0.0).pace is None
+    feed(model, steps[:50])
+    assert model.estimate(0.5).pace is None  # 50 steps: under a tenth of the fit's 1000-step memory
+    costs = [c for c in (s.cost for s in steps) if c is not None]
+    gapped = [
+        EngineStep.measured(s.t_mono, c.prefill_tokens, c.decode_seqs, c.kv_tokens, c.step_s, 0.001)
+        for s, c in zip(steps, costs, strict=True)
+    ]
+    model = StepCostModel(prior=CostPrior(TRUE, name="true"))
+    feed(model, gapped)
+    lam = model.settings.forgetting
+    weights = [lam ** (len(gapped) - 1 - i) for i in range(len(gapped))]
+    wall = sum(w * (c.step_s + 0.001) for w, c in zip(weights, costs, strict=True))
+    predicted = sum(w * c.step_s for w, c in zip(weights, costs, strict=True))
+    assert model.estimate(10.0).pace == pytest.approx(wall / predicted, rel=0.01)
+    assert model.estimate(10.0).pace > 1.0

@@ -207,7 +207,7 @@ def fake_llm(max_scheduled: int | None = None) -> Any:
     return SimpleNamespace(
         errored=False,
         output_handler=None,
-        engine_core=Core([[1.5, 100, 3, 900, 0.04]]),
+        engine_core=Core([[1.5, 100, 3, 900, 0.04, 0.001]]),
         vllm_config=cfg,
         renderer=SimpleNamespace(shutdown=lambda: None),
         output_processor=SimpleNamespace(request_states={}, abort_requests=lambda *_a, **_k: None),
@@ -231,12 +231,13 @@ async def test_host_reads_the_engines_budget_moves_it_and_drains_its_steps() -> 
     assert await host.set_token_budget(1) == 16
     assert await host.set_token_budget(100_000) == 4096
     assert ("autopilot_set_token_budget", (4096,)) in llm.engine_core.calls
-    assert await host.drain_steps() == [EngineStep.measured(1.5, 100, 3, 900, 0.04)]
+    assert await host.drain_steps() == [EngineStep.measured(1.5, 100, 3, 900, 0.04, 0.001)]
 
 
 async def test_host_drains_every_data_parallel_engines_steps_in_time_order() -> None:
     llm = fake_llm()
-    llm.engine_core = Core([[1.0, 0, 2, 40, 0.01], [3.0, 0, 2, 44, 0.01]], [[2.0, 64, 0, 64, 0.02]])
+    first = [[1.0, 0, 2, 40, 0.01, 0.0], [3.0, 0, 2, 44, 0.01, 0.0]]
+    llm.engine_core = Core(first, [[2.0, 64, 0, 64, 0.02, 0.0]])
     host = make_host(llm)
     await host.start()
     assert [step.t_mono for step in await host.drain_steps()] == [1.0, 2.0, 3.0]

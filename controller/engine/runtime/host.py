@@ -323,7 +323,10 @@ class EngineHost:
         # would be lost). Merged in time order, as the step feed hands them on.
         per_engine = await self.llm.engine_core.call_utility_all_async(UTILITY_DRAIN)
         rows = sorted((row for engine_rows in per_engine for row in engine_rows), key=lambda row: row[0])
-        return [EngineStep.measured(float(t), int(p), int(d), int(kv), float(s)) for t, p, d, kv, s in rows]
+        return [
+            EngineStep.measured(float(t), int(p), int(d), int(kv), float(s), float(gap))
+            for t, p, d, kv, s, gap in rows
+        ]
 
     async def abort_in_flight(self, reason: str) -> int:
         keys = list(self.in_flight)
