@@ -54,6 +54,12 @@ class CostEstimate:
     decoding sequences): in steady state the load's prompt tokens per output token, so
     ``b * prefill_per_decode`` is what each sequence of the batch costs a mean step in prefill. None
     before the first decoding step."""
+    pace: float | None = None
+    """Recent wall-clock time of a decoding step (the step and the time before it since the previous
+    one's end) over the fit's prediction of it (moving sums): about 1 on an engine with cores of its
+    own; above 1 where the steps' times are long-tailed (a CPU the engine shares) or time passes
+    between steps, which the fit, following the typical step, leaves out. What the capacity counts a
+    step at (``controller/control/capacity.py``). None until enough such steps."""
 
     def predict_step(self, prefill_tokens: int, decode_seqs: int, kv_tokens: int) -> float:
         """Predicted seconds of a step with these features."""

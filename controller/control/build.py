@@ -36,7 +36,7 @@ from policies.slo_targets import SloTargets
 
 class CoreEngine(EngineKnobs, CappedEngine, StepSource, Protocol):
     """The engine as the core reaches it: the knobs in force (the observer), the batch cap and the
-    token budget it moves (the actuator), the steps it finished (the step feed)."""
+    token budget it moves (the actuator), the steps waiting to be pulled (the step feed)."""
 
 
 E = TypeVar("E", bound=CoreEngine)
@@ -47,7 +47,7 @@ class ControlCore(Generic[E]):
     """The loop and the parts it ticks through, wired."""
 
     engine: E
-    """The caller's engine, built around ``window`` (its steps' figures go there)."""
+    """The caller's engine, built around ``steps`` (it publishes the steps it is told of there)."""
     gate: AdmissionGate
     window: TelemetryWindow
     cost: CostReader
@@ -57,7 +57,8 @@ class ControlCore(Generic[E]):
     observer: Observer
     actuator: Actuator
     steps: StepFeed
-    """The engine's per-step figures, pulled at each tick before observing: ``steps.subscribe``."""
+    """The one route of the engine's steps: the window watches it, the step-cost model takes each
+    tick's steps (pulled before observing); ``steps.subscribe`` adds a consumer."""
     loop: ControlLoop
     """Its subscribers: the capacity meter, then what the caller adds (``loop.subscribe``)."""
 
@@ -68,7 +69,7 @@ def build_core(
     slo: SloTargets | None,
     outcomes: OutcomeLedger,
     *,
-    engine: Callable[[TelemetryWindow], E],
+    engine: Callable[[StepFeed], E],
     clock: Clock = monotonic,
     gpu: GpuSource | None = None,
     host: HostReadingSource | None = None,
@@ -76,10 +77,13 @@ def build_core(
     capacity_history: int | None = 0,
 ) -> ControlCore[E]:
     """The core ``[control]``, ``[admission]`` and ``[slo]`` describe, on ``clock``, around the engine
-    that ``engine`` builds on the core's telemetry window. ``outcomes`` is configured to ``slo`` and
+    that ``engine`` builds on the core's step feed. ``outcomes`` is configured to ``slo`` and
     read by each observation; ``capacity_history`` ticks of capacity are kept (None: all)."""
     window = TelemetryWindow(control.window_s, clock)
-    built = engine(window)
+    steps = StepFeed(clock=clock)
+    steps.watch(window.update, window.reset)  # at once: the liveness check and admission read it
+    built = engine(steps)
+    steps.source = built
     a = admission
     gate = AdmissionGate(a.limit, a.max_queue, a.classes, a.aging_s, clock=clock, events=gate_events)
     model = StepCostModel(prior=cost_prior_for(control.cost_profile))
@@ -89,7 +93,7 @@ def build_core(
     capacity.configure(slo, policy)
     observer = Observer(window, gate, built, gpu, host, model, outcomes)
     actuator = Actuator(gate, built)
-    steps = StepFeed(built, [model.update])
+    steps.subscribe(model.update)
     normalizer, ticked = normalizer_for(control, policy), [capacity.on_tick]
     loop = ControlLoop(policy, normalizer, observer.observe, actuator, ticked, control.history, steps)
     cost = CostReader(model, clock, lambda: built.token_budget, lambda: window.finished_mix().cached_share)

@@ -23,6 +23,12 @@ and the requests served per second, with the engine busy all the time (each requ
 
     lambda(D) = D / (o * s(D))
 
+Both ``a`` and ``x`` are counted at the engine's pace (``CostEstimate.pace``, 1 until measured): the
+wall clock of the recent decoding steps, the time between steps included, over the fit's prediction
+of them. The fit follows the typical step (it weighs relative error and skips outliers), where
+throughput and a stream's TPOT go by the mean step on the wall clock: equal on an engine with cores of
+its own, 20 % apart on a 2-core CPU shared by two engines (docs/fleet.md).
+
 ``lambda`` rises with ``D`` (towards ``1 / (o*x)``), so the capacity is ``lambda`` at the largest
 batch that the SLO and the memory allow::
 
@@ -92,6 +98,8 @@ class CapacityFit:
     """``s(D*)``: the mean step at capacity (seconds)."""
     capacity_rps: float
     """``lambda(D*)``: good requests per second at capacity."""
+    pace: float = 1.0
+    """What the fit's step times were counted at (``CostEstimate.pace``; 1 before it is measured)."""
 
 
 def fit_capacity(
@@ -110,8 +118,9 @@ def fit_capacity(
         return "mix: no finished request with output"
     if k is None:
         return "cost model: no decoding step yet (KV per sequence unknown)"
-    a = cost.a_s
-    x = cost.c_s_per_decode_seq + cost.d_s_per_kv_token * k + cost.b_s_per_prefill_token * p / o
+    pace = cost.pace or 1.0
+    a = cost.a_s * pace
+    x = (cost.c_s_per_decode_seq + cost.d_s_per_kv_token * k + cost.b_s_per_prefill_token * p / o) * pace
     candidates = [(max_num_seqs, "max_num_seqs")]
     if x > 0 and step_bound_s is not None:
         candidates.append((math.floor((step_bound_s - a) / x), "tpot"))
@@ -121,11 +130,11 @@ def fit_capacity(
         candidates.append((kv_batch, "kv"))
     batch, bound = min(candidates)
     if batch < 1:
-        return CapacityFit(0, bound, a + x, 0.0)
+        return CapacityFit(0, bound, a + x, 0.0, pace)
     step = a + x * batch
     if step <= 0:
         return "cost model: predicts steps of 0 s"
-    return CapacityFit(batch, bound, step, batch / (o * step))
+    return CapacityFit(batch, bound, step, batch / (o * step), pace)
 
 
 @dataclass(frozen=True)
@@ -144,6 +153,9 @@ class Capacity:
     batch: int | None = None
     bound: str | None = None
     mean_step_s: float | None = None
+    """``s(D*)`` on the wall clock (the fit's mean step at ``pace``)."""
+    pace: float | None = None
+    """The wall clock of a decoding step over the fit's prediction (``CostEstimate.pace``)."""
     step_bound_s: float | None = None
     """``share * tpot_s``: what the mean step may take."""
     kv_tokens_per_seq: float | None = None

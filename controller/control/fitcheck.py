@@ -18,13 +18,13 @@ solve and a few medians over at most that many steps, however long the daemon ru
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from controller.control.steps import EngineStep
+from controller.control.stepcost import fittable
+from controller.control.steps import EngineStep, costs
 from policies.cost import TERMS
 
 CAPACITY = 5000
@@ -61,8 +61,8 @@ class FitCheck:
 
     def update(self, steps: Sequence[EngineStep]) -> None:
         """Keep each step the model would take in (a positive, finite time, some work scheduled)."""
-        for s in steps:
-            if not (math.isfinite(s.step_s) and s.step_s > 0 and s.prefill_tokens + s.decode_seqs > 0):
+        for _, s in costs(steps):
+            if not fittable(s):
                 continue
             i = self.seen % self.capacity
             self._x[i] = (1.0, s.prefill_tokens, s.decode_seqs, s.kv_tokens)

@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from controller.control.steps import EngineStep
+from controller.control.steps import EngineStep, StepCost, costs
 from policies.cost import TERMS, CostEstimate
 
 SCALES = np.array([1.0, 1024.0, 64.0, 65536.0])
@@ -102,8 +102,14 @@ def prior_from(cost: Mapping[str, float], name: str, prior_samples: float = 20.0
     return CostPrior((a, b, c, d), name=name, prior_samples=prior_samples)
 
 
+def fittable(step: StepCost) -> bool:
+    """A step the fit takes in: a positive, finite time and some work scheduled."""
+    return math.isfinite(step.step_s) and step.step_s > 0 and step.prefill_tokens + step.decode_seqs > 0
+
+
 class StepCostModel:
-    """Recursive least squares over ``EngineStep`` records (a ``StepConsumer``: ``update``)."""
+    """Recursive least squares over the scheduler's figures of ``EngineStep`` records (a
+    ``StepConsumer``: ``update``)."""
 
     def __init__(self, settings: FitSettings | None = None, prior: CostPrior | None = None) -> None:
         self.settings = settings or FitSettings()
@@ -134,24 +140,25 @@ class StepCostModel:
         self._mix = (0.0, 0.0, 0.0)
         """Sums of prefill tokens, decode seqs and steps, each with the forgetting factor
         (``CostEstimate.prefill_per_decode``)."""
+        self._pace = (0.0, 0.0, 0.0)
+        """Sums, with the forgetting factor, over the decoding steps since the fit was trusted: their
+        wall-clock time (step and the gap before it), the fit's prediction of them, and their count
+        (``CostEstimate.pace``)."""
 
     # -- learning ---------------------------------------------------------------------------------
     def update(self, steps: Sequence[EngineStep]) -> None:
         """Take in a tick's steps, oldest first (the ``StepFeed`` consumer). Each is predicted by the
         fit as it was before the batch; the kept ones update it at once, in information form (the same
         result as one recursive update per step, with one small inverse per batch)."""
-        kept = [
-            s
-            for s in steps
-            if math.isfinite(s.step_s) and s.step_s > 0 and s.prefill_tokens + s.decode_seqs > 0
-        ]
+        kept = [(t, s) for t, s in costs(steps) if fittable(s)]
         if not kept:
             return
-        self._track_batch(kept)
-        self.last_decode_seqs = kept[-1].decode_seqs
-        x = np.array([[1.0, s.prefill_tokens, s.decode_seqs, s.kv_tokens] for s in kept]) / SCALES
-        y = np.array([s.step_s for s in kept])
+        self._track_batch([s for _, s in kept])
+        self.last_decode_seqs = kept[-1][1].decode_seqs
+        x = np.array([[1.0, s.prefill_tokens, s.decode_seqs, s.kv_tokens] for _, s in kept]) / SCALES
+        y = np.array([s.step_s for _, s in kept])
         pred = x @ self._theta
+        self._track_pace([s for _, s in kept], pred)
         keep = []
         relearn = False  # once the model is found wrong, this batch's predictions are stale
         for yi, pi in zip(y, pred, strict=True):
@@ -162,10 +169,10 @@ class StepCostModel:
         if not any(keep):
             return
         self._learn(x[keep], y[keep])
-        for step, yi, pi in itertools.compress(zip(kept, y, pred, strict=True), keep):
-            self._track(float(yi), float(pi), step.t_mono)
+        for (t_mono, _), yi, pi in itertools.compress(zip(kept, y, pred, strict=True), keep):
+            self._track(float(yi), float(pi), t_mono)
 
-    def _track_batch(self, steps: Sequence[EngineStep]) -> None:
+    def _track_batch(self, steps: Sequence[StepCost]) -> None:
         """The KV read and the prefill/decode mix of the steps, as sums with the fit's forgetting
         factor. KV per decoding sequence is a ratio of the sums, not a mean of each step's ratio: a
         step that decodes one sequence beside three prompts reads four requests' KV, and its ratio
@@ -176,6 +183,18 @@ class StepCostModel:
             p, d, n = self._mix
             self._mix = (lam * p + s.prefill_tokens, lam * d + s.decode_seqs, lam * n + 1.0)
             self._kv_sum = lam * self._kv_sum + s.kv_tokens
+
+    def _track_pace(self, steps: Sequence[StepCost], pred: np.ndarray) -> None:
+        """The wall clock of the decoding steps against the fit's prediction of each, made before the
+        step was taken in: outliers count (a step that waited took that long), the gap before the step
+        too (``StepCost.gap_s``). Only once the fit is trusted: a fit still learning predicts anything."""
+        if self.samples < self.min_samples:
+            return
+        lam = self.settings.forgetting
+        for s, p in zip(steps, pred, strict=True):
+            if s.decode_seqs > 0 and p > 0:
+                wall, predicted, n = self._pace
+                self._pace = (lam * wall + s.step_s + s.gap_s, lam * predicted + float(p), lam * n + 1.0)
 
     def _is_outlier(self, y: float, pred: float) -> bool:
         s = self.settings
@@ -281,6 +300,7 @@ class StepCostModel:
             seed=self.prior.name if self.prior else "",
             kv_tokens_per_seq=self._kv_sum / self._mix[1] if self._mix[1] > 0 else None,
             prefill_per_decode=self._prefill_per_decode(),
+            pace=self._pace_ratio(),
         )
 
     def _prefill_per_decode(self) -> float | None:
@@ -289,6 +309,13 @@ class StepCostModel:
         p, d, n = self._mix
         enough = n >= 0.1 / (1.0 - self.settings.forgetting)
         return p / d if enough and d > 0 else None
+
+    def _pace_ratio(self) -> float | None:
+        """Wall clock per decoding step over the fit's prediction of it; None until a tenth of the
+        fit's memory in such steps."""
+        wall, predicted, n = self._pace
+        enough = n >= 0.1 / (1.0 - self.settings.forgetting)
+        return wall / predicted if enough and predicted > 0 else None
 
     def _quality(self) -> tuple[float | None, float | None]:
         if not self._recent:

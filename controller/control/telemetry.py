@@ -1,51 +1,21 @@
 """The engine-stats window: what the engine reported over the last seconds.
 
 vLLM calls our stat logger once per engine step that produced output (never when idle), on the event
-loop. Each call becomes a ``StepSample``; ``TelemetryWindow.snapshot`` summarises the window. Time
-arrives as an argument or from the injected clock, never from a hidden read.
+loop. Each call becomes an ``EngineStep`` with its ``stats`` part (``controller/control/steps.py``),
+which the step feed hands the window at once (it watches the feed); ``TelemetryWindow.snapshot``
+summarises the window. Time arrives as an argument or from the injected
+clock, never from a hidden read.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from controller.clock import Clock, monotonic
+from controller.control.steps import EngineStep, StepStats
 from controller.percentile import percentile
-
-
-@dataclass(frozen=True)
-class StepSample:
-    """One engine step as reported by vLLM's stat-logger hook."""
-
-    t_mono: float
-    """When the step was recorded (monotonic clock of the daemon)."""
-    running: int
-    """Requests in the scheduler's RUNNING set after the step."""
-    waiting: int
-    """Requests waiting inside the engine (not in our gate)."""
-    kv_usage: float
-    """Fraction of KV-cache blocks in use, 0..1."""
-    preempted: int
-    """Requests preempted during the step."""
-    generated_tokens: int
-    """Tokens generated during the step."""
-    ttft_s: tuple[float, ...]
-    """Time to first token of the requests that got it in this step (seconds)."""
-    itl_s: tuple[float, ...]
-    """Inter-token latencies observed in this step (seconds)."""
-    finished: int
-    """Requests that finished in this step."""
-    finished_prefill_tokens: int = 0
-    """Prompt tokens the requests finished in this step had to prefill: their prompts less the
-    prefix-cache hits (what the request mix costs in prefill, ``controller/control/capacity.py``)."""
-    finished_output_tokens: int = 0
-    """Output tokens the requests finished in this step generated."""
-    finished_prompt_tokens: int = 0
-    """Prompt tokens of the requests finished in this step, prefix-cache hits included."""
-    engine_idx: int = 0
-    """Which engine of a data-parallel group took the step (vLLM's ``engine_idx``; 0 without DP).
-    ``running``, ``waiting`` and ``kv_usage`` are that engine's alone."""
 
 
 @dataclass(frozen=True)
@@ -95,13 +65,22 @@ class FinishedMix:
     prompt tokens reported."""
 
 
+@dataclass(frozen=True)
+class _Seen:
+    """A step in the window: its stat-logger figures, when and on which engine."""
+
+    t_mono: float
+    engine_idx: int
+    stats: StepStats
+
+
 class TelemetryWindow:
-    """A rolling window of engine steps."""
+    """A rolling window of engine steps, as the stat logger reported them (``EngineStep.stats``)."""
 
     def __init__(self, window_s: float = 10.0, clock: Clock = monotonic, max_steps: int = 20_000) -> None:
         self.window_s = window_s
         self._clock = clock
-        self._steps: deque[StepSample] = deque(maxlen=max_steps)
+        self._steps: deque[_Seen] = deque(maxlen=max_steps)
         self._last_t_mono: float | None = None
         """Time of the latest step, kept after it leaves the window (an idle engine reports nothing)."""
         self.total_steps = 0
@@ -111,12 +90,21 @@ class TelemetryWindow:
     def now(self) -> float:
         return self._clock()
 
-    def record(self, sample: StepSample) -> None:
-        self._steps.append(sample)
-        self._last_t_mono = sample.t_mono
+    def update(self, steps: Sequence[EngineStep]) -> None:
+        """Take in steps as the feed hands them (a ``StepConsumer``), oldest first."""
+        for step in steps:
+            self.record(step)
+
+    def record(self, step: EngineStep) -> None:
+        """Take in a step the stat logger reported; one without its figures (the EngineCore's) is
+        none of the window's."""
+        if step.stats is None:
+            return
+        self._steps.append(_Seen(step.t_mono, step.engine_idx, step.stats))
+        self._last_t_mono = step.t_mono
         self.total_steps += 1
-        self.total_preemptions += sample.preempted
-        self.total_generated_tokens += sample.generated_tokens
+        self.total_preemptions += step.stats.preempted
+        self.total_generated_tokens += step.stats.generated_tokens
 
     def last_step_age_s(self) -> float | None:
         """Seconds since the engine last reported a step (None before the first): the guard's
@@ -136,8 +124,9 @@ class TelemetryWindow:
     def snapshot(self) -> EngineStats:
         now = self._clock()
         self._trim(now)
-        steps = list(self._steps)
-        latest, running_max = _latest_per_engine(steps)
+        seen = list(self._steps)
+        latest, running_max = _latest_per_engine(seen)
+        steps = [s.stats for s in seen]
         span = self.window_s
         kv = [s.kv_usage for s in steps]
         ttft = [v for s in steps for v in s.ttft_s]
@@ -168,26 +157,27 @@ class TelemetryWindow:
         """The request mix of the window, from the requests that finished in it (each one's prompt
         and output are known only then)."""
         self._trim(self._clock())
-        n = sum(s.finished for s in self._steps)
+        steps = [s.stats for s in self._steps]
+        n = sum(s.finished for s in steps)
         if n == 0:
             return FinishedMix(0, None, None)
-        prefill = sum(s.finished_prefill_tokens for s in self._steps)
-        prompt = sum(s.finished_prompt_tokens for s in self._steps)
+        prefill = sum(s.finished_prefill_tokens for s in steps)
+        prompt = sum(s.finished_prompt_tokens for s in steps)
         cached = min(1.0, max(0.0, 1.0 - prefill / prompt)) if prompt > 0 else None
-        return FinishedMix(n, prefill / n, sum(s.finished_output_tokens for s in self._steps) / n, cached)
+        return FinishedMix(n, prefill / n, sum(s.finished_output_tokens for s in steps) / n, cached)
 
     def max_running_since(self, t_mono: float) -> int:
         """Largest RUNNING count one engine reported at or after ``t_mono`` (0 when none)."""
-        return max((s.running for s in self._steps if s.t_mono >= t_mono), default=0)
+        return max((s.stats.running for s in self._steps if s.t_mono >= t_mono), default=0)
 
 
-def _latest_per_engine(steps: list[StepSample]) -> tuple[list[StepSample], int]:
+def _latest_per_engine(steps: list[_Seen]) -> tuple[list[StepStats], int]:
     """Each engine's latest step among ``steps`` (oldest first), and the largest RUNNING count summed
     over the engines at any step. With data parallelism each engine's stat logger reports its own
     step into the one window, so the last sample alone is one engine's figures, not the group's."""
-    latest: dict[int, StepSample] = {}
+    latest: dict[int, StepStats] = {}
     running_max = 0
     for s in steps:
-        latest[s.engine_idx] = s
+        latest[s.engine_idx] = s.stats
         running_max = max(running_max, sum(x.running for x in latest.values()))
     return list(latest.values()), running_max

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from controller.control.stepcost import CostPrior, FitSettings, StepCostModel
-from controller.control.steps import EngineStep
+from controller.control.steps import EngineStep, costs
 
 PRIOR_SAMPLES = 20.0
 """The warm-up fit weighs as much as this many served steps."""
@@ -67,7 +67,7 @@ def fit_steps(steps: Sequence[EngineStep]) -> tuple[tuple[float, float, float, f
     coefficients = model.coefficients
     errors = [
         abs(s.step_s - model.predict_step(s.prefill_tokens, s.decode_seqs, s.kv_tokens)) / s.step_s
-        for s in steps
+        for _, s in costs(steps)
         if s.step_s > 0
     ]
     return coefficients, (statistics.median(errors) if errors else None)

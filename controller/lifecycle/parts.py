@@ -125,7 +125,7 @@ def build_parts(
         config.admission,
         config.slo,
         metrics.outcomes,
-        engine=lambda window: EngineHost(args, window, server.engine_poll_sleep_s),
+        engine=lambda steps: EngineHost(args, steps, server.engine_poll_sleep_s),
         gpu=gpu,
         host=hostsrc,
         gate_events=GateMetrics(metrics),

@@ -30,11 +30,11 @@ What is modelled, with the vLLM 0.32 source it follows (``vllm/v1/core/sched/sch
 Not modelled: speculative decoding, async scheduling's overlap (it is inside the cost
 model's fixed term), ``long_prefill_token_threshold`` (0 by default), the watermark.
 
-Each step's duration is the profile's ``CostModel``; the engine reports every step as the
-``StepSample`` that our real stat logger (``controller/engine/runtime/stats.py``) builds from vLLM's
-``SchedulerStats`` / ``IterationStats``, so the real ``TelemetryWindow`` and policies see the same
-signals, and as the ``EngineStep`` that our scheduler subclass measures inside the real EngineCore
-(``controller/engine/runtime/stepmeter.py``), kept in a ring of ``STEP_RING`` for ``drain_steps``.
+Each step's duration is the profile's ``CostModel``; the engine reports every step as one
+``EngineStep`` with both its parts: the ``stats`` that our real stat logger
+(``controller/engine/runtime/stats.py``) builds from vLLM's ``SchedulerStats`` / ``IterationStats``,
+so the real ``TelemetryWindow`` and policies see the same signals, and the ``cost`` that our
+scheduler subclass measures inside the real EngineCore (``controller/engine/runtime/stepmeter.py``).
 """
 
 from __future__ import annotations
@@ -46,15 +46,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from controller.control.actuator import token_budget_bounds
-from controller.control.steps import EngineStep
-from controller.control.telemetry import StepSample
+from controller.control.steps import EngineStep, StepCost, StepStats
 from controller.load.sessions import within
 from controller.load.workload import RequestSpec
 from controller.sim.kvcache import BlockTable, KVCache
 from controller.sim.profile import CostModel, EngineLimits
 
-STEP_RING = 4096
-"""Steps kept between two drains, as in the real engine's ring."""
 OWN_KEY = 1 << 62
 """A request's own content is keyed ``OWN_KEY + request_id``, apart from the workload's segment ids."""
 
@@ -186,7 +183,6 @@ class SimEngine:
         )
         self.token_budget = limits.max_num_batched_tokens
         """``max_num_scheduled_tokens``: the most tokens one step issues."""
-        self.step_log: deque[EngineStep] = deque(maxlen=STEP_RING)
         self.record_token_times = record_token_times
         self.total_preemptions = 0
         self.steps = 0
@@ -202,12 +198,6 @@ class SimEngine:
         value in force; never preempts (a running prefill gets smaller chunks)."""
         self.token_budget = max(self.token_budget_min, min(int(budget), self.max_num_batched_tokens))
         return self.token_budget
-
-    def drain_steps(self) -> list[EngineStep]:
-        """The steps finished since the last drain, oldest first."""
-        steps = list(self.step_log)
-        self.step_log.clear()
-        return steps
 
     # -- requests ---------------------------------------------------------------------------------
     def add(self, req: SimRequest) -> None:
@@ -310,15 +300,15 @@ class SimEngine:
 
     def finish_step(
         self, plan: StepPlan, t_end: float, step_s: float | None = None
-    ) -> tuple[StepSample, list[SimRequest]]:
+    ) -> tuple[EngineStep, list[SimRequest]]:
         """Apply a planned step at its end time: tokens out, finished requests leave and free blocks.
         ``step_s``: how long it took (the driver's draw; the cost model's mean without one)."""
         self.steps += 1
         took = 0.0
+        cost = None
         if plan.scheduled:  # as in the engine: a step that scheduled nothing ran no forward pass
             took = self.step_s(plan) if step_s is None else step_s
-            kv = plan.kv_tokens_read
-            self.step_log.append(EngineStep(t_end, plan.prefill_tokens, plan.decode_seqs, kv, took))
+            cost = StepCost(plan.prefill_tokens, plan.decode_seqs, plan.kv_tokens_read, took)
         ttft: list[float] = []
         itl: list[float] = []
         generated = 0
@@ -345,8 +335,7 @@ class SimEngine:
         for req in done:
             self.running.remove(req)
             self.kv.release(req.kv, final=True)
-        sample = StepSample(
-            t_mono=t_end,
+        stats = StepStats(
             running=len(self.running),
             waiting=len(self.waiting),
             kv_usage=self.kv.usage,
@@ -359,4 +348,4 @@ class SimEngine:
             finished_output_tokens=sum(r.output_tokens for r in done),
             finished_prompt_tokens=sum(r.prompt_tokens for r in done),
         )
-        return sample, done
+        return EngineStep(t_end, cost=cost, stats=stats), done

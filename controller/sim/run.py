@@ -36,6 +36,7 @@ import heapq
 import math
 import random
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,7 +47,7 @@ from controller.config.load import AdmissionConfig, ControlConfig
 from controller.control.build import build_core
 from controller.control.loop import Change
 from controller.control.outcomes import OutcomeLedger
-from controller.control.steps import EngineStep
+from controller.control.steps import KEPT, EngineStep
 from controller.control.warmfit import plan, seed_from_warm_up
 from controller.load.workload import RequestSpec, describe
 from controller.results.records import (
@@ -116,7 +117,7 @@ class SimResult:
 class SimHost:
     """The twin's engine as the daemon's engine host shows itself to the control core
     (``control/build.CoreEngine``): the knobs in force, the batch cap and the token budget moved
-    (each call returns at once: nothing crosses a process), the steps drained."""
+    (each call returns at once: nothing crosses a process)."""
 
     def __init__(self, engine: SimEngine) -> None:
         self.engine = engine
@@ -148,7 +149,8 @@ class SimHost:
         return self.engine.set_token_budget(budget)
 
     async def drain_steps(self) -> list[EngineStep]:
-        return self.engine.drain_steps()
+        """None wait to be pulled: the driver publishes each step to the feed as it ends."""
+        return []
 
 
 class Simulation:
@@ -174,11 +176,12 @@ class Simulation:
             c.admission,
             c.slo,
             self.outcomes,
-            engine=lambda _window: SimHost(self.engine),  # the twin's driver records its steps
+            engine=lambda _steps: SimHost(self.engine),  # the twin's driver publishes its steps
             clock=self.clock,
             capacity_history=None,  # every tick's saturation
         )
         self.window, self.gate, self.capacity, self.loop = core.window, core.gate, core.capacity, core.loop
+        self.steps = core.steps
         self.cost = core.cost.model
         self.observe = core.observer.observe
         self.changes: list[Change] = []
@@ -357,6 +360,7 @@ class Simulation:
             return None
         limits, t, ran, ids = self.profile.engine, 0.0, [], -1
         steps0, preemptions0 = self.engine.steps, self.engine.total_preemptions
+        steps: deque[EngineStep] = deque(maxlen=KEPT)  # as many as the EngineCore's ring keeps
         for phase in plan(limits.max_num_seqs, limits.max_num_batched_tokens, limits.max_model_len):
             if t >= c.warmup_s:
                 break
@@ -367,11 +371,12 @@ class Simulation:
                 step = self.engine.plan()
                 took = self._step_s(step)
                 t += took
-                self.engine.finish_step(step, t, took)
+                record, _ = self.engine.finish_step(step, t, took)
+                if record.cost is not None:
+                    steps.append(record)
             ran.append(phase.describe())
-        steps = self.engine.drain_steps()
         self.engine.steps, self.engine.total_preemptions = steps0, preemptions0  # the workload's alone
-        _, error = seed_from_warm_up(self.cost, steps, t)
+        _, error = seed_from_warm_up(self.cost, list(steps), t)
         return {"phases": ran, "steps": len(steps), "seconds": round(t, 3), "median_rel_error": error}
 
     async def _drive(self, arrivals: Sequence[RequestSpec], draws: Sequence[float]) -> None:
@@ -424,9 +429,9 @@ class Simulation:
                 step_end = t + step_s
 
     def _end_step(self, plan: StepPlan, t: float, step_s: float) -> bool:
-        """Apply a step at its end: the window records it, finished requests' tasks are woken."""
-        sample, done = self.engine.finish_step(plan, t, step_s)
-        self.window.record(sample)
+        """Apply a step at its end: it goes to the step feed, finished requests' tasks are woken."""
+        step, done = self.engine.finish_step(plan, t, step_s)
+        self.steps.publish([step])
         for req in done:
             assert req.on_finish is not None
             req.on_finish(req)

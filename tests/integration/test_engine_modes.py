@@ -27,7 +27,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from controller.control.steps import EngineStep
+from controller.control.steps import StepCost, costs
 from controller.engine.runtime.scheduler import scheduler_path
 from controller.lifecycle.daemon import Daemon
 from tests.helpers import admin_url, http_session, running_daemon, stream_completion, url, write_config
@@ -80,12 +80,12 @@ async def knobs_daemon(config: Path) -> AsyncIterator[Daemon]:
         yield d
 
 
-async def served_steps(d: Daemon, s: aiohttp.ClientSession) -> list[EngineStep]:
+async def served_steps(d: Daemon, s: aiohttp.ClientSession) -> list[StepCost]:
     """The engine's steps while ``STREAMS`` streams of ``TOKENS`` tokens are served (all of them)."""
     await d.parts.host.drain_steps()  # what the start left
     results = await asyncio.gather(*(stream_completion(s, url(d, ""), TOKENS) for _ in range(STREAMS)))
     assert all(r["status"] == 200 and r["tokens"] == TOKENS for r in results), results
-    return await d.parts.host.drain_steps()
+    return [c for _, c in costs(await d.parts.host.drain_steps())]
 
 
 @contextlib.asynccontextmanager
@@ -109,7 +109,7 @@ async def decoding_stream(s: aiohttp.ClientSession, d: Daemon) -> AsyncIterator[
 
 async def prefill_beside_streams(
     d: Daemon, s: aiohttp.ClientSession, streams: int
-) -> tuple[int, list[EngineStep]]:
+) -> tuple[int, list[StepCost]]:
     """A long prompt's tokens and the engine's steps while it is served beside a decoding stream:
     ``streams`` of them first (one per engine, as the load-balancing client spreads them), and one
     more for each try whose prompt landed on an engine with none (the balancer reads the engines'
@@ -123,7 +123,7 @@ async def prefill_beside_streams(
             async with s.post(url(d, "/v1/completions"), json=body) as r:
                 assert r.status == 200, await r.text()
                 tokens = int((await r.json())["usage"]["prompt_tokens"])
-            steps = await d.parts.host.drain_steps()
+            steps = [c for _, c in costs(await d.parts.host.drain_steps())]
             if any(st.prefill_tokens and st.decode_seqs for st in steps):
                 break  # it shared a step with a stream: beside one
             await stack.enter_async_context(decoding_stream(s, d))
@@ -138,7 +138,7 @@ async def generated_by_engine(d: Daemon, s: aiohttp.ClientSession) -> dict[str, 
     return {engine: float(value) for engine, value in re.findall(pattern, text, re.M)}
 
 
-def assert_budget_held(tokens: int, steps: list[EngineStep]) -> None:
+def assert_budget_held(tokens: int, steps: list[StepCost]) -> None:
     """Every step that decoded stayed within the budget, and the prompt came in chunks that add up."""
     assert all(st.prefill_tokens + st.decode_seqs <= BUDGET for st in steps if st.decode_seqs), steps
     prefills = [st.prefill_tokens for st in steps if st.prefill_tokens]

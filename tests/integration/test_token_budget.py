@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from controller.control.steps import EngineStep
+from controller.control.steps import StepCost, costs
 from controller.lifecycle.daemon import Daemon
 from tests.helpers import admin_url, http_session, running_daemon, url, wait_for, write_config
 
@@ -49,15 +49,15 @@ async def complete(s: aiohttp.ClientSession, d: Daemon, prompt: str, max_tokens:
         return int((await r.json())["usage"]["prompt_tokens"])
 
 
-async def prefill_of(d: Daemon, s: aiohttp.ClientSession, prompt: str) -> tuple[int, list[EngineStep]]:
+async def prefill_of(d: Daemon, s: aiohttp.ClientSession, prompt: str) -> tuple[int, list[StepCost]]:
     t0 = time.monotonic()
     await d.parts.host.drain_steps()  # what earlier requests left
     tokens = await complete(s, d, prompt)
-    steps = await d.parts.host.drain_steps()
+    steps = costs(await d.parts.host.drain_steps())
     # t0 before the first drain: a stream decoding beside ends steps between the EngineCore's answer
     # to that drain and this coroutine resuming, and the second drain returns them.
-    assert steps and all(t0 <= st.t_mono <= time.monotonic() and st.step_s > 0 for st in steps), steps
-    return tokens, steps
+    assert steps and all(t0 <= t <= time.monotonic() and st.step_s > 0 for t, st in steps), steps
+    return tokens, [st for _, st in steps]
 
 
 async def test_the_budget_moves_in_the_engine_and_chunks_a_long_prompt(daemon: Daemon) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from controller.config.load import ControlConfig
-from controller.control.steps import EngineStep
+from controller.control.steps import EngineStep, StepCost, costs
 from controller.load.workload import poisson
 from controller.sim.engine import SimEngine, SimRequest
 from controller.sim.profile import CostModel, EngineLimits
@@ -23,25 +23,26 @@ def test_a_lower_budget_splits_a_prompt_into_more_steps_and_each_step_is_recorde
     e = SimEngine(LIMITS, COST)
     assert e.set_token_budget(100) == 100
     e.add(SimRequest(1, 10, 20, 0, arrival_t=0.0))
-    scheduled = []
+    scheduled, steps = [], []
     for t in range(1, 6):
         plan = e.plan()
         scheduled.append(sum(n for _, n in plan.scheduled))
-        e.finish_step(plan, float(t), step_s=0.5 if t == 1 else None)
+        steps.append(e.finish_step(plan, float(t), step_s=0.5 if t == 1 else None)[0])
         if t == 1:
             e.add(SimRequest(2, 250, 2, 0, arrival_t=1.0))
     # the first prompt alone, then the second in chunks beside the first one's decodes, then two decodes
     assert scheduled == [10, 100, 100, 53, 2]
-    steps = e.drain_steps()
-    assert steps[0] == EngineStep(1.0, 10, 0, 10, 0.5)  # the driver's draw when it gives one
-    assert [(s.prefill_tokens, s.decode_seqs, s.kv_tokens) for s in steps[1:5]] == [
+    assert (steps[0].t_mono, steps[0].cost) == (1.0, StepCost(10, 0, 10, 0.5))  # the driver's draw, if any
+    assert all(s.stats is not None for s in steps)  # the twin knows both parts of each step
+    assert [(s.prefill_tokens, s.decode_seqs, s.kv_tokens) for _, s in costs(steps[1:5])] == [
         (99, 1, 11 + 99),
         (99, 1, 12 + 198),
         (52, 1, 13 + 250),
         (0, 2, 14 + 251),
     ]
-    assert steps[1].step_s == COST.step_s(99, 1, 110)  # else the cost model's mean
-    assert len(steps) == 5 and e.drain_steps() == []
+    assert steps[1].cost is not None
+    assert steps[1].cost.step_s == COST.step_s(99, 1, 110)  # else the cost model's mean
+    assert len(costs(steps)) == 5
 
 
 def test_a_step_of_prefill_alone_takes_up_to_max_num_batched_tokens() -> None:
@@ -86,5 +87,7 @@ async def test_the_twins_loop_moves_the_budget_and_feeds_its_steps() -> None:
     await sim.run(poisson(2.0, 5.0, prompt_tokens=200, output_tokens=20, seed=3))
     assert policy.budgets[0] == 2048 and policy.budgets[-1] == 512  # halved twice (the rate limit)
     assert sim.engine.token_budget == 512
-    assert seen and all(s.step_s > 0 for s in seen) and sim.loop.steps.total == len(seen)
-    assert max(s.prefill_tokens for s in seen) <= 2048 and sum(s.prefill_tokens for s in seen) > 0
+    assert seen and sim.loop.steps.total == len(seen)
+    cost = [s for _, s in costs(seen)]
+    assert len(cost) == len(seen) and all(s.step_s > 0 for s in cost)
+    assert max(s.prefill_tokens for s in cost) <= 2048 and sum(s.prefill_tokens for s in cost) > 0

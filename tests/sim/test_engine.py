@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from controller.control.steps import StepCost
 from controller.sim.engine import SimEngine, SimRequest
 from controller.sim.profile import CostModel, EngineLimits
 
@@ -117,16 +118,18 @@ def test_priority_policy_admits_by_priority_then_arrival() -> None:
     assert order == [2, 3, 1]
 
 
-def test_step_samples_report_what_vllms_stat_logger_reports() -> None:
+def test_a_step_reports_what_vllms_stat_logger_and_the_step_meter_report() -> None:
     e = engine()
     e.add(req(1, 8, 3, t=0.5))
     plan = e.plan()
     assert (plan.prefill_tokens, plan.decode_seqs, plan.kv_tokens_read) == (8, 0, 8)
     assert e.step_s(plan) == pytest.approx(0.01 + 0.008 + 8e-5)
-    sample, _ = e.finish_step(plan, 1.0)
-    assert sample.ttft_s == (0.5,) and sample.generated_tokens == 1 and sample.running == 1
-    assert sample.kv_usage == pytest.approx(2 / 64)
+    step, _ = e.finish_step(plan, 1.0)
+    assert step.t_mono == 1.0 and step.stats is not None and step.cost is not None
+    assert step.stats.ttft_s == (0.5,) and step.stats.generated_tokens == 1 and step.stats.running == 1
+    assert step.stats.kv_usage == pytest.approx(2 / 64)
+    assert step.cost == StepCost(8, 0, 8, e.step_s(plan))
     plan = e.plan()
     assert (plan.prefill_tokens, plan.decode_seqs, plan.kv_tokens_read) == (0, 1, 9)
-    sample, _ = e.finish_step(plan, 1.25)
-    assert sample.itl_s == (0.25,)
+    step, _ = e.finish_step(plan, 1.25)
+    assert step.stats is not None and step.stats.itl_s == (0.25,)

@@ -13,7 +13,8 @@ from controller.admin.metrics import Metrics
 from controller.admission.queues import GateStats
 from controller.clock import FakeClock
 from controller.control.capacity import CapacityMeter, fit_capacity, tpot_share_of
-from controller.control.telemetry import FinishedMix, StepSample, TelemetryWindow
+from controller.control.steps import EngineStep, StepFeed, StepStats
+from controller.control.telemetry import FinishedMix, TelemetryWindow
 from policies.cost import CostEstimate
 from policies.slo_policy import SloPolicy
 from policies.slo_targets import SloBound, SloTargets
@@ -41,6 +42,19 @@ def test_capacity_matches_the_hand_computation() -> None:
     assert (fit.batch, fit.bound) == (18, "tpot")
     assert fit.mean_step_s == pytest.approx(0.0496)
     assert fit.capacity_rps == pytest.approx(CAPACITY_RPS) == pytest.approx(1 / (1 / 18 + 0.2 + 0.02))
+
+
+def test_the_fit_is_counted_at_the_engines_pace() -> None:
+    """A wall-clock step 1.25x the fit's: a = 0.0125, x = 2.75e-3, D* = floor(0.0375 / 2.75e-3) = 13,
+    s(13) = 0.0125 + 13 * 2.75e-3 = 0.04825 s, capacity 13 / (100 * 0.04825) = 2.6943 requests/s."""
+    paced = dataclasses.replace(COST, pace=1.25)
+    fit = fit_capacity(paced, 0.050, MIX, kv_batch=None, max_num_seqs=64)
+    assert not isinstance(fit, str)
+    assert (fit.batch, fit.bound, fit.pace) == (13, "tpot", 1.25)
+    assert fit.mean_step_s == pytest.approx(0.04825)
+    assert fit.capacity_rps == pytest.approx(13 / (100 * 0.04825))
+    unmeasured = fit_capacity(dataclasses.replace(COST, pace=None), 0.050, MIX, None, 64)
+    assert not isinstance(unmeasured, str) and unmeasured.capacity_rps == pytest.approx(CAPACITY_RPS)
 
 
 def test_kv_and_the_engine_ceiling_bound_the_batch() -> None:
@@ -98,8 +112,8 @@ def _gauges(meter: CapacityMeter, gate: FakeGate) -> CollectorRegistry:
 
 
 def _finish(window: TelemetryWindow, t: float, n: int, prefill: int = 200, output: int = 100) -> None:
-    sample = StepSample(t, 8, 0, 0.3, 0, n * output, (), (), n, n * prefill, n * output)
-    window.record(sample)
+    stats = StepStats(8, 0, 0.3, 0, n * output, (), (), n, n * prefill, n * output)
+    window.record(EngineStep(t, stats=stats))
 
 
 def _meter(clock: FakeClock) -> tuple[CapacityMeter, FakeGate, TelemetryWindow]:
@@ -251,7 +265,9 @@ def test_the_stat_logger_records_each_finished_requests_tokens() -> None:
 
     from controller.engine.runtime.stats import stat_logger_factory
 
-    window = TelemetryWindow(10.0, FakeClock(5.0))
+    clock = FakeClock(5.0)
+    window, feed = TelemetryWindow(10.0, clock), StepFeed(clock=clock)
+    feed.watch(window.update)
     it = IterationStats()
     it.finished_requests = [
         FinishedRequestStats(
@@ -259,6 +275,6 @@ def test_the_stat_logger_records_each_finished_requests_tokens() -> None:
         ),
         FinishedRequestStats(FinishReason.STOP, num_prompt_tokens=200, num_generation_tokens=10),
     ]
-    logger = stat_logger_factory(window)(None, 0)  # type: ignore[arg-type]  # the factory reads no config
+    logger = stat_logger_factory(feed)(None, 0)  # type: ignore[arg-type]  # the factory reads no config
     logger.record(SchedulerStats(num_running_reqs=3, kv_cache_usage=0.2), it)
     assert window.finished_mix() == FinishedMix(2, 200.0, 30.0, pytest.approx(100 / 500))

@@ -21,7 +21,7 @@ from vllm.renderers.hf import resolve_chat_template_kwargs
 from vllm.tokenizers.hf import maybe_make_thread_pool
 from vllm.tokenizers.registry import get_tokenizer
 
-from controller.control.telemetry import TelemetryWindow
+from controller.control.steps import StepFeed
 from controller.engine.runtime import host as host_module
 from controller.engine.runtime.heap import NO_MALLOC_TRIM, TRIMMED, HeapTrim, trim_heap
 from controller.engine.runtime.host import EngineHost
@@ -49,7 +49,7 @@ async def test_a_retired_renderers_tokenizer_is_freed_once_its_grace_ends(
     assert len(refs) == 4
     old, new = FakeBuiltEngine(tokenizer), FakeBuiltEngine()
     del tokenizer
-    host = EngineHost(argparse.Namespace(max_num_seqs=4), TelemetryWindow(), builder=lambda _args: new)
+    host = EngineHost(argparse.Namespace(max_num_seqs=4), StepFeed(), builder=lambda _args: new)
     host._llm = old  # type: ignore[assignment]
     await host.restart({"kv_cache_memory_bytes": 1 << 20})  # the crash path: old engine first
     assert host.llm is new
@@ -75,7 +75,7 @@ async def test_the_heap_is_trimmed_once_the_retired_engine_can_be_freed(
         return HeapTrim(TRIMMED, 2 << 20, 1 << 20)
 
     host = EngineHost(
-        argparse.Namespace(max_num_seqs=4), TelemetryWindow(), builder=lambda _args: new, heap_trim=trim
+        argparse.Namespace(max_num_seqs=4), StepFeed(), builder=lambda _args: new, heap_trim=trim
     )
     host._llm = old  # type: ignore[assignment]
     del old

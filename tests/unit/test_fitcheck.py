@@ -13,14 +13,14 @@ from controller.control.steps import EngineStep
 START = (0.01, 0.001, 0.003, 0.0)
 """a = 10 ms, 1 ms per prefill token, 3 ms per decoding sequence, nothing per KV token."""
 STEPS = [
-    EngineStep(1.0, 10, 0, 0, 0.025),  # predicted 0.02: 20 % off
-    EngineStep(2.0, 0, 5, 100, 0.02),  # predicted 0.025: 25 % off
-    EngineStep(3.0, 0, 0, 0, 0.5),  # nothing scheduled: not a step the model takes in
-    EngineStep(4.0, 5, 0, 0, 0.0),  # no time: skipped
-    EngineStep(5.0, 5, 0, 0, float("nan")),  # skipped
-    EngineStep(6.0, 20, 0, 0, 0.04),  # predicted 0.03: 25 % off
-    EngineStep(7.0, 0, 1, 10, 0.012),  # predicted 0.013: 1/12 off
-    EngineStep(8.0, 0, 2, 300, 0.014),  # predicted 0.016: 1/7 off
+    EngineStep.measured(1.0, 10, 0, 0, 0.025),  # predicted 0.02: 20 % off
+    EngineStep.measured(2.0, 0, 5, 100, 0.02),  # predicted 0.025: 25 % off
+    EngineStep.measured(3.0, 0, 0, 0, 0.5),  # nothing scheduled: not a step the model takes in
+    EngineStep.measured(4.0, 5, 0, 0, 0.0),  # no time: skipped
+    EngineStep.measured(5.0, 5, 0, 0, float("nan")),  # skipped
+    EngineStep.measured(6.0, 20, 0, 0, 0.04),  # predicted 0.03: 25 % off
+    EngineStep.measured(7.0, 0, 1, 10, 0.012),  # predicted 0.013: 1/12 off
+    EngineStep.measured(8.0, 0, 2, 300, 0.014),  # predicted 0.016: 1/7 off
 ]
 LIVE = (0.01, 0.0015, 0.002, 0.0)
 """Predicts the five kept steps exactly: it is also their best fit."""

@@ -21,7 +21,7 @@ from controller.admission.classes import PriorityClass
 from controller.admission.gate import AdmissionGate, GateRejected
 from controller.admission.ttft import TtftBounds
 from controller.clock import FakeClock, monotonic
-from controller.control.telemetry import TelemetryWindow
+from controller.control.steps import StepFeed
 from controller.engine.frontend import context
 from controller.engine.frontend.app import AdmissionMiddleware
 from controller.engine.frontend.client import GovernedEngineClient
@@ -256,7 +256,7 @@ class ControlledLLM:
 
 
 def engine_host(llm: ControlledLLM) -> EngineHost:
-    host = EngineHost(argparse.Namespace(max_num_seqs=4), TelemetryWindow())
+    host = EngineHost(argparse.Namespace(max_num_seqs=4), StepFeed())
     host._llm = llm  # type: ignore[assignment]
     return host
 

@@ -132,7 +132,8 @@ def test_the_cost_models_prefill_term_waits_for_its_samples() -> None:
     model = StepCostModel()
     reader = CostReader(model, lambda: 0.0)
     assert reader.prefill_s(1000) == 0.0  # no fit: no guess refuses anyone
-    steps = [EngineStep(i * 0.01, p, 4, 4000, 0.002 + 1e-5 * p) for i, p in enumerate([100, 200, 400] * 30)]
+    prefills = enumerate([100, 200, 400] * 30)
+    steps = [EngineStep.measured(i * 0.01, p, 4, 4000, 0.002 + 1e-5 * p) for i, p in prefills]
     model.update(steps)
     assert reader.prefill_s(1000) == pytest.approx(0.002 + 1e-5 * 1000, rel=0.05)
 
@@ -144,12 +145,12 @@ def test_beside_decoding_streams_a_prompt_is_predicted_in_budget_sized_chunks() 
     model = StepCostModel(prior=CostPrior((0.074, 0.008, 0.0075, 0.0), name="cpu"))
     budget = [20]
     reader = CostReader(model, lambda: 0.0, lambda: budget[0])
-    model.update([EngineStep(0.0, 0, 4, 400, 0.104)])  # four streams decode
+    model.update([EngineStep.measured(0.0, 0, 4, 400, 0.104)])  # four streams decode
     a, b, c, _ = model.coefficients
     assert reader.prefill_s(100) == pytest.approx(7 * (a + 4 * c) + 100 * b)  # ceil(100 / 16) steps
     budget[0] = 2048
     assert reader.prefill_s(100) == pytest.approx(a + 4 * c + 100 * b)  # one chunk
-    model.update([EngineStep(0.1, 100, 0, 100, 0.874)])  # nothing decodes: the prompt alone
+    model.update([EngineStep.measured(0.1, 100, 0, 100, 0.874)])  # nothing decodes: the prompt alone
     a, b, c, _ = model.coefficients
     assert reader.prefill_s(100) == pytest.approx(a + 100 * b)
 

@@ -296,7 +296,7 @@ BAD_KV = 3
 
 
 def host_with(two_fit: bool) -> tuple[Any, list[FakeLLM]]:
-    from controller.control.telemetry import TelemetryWindow
+    from controller.control.steps import StepFeed
     from controller.engine.runtime.host import EngineHost
 
     built: list[FakeLLM] = []
@@ -308,7 +308,7 @@ def host_with(two_fit: bool) -> tuple[Any, list[FakeLLM]]:
         return built[-1]
 
     args = argparse.Namespace(max_num_seqs=8, kv_cache_memory_bytes=KV, model="m")
-    host = EngineHost(args, TelemetryWindow(10.0), builder=build, two_engines_fit=two_fit)
+    host = EngineHost(args, StepFeed(), builder=build, two_engines_fit=two_fit)
     return host, built
 
 

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from controller.admin.metrics import GateMetrics, Metrics
 from controller.clock import FakeClock
 from controller.control.outcomes import OutcomeLedger, judged_bound, refusal_outcome, served_outcome
-from controller.control.telemetry import TelemetryWindow
+from controller.control.steps import StepFeed
 from policies.slo_targets import SloBound, SloTargets
 from tests.helpers import write_config
 
@@ -203,7 +203,7 @@ def test_vllms_finished_request_stats_feed_the_ledger() -> None:
         FinishedRequestStats(FinishReason.LENGTH, "one", e2e_latency=0.2, num_generation_tokens=1),
         FinishedRequestStats(FinishReason.ABORT, "gone", e2e_latency=0.2, num_generation_tokens=3),
     ]  # fmt: skip
-    logger = stat_logger_factory(TelemetryWindow(10.0, FakeClock()), ledger)(None, 0)  # type: ignore[arg-type]
+    logger = stat_logger_factory(StepFeed(clock=FakeClock()), ledger)(None, 0)  # type: ignore[arg-type]
     logger.record(SchedulerStats(num_running_reqs=1), it)
     assert counted == [
         ("interactive", "ttft_missed"), ("interactive", "tpot_missed"), ("interactive", "good"),

@@ -8,12 +8,12 @@ import pytest
 
 from controller.clock import FakeClock
 from controller.control.stepcost import CostPrior, CostReader, StepCostModel
-from controller.control.steps import EngineStep
-from controller.control.telemetry import StepSample, TelemetryWindow
+from controller.control.steps import EngineStep, StepStats
+from controller.control.telemetry import TelemetryWindow
 
 
-def sample(t: float, prompt: int, prefill: int) -> StepSample:
-    return StepSample(t, 1, 0, 0.1, 0, 10, (), (), 1, prefill, 10, prompt)
+def sample(t: float, prompt: int, prefill: int) -> EngineStep:
+    return EngineStep(t, stats=StepStats(1, 0, 0.1, 0, 10, (), (), 1, prefill, 10, prompt))
 
 
 def test_the_window_reports_the_share_of_prompt_tokens_the_cache_served() -> None:
@@ -29,7 +29,7 @@ def test_the_window_reports_the_share_of_prompt_tokens_the_cache_served() -> Non
 
 def model() -> StepCostModel:
     m = StepCostModel(prior=CostPrior((0.01, 0.001, 0.002, 0.0), name="test"))
-    m.update([EngineStep(1.0, 100, 0, 0, 0.11)])  # one step: a seeded fit is trusted
+    m.update([EngineStep.measured(1.0, 100, 0, 0, 0.11)])  # one step: a seeded fit is trusted
     return m
 
 

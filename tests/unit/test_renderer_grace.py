@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from controller.control.telemetry import TelemetryWindow
+from controller.control.steps import StepFeed
 from controller.engine.runtime import host as host_module
 from controller.engine.runtime.host import EngineHost
 from tests.helpers import FakeBuiltEngine, settle
@@ -34,7 +34,7 @@ async def test_the_renderer_grace_starts_when_the_swap_finishes_not_when_the_old
         build_may_end.wait(10.0)  # a GPU build: minutes
         return new
 
-    host = EngineHost(argparse.Namespace(max_num_seqs=4), TelemetryWindow(), builder=slow_build)
+    host = EngineHost(argparse.Namespace(max_num_seqs=4), StepFeed(), builder=slow_build)
     host._llm = old  # type: ignore[assignment]
     swapped: list[bool] = []
 

@@ -17,7 +17,7 @@ import pytest
 
 from controller.admission.gate import GateRejected
 from controller.config.load import load_config
-from controller.control.telemetry import TelemetryWindow
+from controller.control.steps import StepFeed
 from controller.engine.runtime.host import EngineHost
 from controller.lifecycle.daemon import Daemon
 from tests.helpers import settle, write_config
@@ -73,7 +73,7 @@ async def test_a_shutdown_during_an_engine_build_does_not_wait_for_the_build() -
 
     def daemon_loop() -> float:
         async def main() -> None:
-            host = EngineHost(argparse.Namespace(max_num_seqs=4), TelemetryWindow(), builder=slow_build)
+            host = EngineHost(argparse.Namespace(max_num_seqs=4), StepFeed(), builder=slow_build)
             restart = asyncio.create_task(host.start())
             await asyncio.get_running_loop().run_in_executor(None, entered.wait)
             restart.cancel()  # SIGTERM: shutdown cancels the background tasks...

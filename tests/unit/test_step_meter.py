@@ -65,9 +65,10 @@ def test_a_step_counts_prefill_tokens_decodes_and_kv() -> None:
     out = s.schedule()
     clock.advance(0.05)
     s.update_from_output(out, None)
-    [(t, prefill, decode, kv, step_s)] = _drain_steps(SimpleNamespace(scheduler=s))
+    [(t, prefill, decode, kv, step_s, gap_s)] = _drain_steps(SimpleNamespace(scheduler=s))
     assert (prefill, decode, kv) == (244, 1, (20 + 1) + (0 + 200) + (256 + 44))
     assert t == clock() and abs(step_s - 0.051) < 1e-9
+    assert gap_s == 0.0  # the first step: no step before it
     assert s.step_meter.drain() == []  # a drain empties the ring
 
 
@@ -79,8 +80,8 @@ def test_a_long_prompt_adds_up_over_its_chunks() -> None:
         clock.advance(0.01)
         s.update_from_output(out, None)
     steps = s.step_meter.drain()
-    assert [(p, d) for _, p, d, _, _ in steps] == [(400, 0), (400, 0), (200, 0), (0, 1)]
-    assert sum(p for _, p, _, _, _ in steps) == 1000
+    assert [(p, d) for _, p, d, *_ in steps] == [(400, 0), (400, 0), (200, 0), (0, 1)]
+    assert sum(p for _, p, *_ in steps) == 1000
 
 
 def test_async_scheduling_counts_each_step_from_the_previous_ones_end() -> None:
@@ -93,8 +94,9 @@ def test_async_scheduling_counts_each_step_from_the_previous_ones_end() -> None:
     s.update_from_output(first, None)
     clock.advance(0.1)
     s.update_from_output(second, None)
-    [(t1, *_, s1), (t2, *_, s2)] = s.step_meter.drain()
+    [(t1, *_, s1, g1), (t2, *_, s2, g2)] = s.step_meter.drain()
     assert (round(t1, 6), round(s1, 6), round(t2, 6), round(s2, 6)) == (0.1, 0.1, 0.2, 0.1)
+    assert g1 == g2 == 0.0  # step 2 was scheduled before step 1 ended: no time between them
 
 
 def test_empty_steps_are_not_recorded_and_the_ring_is_bounded() -> None:
@@ -135,3 +137,18 @@ def test_the_budget_bounds_a_step_with_a_decode_and_a_prefill_alone_takes_the_ce
     s.schedule()
     assert s.budgets_seen == [2048, 64]  # no stream to stall, then one
     assert s.max_num_scheduled_tokens == 64  # the budget in force is kept
+
+
+def test_the_time_between_two_decoding_steps_is_the_gap_before_the_second() -> None:
+    """A sequence runs on from one step to the next: the time from the first's end to the second's
+    schedule start (the engine loop's own work, or a wait for a core) is the second's gap."""
+    clock, requests = FakeClock(0.0), {"a": Req(4, 0)}
+    s = Scheduler(clock, [{"a": 4}, {"a": 1}, {"a": 1}], requests)
+    for wait in (0.0, 0.003, 0.0005):
+        clock.advance(wait)  # between the previous step's end and this schedule()
+        out = s.schedule()
+        clock.advance(0.002)
+        s.update_from_output(out, None)
+    steps = s.step_meter.drain()
+    assert [round(gap, 6) for *_, gap in steps] == [0.0, 0.003, 0.0005]  # the prefill's gap is 0
+    assert [round(step, 6) for *_, step, _ in steps] == [0.003, 0.003, 0.003]

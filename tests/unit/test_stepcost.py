@@ -6,6 +6,7 @@ times from known coefficients, fed in ticks of 100 steps as the control loop's `
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -47,7 +48,7 @@ def make_steps(
         y = coef[0] + coef[1] * p + coef[2] * d + coef[3] * k
         if noise:
             y *= math.exp(float(rng.normal(0.0, noise)))
-        out.append(EngineStep(t0 + 0.01 * i, p, d, k, y))
+        out.append(EngineStep.measured(t0 + 0.01 * i, p, d, k, y))
     return out
 
 
@@ -115,9 +116,9 @@ def test_stale_samples_are_not_ready_and_say_how_old() -> None:
 def test_steps_that_did_nothing_or_have_no_time_are_skipped() -> None:
     model = StepCostModel()
     model.update([
-        EngineStep(0.0, 0, 0, 0, 0.003),  # nothing scheduled
-        EngineStep(0.1, 0, 4, 400, 0.0),
-        EngineStep(0.2, 0, 4, 400, float("nan")),
+        EngineStep.measured(0.0, 0, 0, 0, 0.003),  # nothing scheduled
+        EngineStep.measured(0.1, 0, 4, 400, 0.0),
+        EngineStep.measured(0.2, 0, 4, 400, float("nan")),
     ])  # fmt: skip
     assert model.samples == 0
 
@@ -153,8 +154,8 @@ def test_prior_from_a_profile_cost_table() -> None:
 def test_outliers_are_rejected_and_counted() -> None:
     steps = make_steps(3000)
     paused = [
-        EngineStep(s.t_mono, s.prefill_tokens, s.decode_seqs, s.kv_tokens, s.step_s * 10)
-        if i % 50 == 49
+        EngineStep(s.t_mono, dataclasses.replace(s.cost, step_s=s.cost.step_s * 10))
+        if i % 50 == 49 and s.cost is not None
         else s
         for i, s in enumerate(steps)
     ]  # a GC pause every 50 steps
@@ -232,8 +233,31 @@ def test_kv_per_decoding_sequence_is_a_ratio_of_sums_not_a_mean_of_each_steps_ra
     model = StepCostModel()
     steps = []
     for i in range(200):
-        steps.append(EngineStep(0.02 * i, 0, 40, 40 * 300, 0.05))
-        steps.append(EngineStep(0.02 * i + 0.01, 3 * 288, 1, 300 + 3 * 288, 0.05))
+        steps.append(EngineStep.measured(0.02 * i, 0, 40, 40 * 300, 0.05))
+        steps.append(EngineStep.measured(0.02 * i + 0.01, 3 * 288, 1, 300 + 3 * 288, 0.05))
     model.update(steps)
     k = model.estimate(now_mono=4.0).kv_tokens_per_seq
     assert k == pytest.approx(13_164 / 41, rel=0.01)
+
+
+def test_the_pace_is_the_wall_clock_of_the_decoding_steps_over_the_fit() -> None:
+    """Steps measured as the seed predicts, each after a 1 ms gap: the pace is the wall clock (the
+    step and its gap) over the prediction, summed over the decoding steps; prefills alone count not."""
+    model = StepCostModel(prior=CostPrior(TRUE, name="true"))
+    steps = make_steps(1000, prefill=False)
+    assert model.estimate(0.0).pace is None
+    feed(model, steps[:50])
+    assert model.estimate(0.5).pace is None  # 50 steps: under a tenth of the fit's 1000-step memory
+    costs = [c for c in (s.cost for s in steps) if c is not None]
+    gapped = [
+        EngineStep.measured(s.t_mono, c.prefill_tokens, c.decode_seqs, c.kv_tokens, c.step_s, 0.001)
+        for s, c in zip(steps, costs, strict=True)
+    ]
+    model = StepCostModel(prior=CostPrior(TRUE, name="true"))
+    feed(model, gapped)
+    lam = model.settings.forgetting
+    weights = [lam ** (len(gapped) - 1 - i) for i in range(len(gapped))]
+    wall = sum(w * (c.step_s + 0.001) for w, c in zip(weights, costs, strict=True))
+    predicted = sum(w * c.step_s for w, c in zip(weights, costs, strict=True))
+    assert model.estimate(10.0).pace == pytest.approx(wall / predicted, rel=0.01)
+    assert model.estimate(10.0).pace > 1.0

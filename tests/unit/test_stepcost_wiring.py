@@ -63,7 +63,7 @@ def test_the_observer_carries_the_estimate_at_the_observation_time() -> None:
 
     clock = FakeClock(100.0)
     model = StepCostModel(prior=CostPrior((0.003, 8e-6, 5e-5, 1e-7)))
-    model.update([EngineStep(99.0, 0, 4, 400, 0.0033)])
+    model.update([EngineStep.measured(99.0, 0, 4, 400, 0.0033)])
     gate = AdmissionGate(8, 16, [PriorityClass("default")], aging_s=0.0)
     observer = Observer(TelemetryWindow(10.0, clock), gate, Knobs(), NoGpu(), FakeHostSource(), model)
     cost = observer.observe().cost
@@ -71,5 +71,5 @@ def test_the_observer_carries_the_estimate_at_the_observation_time() -> None:
     assert cost == CostReader(model, clock).current()
     assert cost.ready and cost.reason == "ready"  # a seeded fit is trusted from its first step
     unseeded = StepCostModel()
-    unseeded.update([EngineStep(99.0, 0, 4, 400, 0.0033)])
+    unseeded.update([EngineStep.measured(99.0, 0, 4, 400, 0.0033)])
     assert unseeded.estimate(100.0).reason == "cost model: 1 samples < 50"

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from controller.clock import FakeClock
-from controller.control.telemetry import EngineStats, StepSample, TelemetryWindow
+from controller.control.steps import EngineStep, StepStats
+from controller.control.telemetry import EngineStats, TelemetryWindow
 from controller.percentile import percentile
 
 
@@ -20,9 +21,8 @@ def step(
     ttft_s: tuple[float, ...] = (),
     itl_s: tuple[float, ...] = (),
     finished: int = 0,
-) -> StepSample:
-    return StepSample(
-        t_mono=t_mono,
+) -> EngineStep:
+    stats = StepStats(
         running=running,
         waiting=waiting,
         kv_usage=kv_usage,
@@ -32,6 +32,7 @@ def step(
         itl_s=itl_s,
         finished=finished,
     )
+    return EngineStep(t_mono, stats=stats)
 
 
 @pytest.mark.parametrize(
@@ -208,7 +209,8 @@ def test_data_parallel_engines_are_summed_not_mixed() -> None:
         (97.0, 0, 7, 0, 0.625),
         (98.0, 1, 3, 3, 0.125),
     ]:
-        window.record(StepSample(t, running, waiting, kv, 0, running, (), (), 0, engine_idx=engine))
+        stats = StepStats(running, waiting, kv, 0, running, (), (), 0)
+        window.record(EngineStep(t, stats=stats, engine_idx=engine))
     snap = window.snapshot()
     assert (snap.running, snap.waiting, snap.kv_usage) == (10, 3, 0.625)
     assert snap.running_max == 11  # engine 0 at 7 beside engine 1 at 4 (t = 97)

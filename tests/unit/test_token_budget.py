@@ -13,7 +13,6 @@ from controller.control.actuator import TOKEN_BUDGET_MIN, Actuator, token_budget
 from controller.control.loop import ControlLoop
 from controller.control.normalize import Move, Normalizer
 from controller.control.steps import EngineStep, StepFeed
-from controller.control.telemetry import TelemetryWindow
 from policies.base import Decision, Observation, Policy
 from tests.helpers import obs
 
@@ -160,12 +159,12 @@ async def test_each_tick_pulls_the_steps_before_it_observes() -> None:
     clock, engine = FakeClock(0.0), Engine()
     policy = Scripted(Decision(None, None, "hold"), Decision(None, None, "hold"))
     loop, pulled = loop_over(engine, policy, clock)
-    step = EngineStep(1.0, 128, 2, 300, 0.02)
+    step = EngineStep.measured(1.0, 128, 2, 300, 0.02)
     engine.steps = [step]
     await loop.tick()
     assert pulled == [[step]] and loop.steps is not None and loop.steps.total == 1
     engine.fail_drain = True  # a failed drain loses those steps, never the tick
-    assert await loop.tick() == [] and len(policy.seen) == 2 and pulled == [[step]]
+    assert await loop.tick() == [] and len(policy.seen) == 2 and pulled == [[step], []]
 
 
 # -- the engine host ----------------------------------------------------------------------------------
@@ -208,7 +207,7 @@ def fake_llm(max_scheduled: int | None = None) -> Any:
     return SimpleNamespace(
         errored=False,
         output_handler=None,
-        engine_core=Core([[1.5, 100, 3, 900, 0.04]]),
+        engine_core=Core([[1.5, 100, 3, 900, 0.04, 0.001]]),
         vllm_config=cfg,
         renderer=SimpleNamespace(shutdown=lambda: None),
         output_processor=SimpleNamespace(request_states={}, abort_requests=lambda *_a, **_k: None),
@@ -221,7 +220,7 @@ def make_host(*llms: Any) -> Any:
 
     queue = list(llms)
     args = argparse.Namespace(max_num_seqs=8, kv_cache_memory_bytes=1 << 20, model="m")
-    return EngineHost(args, TelemetryWindow(10.0), builder=lambda _a: queue.pop(0), two_engines_fit=True)
+    return EngineHost(args, StepFeed(), builder=lambda _a: queue.pop(0), two_engines_fit=True)
 
 
 async def test_host_reads_the_engines_budget_moves_it_and_drains_its_steps() -> None:
@@ -232,12 +231,13 @@ async def test_host_reads_the_engines_budget_moves_it_and_drains_its_steps() -> 
     assert await host.set_token_budget(1) == 16
     assert await host.set_token_budget(100_000) == 4096
     assert ("autopilot_set_token_budget", (4096,)) in llm.engine_core.calls
-    assert await host.drain_steps() == [EngineStep(1.5, 100, 3, 900, 0.04)]
+    assert await host.drain_steps() == [EngineStep.measured(1.5, 100, 3, 900, 0.04, 0.001)]
 
 
 async def test_host_drains_every_data_parallel_engines_steps_in_time_order() -> None:
     llm = fake_llm()
-    llm.engine_core = Core([[1.0, 0, 2, 40, 0.01], [3.0, 0, 2, 44, 0.01]], [[2.0, 64, 0, 64, 0.02]])
+    first = [[1.0, 0, 2, 40, 0.01, 0.0], [3.0, 0, 2, 44, 0.01, 0.0]]
+    llm.engine_core = Core(first, [[2.0, 64, 0, 64, 0.02, 0.0]])
     host = make_host(llm)
     await host.start()
     assert [step.t_mono for step in await host.drain_steps()] == [1.0, 2.0, 3.0]

@@ -40,7 +40,7 @@ def steps_of(a: float, b: float, c: float, d: float, noise: float = 0.03) -> lis
     shapes += [(0, n, n * (16 + i)) for n in (1, 8, 32) for i in range(15)]
     shapes += [(0, 4, 4 * (512 + i)) for i in range(15)]
     return [
-        EngineStep(float(t), p, n, k, (a + b * p + c * n + d * k) * (1 + rng.gauss(0, noise)))
+        EngineStep.measured(float(t), p, n, k, (a + b * p + c * n + d * k) * (1 + rng.gauss(0, noise)))
         for t, (p, n, k) in enumerate(shapes)
     ]
 

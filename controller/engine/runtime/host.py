@@ -29,8 +29,7 @@ from vllm.utils import func_utils
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from controller.control.actuator import TOKEN_BUDGET_MIN, token_budget_bounds
-from controller.control.steps import EngineStep
-from controller.control.telemetry import TelemetryWindow
+from controller.control.steps import EngineStep, StepFeed
 from controller.engine.runtime.args import engine_args
 from controller.engine.runtime.builds import build_in_thread
 from controller.engine.runtime.dtype import dtype_settings
@@ -66,7 +65,7 @@ class EngineHost:
     def __init__(
         self,
         args: argparse.Namespace,
-        window: TelemetryWindow,
+        steps: StepFeed,
         poll_sleep_s: float = 0.0,
         builder: Callable[[argparse.Namespace], AsyncLLM] | None = None,
         two_engines_fit: bool | None = None,
@@ -79,7 +78,8 @@ class EngineHost:
         """None: ask the platform (two fit on the CPU)."""
         self._heap_trim = heap_trim
         """Run when a retired engine is let go: its freed pages back to the OS (heap.py)."""
-        self._window = window
+        self._steps = steps
+        """Where the stat logger publishes each step, and which hears of each new engine."""
         self.poll_sleep_s = poll_sleep_s
         """[server] engine_poll_sleep_s, handed to the engine's processes (engine/runtime/ipc.py)."""
         self._llm: AsyncLLM | None = None
@@ -147,7 +147,7 @@ class EngineHost:
         set_poll_sleep(self.poll_sleep_s)  # the EngineCore and its workers inherit the environment
         if self.poll_sleep_s and (problem := plugin_problem()):
             log.warning("engine_poll_sleep_ignored", reason=problem)
-        stat_logger = stat_logger_factory(self._window, self.outcomes)
+        stat_logger = stat_logger_factory(self._steps, self.outcomes)
         return AsyncLLM.from_engine_args(eargs, stat_loggers=[stat_logger])
 
     async def start(self) -> None:
@@ -165,7 +165,7 @@ class EngineHost:
         self.max_num_seqs = int(args.max_num_seqs)
         self.batch_cap = min(self.batch_cap, self.max_num_seqs)
         self.generation += 1
-        self._window.reset()
+        self._steps.engine_started()
         # straight to the new engine: set_batch_cap only stores the cap while a restart runs
         self.batch_cap = int(await llm.engine_core.call_utility_async(UTILITY_SET, self.batch_cap))
         await self._adopt_budget(llm)
@@ -323,7 +323,10 @@ class EngineHost:
         # would be lost). Merged in time order, as the step feed hands them on.
         per_engine = await self.llm.engine_core.call_utility_all_async(UTILITY_DRAIN)
         rows = sorted((row for engine_rows in per_engine for row in engine_rows), key=lambda row: row[0])
-        return [EngineStep(float(t), int(p), int(d), int(kv), float(s)) for t, p, d, kv, s in rows]
+        return [
+            EngineStep.measured(float(t), int(p), int(d), int(kv), float(s), float(gap))
+            for t, p, d, kv, s, gap in rows
+        ]
 
     async def abort_in_flight(self, reason: str) -> int:
         keys = list(self.in_flight)

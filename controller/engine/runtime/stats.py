@@ -1,4 +1,5 @@
-"""vLLM stat logger -> our TelemetryWindow, and each finished request's figures -> its outcome.
+"""vLLM stat logger -> the step feed (the telemetry window watches it), and each finished request's
+figures -> its outcome.
 
 vLLM calls ``record`` on the event loop once per engine step that produced output. The
 ``SchedulerStats``/``IterationStats`` classes are not a stable vLLM interface, so they are read here
@@ -20,7 +21,7 @@ from vllm.config import VllmConfig
 from vllm.v1.engine import FinishReason
 from vllm.v1.metrics.loggers import StatLoggerBase
 
-from controller.control.telemetry import StepSample, TelemetryWindow
+from controller.control.steps import EngineStep, StepFeed, StepStats
 from controller.engine.runtime.warmup import REQUEST_PREFIX
 
 
@@ -51,9 +52,9 @@ def report_finished(sink: OutcomeSink, done: list[Any]) -> None:
         sink.served(str(r.request_id), max(0.0, r.e2e_latency - r.decode_time), tpot, error)
 
 
-class _WindowLogger(StatLoggerBase):
-    def __init__(self, window: TelemetryWindow, outcomes: OutcomeSink | None = None) -> None:
-        self.window = window
+class _FeedLogger(StatLoggerBase):
+    def __init__(self, feed: StepFeed, outcomes: OutcomeSink | None = None) -> None:
+        self.feed = feed
         self.outcomes = outcomes
 
     def record(
@@ -67,23 +68,20 @@ class _WindowLogger(StatLoggerBase):
             return
         it = iteration_stats
         done = it.finished_requests if it else []  # FinishedRequestStats: each request's token counts
-        self.window.record(
-            StepSample(
-                t_mono=self.window.now(),
-                running=scheduler_stats.num_running_reqs if scheduler_stats else 0,
-                waiting=scheduler_stats.num_waiting_reqs if scheduler_stats else 0,
-                kv_usage=float(scheduler_stats.kv_cache_usage) if scheduler_stats else 0.0,
-                preempted=it.num_preempted_reqs if it else 0,
-                generated_tokens=it.num_generation_tokens if it else 0,
-                ttft_s=tuple(it.time_to_first_tokens_iter) if it else (),
-                itl_s=tuple(it.inter_token_latencies_iter) if it else (),
-                finished=len(done),
-                finished_prefill_tokens=sum(r.num_prompt_tokens - r.num_cached_tokens for r in done),
-                finished_output_tokens=sum(r.num_generation_tokens for r in done),
-                finished_prompt_tokens=sum(r.num_prompt_tokens for r in done),
-                engine_idx=engine_idx,
-            )
+        stats = StepStats(
+            running=scheduler_stats.num_running_reqs if scheduler_stats else 0,
+            waiting=scheduler_stats.num_waiting_reqs if scheduler_stats else 0,
+            kv_usage=float(scheduler_stats.kv_cache_usage) if scheduler_stats else 0.0,
+            preempted=it.num_preempted_reqs if it else 0,
+            generated_tokens=it.num_generation_tokens if it else 0,
+            ttft_s=tuple(it.time_to_first_tokens_iter) if it else (),
+            itl_s=tuple(it.inter_token_latencies_iter) if it else (),
+            finished=len(done),
+            finished_prefill_tokens=sum(r.num_prompt_tokens - r.num_cached_tokens for r in done),
+            finished_output_tokens=sum(r.num_generation_tokens for r in done),
+            finished_prompt_tokens=sum(r.num_prompt_tokens for r in done),
         )
+        self.feed.publish([EngineStep(self.feed.now(), stats=stats, engine_idx=engine_idx)])
         if self.outcomes is not None:
             report_finished(self.outcomes, done)
 
@@ -92,11 +90,11 @@ class _WindowLogger(StatLoggerBase):
 
 
 def stat_logger_factory(
-    window: TelemetryWindow, outcomes: OutcomeSink | None = None
+    feed: StepFeed, outcomes: OutcomeSink | None = None
 ) -> Callable[[VllmConfig, int], StatLoggerBase]:
     """A per-engine stat-logger factory, as ``AsyncLLM(stat_loggers=[...])`` takes."""
 
     def factory(vllm_config: VllmConfig, engine_index: int = 0) -> StatLoggerBase:
-        return _WindowLogger(window, outcomes)
+        return _FeedLogger(feed, outcomes)
 
     return factory

@@ -18,9 +18,9 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
-StepTuple = tuple[float, int, int, int, float]
-"""An ``EngineStep`` as plain values (t_mono, prefill_tokens, decode_seqs, kv_tokens, step_s): what
-the utility call returns through msgpack."""
+StepTuple = tuple[float, int, int, int, float, float]
+"""An ``EngineStep``'s time and cost figures as plain values (t_mono, prefill_tokens, decode_seqs,
+kv_tokens, step_s, gap_s): what the utility call returns through msgpack."""
 
 RING = 4096
 """Steps kept between two drains: the daemon drains every tick (about a second), and even a fast
@@ -64,6 +64,10 @@ class StepMeter:
     the synchronous engine that is schedule + forward pass + update; with async scheduling (vLLM's
     batch queue) the next step is scheduled while this one runs, and measuring from the previous
     step's end gives each step the time the engine spent on it, not its wait behind the one before.
+    ``gap_s`` is the time from the previous step's end to this one's schedule start, for a step that
+    decodes (a sequence ran on from the step before, so the engine was not idle): the engine loop's
+    own work between steps, and on a shared CPU the time the process waited for a core. 0 for a step
+    of prefills alone (the engine may have idled before it) and under async scheduling (no gap).
     Steps that scheduled no tokens (no forward pass) are not recorded.
     """
 
@@ -71,7 +75,7 @@ class StepMeter:
         self.clock = clock
         self._maxlen = maxlen
         self.steps: deque[StepTuple] = deque(maxlen=maxlen)
-        self._pending: dict[int, tuple[float, int, int, int]] = {}
+        self._pending: dict[int, tuple[float, int, int, int, float]] = {}
         self._last_end = float("-inf")
 
     def scheduled(self, output: Scheduled, requests: Mapping[str, ScheduledRequest], t_start: float) -> None:
@@ -88,15 +92,17 @@ class StepMeter:
                 decode += 1
         if len(self._pending) >= self._maxlen:  # outputs never updated: not in vLLM's loop, but bounded
             self._pending.clear()
-        self._pending[id(output)] = (t_start, prefill, decode, kv)
+        ran_on = decode > 0 and self._last_end > float("-inf")  # a sequence ran on from a step before
+        gap = max(0.0, t_start - self._last_end) if ran_on else 0.0
+        self._pending[id(output)] = (t_start, prefill, decode, kv, gap)
 
     def finished(self, output: Scheduled) -> None:
         pending = self._pending.pop(id(output), None)
         if pending is None:
             return
         t_end = self.clock()
-        t_start, prefill, decode, kv = pending
-        self.steps.append((t_end, prefill, decode, kv, t_end - max(t_start, self._last_end)))
+        t_start, prefill, decode, kv, gap = pending
+        self.steps.append((t_end, prefill, decode, kv, t_end - max(t_start, self._last_end), gap))
         self._last_end = t_end
 
     def drain(self) -> list[StepTuple]:
