@@ -307,15 +307,17 @@ class StepCostModel:
         """Prefill tokens per decoded token over the fit's memory; None until it holds a tenth of its
         memory in steps (the first steps of a load are its prompts alone) or any decode."""
         p, d, n = self._mix
-        enough = n >= 0.1 / (1.0 - self.settings.forgetting)
-        return p / d if enough and d > 0 else None
+        return p / d if self._holds_a_tenth(n) and d > 0 else None
 
     def _pace_ratio(self) -> float | None:
         """Wall clock per decoding step over the fit's prediction of it; None until a tenth of the
         fit's memory in such steps."""
         wall, predicted, n = self._pace
-        enough = n >= 0.1 / (1.0 - self.settings.forgetting)
-        return wall / predicted if enough and predicted > 0 else None
+        return wall / predicted if self._holds_a_tenth(n) and predicted > 0 else None
+
+    def _holds_a_tenth(self, n: float) -> bool:
+        """``n`` steps (a sum with the forgetting factor) are a tenth of the fit's memory or more."""
+        return n >= 0.1 / (1.0 - self.settings.forgetting)
 
     def _quality(self) -> tuple[float | None, float | None]:
         if not self._recent:
