@@ -17,7 +17,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from controller.control.capacity import Capacity
 from controller.control.loop import Change
 from controller.control.observe import GateReadings
-from controller.control.outcomes import OutcomeLedger, refusal_outcome
+from controller.control.outcomes import OutcomeLedger
 from policies.base import Observation, Policy
 from policies.cost import CostEstimate
 
@@ -221,7 +221,8 @@ class Metrics:
         )
         self.outcomes = OutcomeLedger(self.count_outcome)
         """Each request's outcome (``controller/control/outcomes.py``): fed by the gate's refusals
-        (``GateMetrics``) and vLLM's finished requests; its window's goodput is /state's."""
+        (``outcomes.GateOutcomes``, which ``build_core`` wires) and vLLM's finished requests; its
+        window's goodput is /state's."""
         self.restart_duration = Histogram(
             "autopilot_engine_restart_duration_seconds",
             "Drain start to the new engine serving.",
@@ -250,7 +251,8 @@ def reason_label(reason: str) -> str:
 
 
 class GateMetrics:
-    """The gate's per-class events as metrics (a ``controller.admission.classes.GateEvents``)."""
+    """The gate's per-class events as metrics (a ``controller.admission.classes.GateEvents``; the
+    outcome ledger counts the refusals before them: ``control/outcomes.GateOutcomes``)."""
 
     def __init__(self, metrics: Metrics) -> None:
         self.m = metrics
@@ -261,8 +263,6 @@ class GateMetrics:
 
     def rejected(self, cls: str, reason: str) -> None:
         self.m.rejected.labels(reason, cls).inc()
-        self.m.outcomes.ended(cls, refusal_outcome(reason))
 
     def timed_out(self, cls: str, wait_s: float) -> None:
         self.m.queue_timeouts.labels(cls).inc()
-        self.m.outcomes.ended(cls, "refused")

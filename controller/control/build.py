@@ -24,7 +24,7 @@ from controller.control.capacity import CapacityMeter
 from controller.control.loop import ControlLoop
 from controller.control.normalize import Normalizer
 from controller.control.observe import EngineKnobs, Observer
-from controller.control.outcomes import OutcomeLedger
+from controller.control.outcomes import GateOutcomes, OutcomeLedger
 from controller.control.samplers import GpuSource, HostReadingSource
 from controller.control.stepcost import CostPrior, CostReader, StepCostModel, prior_from
 from controller.control.steps import StepFeed, StepSource
@@ -77,15 +77,17 @@ def build_core(
     capacity_history: int | None = 0,
 ) -> ControlCore[E]:
     """The core ``[control]``, ``[admission]`` and ``[slo]`` describe, on ``clock``, around the engine
-    that ``engine`` builds on the core's step feed. ``outcomes`` is configured to ``slo`` and
-    read by each observation; ``capacity_history`` ticks of capacity are kept (None: all)."""
+    that ``engine`` builds on the core's step feed. ``outcomes`` is configured to ``slo``, counts the
+    gate's refusals (``GateOutcomes``, before ``gate_events``) and is read by each observation;
+    ``capacity_history`` ticks of capacity are kept (None: all)."""
     window = TelemetryWindow(control.window_s, clock)
     steps = StepFeed(clock=clock)
     steps.watch(window.update, window.reset)  # at once: the liveness check and admission read it
     built = engine(steps)
     steps.source = built
     a = admission
-    gate = AdmissionGate(a.limit, a.max_queue, a.classes, a.aging_s, clock=clock, events=gate_events)
+    events = GateOutcomes(outcomes, gate_events)  # its refusals counted in the ledger, then the caller's
+    gate = AdmissionGate(a.limit, a.max_queue, a.classes, a.aging_s, clock=clock, events=events)
     model = StepCostModel(prior=cost_prior_for(control.cost_profile))
     outcomes.configure(slo)
     policy = control.build_policy(admission, slo, built.max_num_seqs)

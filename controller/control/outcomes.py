@@ -25,7 +25,9 @@ stats). TPOT is vLLM's ``mean_time_per_output_token`` (decode time over the toke
 
 The served outcomes come from vLLM's stat logger (``engine/runtime/stats.py``), keyed by vLLM's
 request id; a request the ledger was not told about (``started``) is counted in ``unmatched`` only,
-never under a made-up class. Refusals come from the gate's events (``admin/metrics.GateMetrics``).
+never under a made-up class. Refusals come from the gate's events (``GateOutcomes``, which
+``control/build.build_core`` puts in front of the caller's own, so the daemon and the twin count them
+alike).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from controller.admission.classes import GateEvents, NoEvents
 from controller.clock import Clock, monotonic
 from policies.slo_targets import SloBound, SloTargets
 
@@ -191,3 +194,25 @@ class OutcomeLedger:
             "by_class": by_class,
             "unmatched": self.unmatched,
         }
+
+
+class GateOutcomes:
+    """The gate's events (``admission/classes.GateEvents``) with each refusal counted in ``ledger``:
+    an early refusal or a shed waiter as ``refusal_outcome`` says (a 429 ``refused``, a 503
+    ``failed``), a queue deadline passed as ``refused``; every event then goes on to ``then`` (the
+    daemon's metrics, ``admin/metrics.GateMetrics``)."""
+
+    def __init__(self, ledger: OutcomeLedger, then: GateEvents | None = None) -> None:
+        self.ledger = ledger
+        self.then: GateEvents = then or NoEvents()
+
+    def admitted(self, cls: str, wait_s: float) -> None:
+        self.then.admitted(cls, wait_s)
+
+    def rejected(self, cls: str, reason: str) -> None:
+        self.ledger.ended(cls, refusal_outcome(reason))
+        self.then.rejected(cls, reason)
+
+    def timed_out(self, cls: str, wait_s: float) -> None:
+        self.ledger.ended(cls, "refused")
+        self.then.timed_out(cls, wait_s)

@@ -268,8 +268,6 @@ class Simulation:
             e2e_s=self.clock() - t0,
             error=error,
         )
-        if status == "refused":  # the daemon's gate events count its 429s in the same ledger
-            self.outcomes.ended(self.gate.class_name(spec.priority), "refused")
 
     # -- the driver ---------------------------------------------------------------------------------
     async def _settle(self) -> None:

@@ -12,8 +12,15 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from controller.admin.metrics import GateMetrics, Metrics
+from controller.admission.gate import GateRejected
 from controller.clock import FakeClock
-from controller.control.outcomes import OutcomeLedger, judged_bound, refusal_outcome, served_outcome
+from controller.control.outcomes import (
+    GateOutcomes,
+    OutcomeLedger,
+    judged_bound,
+    refusal_outcome,
+    served_outcome,
+)
 from controller.control.steps import StepFeed
 from policies.slo_targets import SloBound, SloTargets
 from tests.helpers import write_config
@@ -168,7 +175,7 @@ def _outcome(registry: CollectorRegistry, cls: str, outcome: str) -> float | Non
 def test_the_gates_refusals_and_served_requests_are_counted_by_class_and_outcome() -> None:
     registry = CollectorRegistry()
     metrics = Metrics(registry)
-    events = GateMetrics(metrics)
+    events = GateOutcomes(metrics.outcomes, GateMetrics(metrics))  # as build_core wires them
     events.rejected("batch", "queue_full")
     events.rejected("batch", "shed")
     events.timed_out("interactive", 5.0)
@@ -218,7 +225,7 @@ def test_state_shows_the_windows_outcomes(tmp_path: Path) -> None:
     from controller.lifecycle.parts import build_parts
 
     parts = build_parts(load_config(write_config(tmp_path / "config.toml")))
-    GateMetrics(parts.metrics).rejected("interactive", "queue_full")
+    GateOutcomes(parts.metrics.outcomes).rejected("interactive", "queue_full")
     shown = state(parts)["outcomes"]
     assert shown["by_class"]["interactive"]["refused"] == 1 and shown["attainment"] == 0.0
     assert shown["goodput_rps"] == 0.0 and shown["unmatched"] == 0
@@ -226,7 +233,6 @@ def test_state_shows_the_windows_outcomes(tmp_path: Path) -> None:
 
 def test_each_observation_carries_the_served_missed_and_refused_totals(tmp_path: Path) -> None:
     """The loop's observer reads the daemon's ledger: the slo policy steers its mean margin by them."""
-    from controller.admin.metrics import GateMetrics
     from controller.config.load import load_config
     from controller.lifecycle.parts import build_parts
 
@@ -236,8 +242,22 @@ def test_each_observation_carries_the_served_missed_and_refused_totals(tmp_path:
     for rid, tpot in (("a", 0.01), ("b", 0.2)):
         ledger.started(rid, "interactive", before_engine_s=0.0)
         ledger.served(rid, engine_ttft_s=0.1, tpot_s=tpot)
-    events = GateMetrics(parts.metrics)  # the gate's events, as build_parts wires them
+    events = GateOutcomes(ledger)  # the ledger's part of the gate's events
     events.rejected("batch", "queue_full")  # a 429
     events.rejected("batch", "engine_unavailable")  # a 503: not a refusal the margin could avoid
     seen = parts.observer.observe()
     assert (seen.served_total, seen.missed_total, seen.refused_total) == (2, 1, 1)
+
+
+def test_the_daemons_gate_counts_its_refusals_in_the_ledger_and_the_metrics(tmp_path: Path) -> None:
+    """``build_core`` puts the ledger's ``GateOutcomes`` before the daemon's metrics on the gate: a
+    refusal is counted once in each, by the gate itself."""
+    from controller.config.load import load_config
+    from controller.lifecycle.parts import build_parts
+
+    parts = build_parts(load_config(write_config(tmp_path / "config.toml")))
+    parts.gate.refuse_new(GateRejected("no engine", 503, 1, "engine_unavailable"))
+    with pytest.raises(GateRejected):
+        parts.gate.check_admission(0)
+    assert parts.metrics.outcomes.state()["by_class"]["interactive"]["failed"] == 1
+    assert _outcome(parts.registry, "interactive", "failed") == 1
