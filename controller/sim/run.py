@@ -2,14 +2,18 @@
 twin's engine, all on one virtual clock: the daemon's control core, built by the daemon's builder
 (``control/build.build_core``) around the engine behind the engine host's interface (``SimHost``).
 
-Only the engine is simulated. Each request is an asyncio task that does what our engine client
-(``engine/frontend/client.py``) does: ``check_admission`` (refused -> 429), ``AdmissionGate.slot``,
-the engine, and ``first_token`` (told at the request's end: the twin's outputs do not stream). The
-driver advances the virtual clock from event to event (an engine step ends, a request arrives, a
-control tick is due, a time-series sample is due) and lets the tasks run after each event, so a slot
-released by a finished request goes to the next waiter before the next step is planned, as it does
-between two steps of the real engine. Time never comes from the wall clock: two runs with the same
-workload, settings and seed give the same records.
+Only the engine is simulated: vLLM itself is the twin's ``SimLLM`` (``sim/llm.py``) over its
+``SimEngine``, and each request is an asyncio task that does what vLLM's OpenAI handler does with our
+engine client (``engine/frontend/client.GovernedEngineClient``) in front of it: the request's context
+(its priority resolved against ``[admission]``, its arrival on the virtual clock), the client's
+``check_admission`` (vLLM's preflight), the renderer's length check, then ``generate()`` read to its
+one, final output (the twin's requests do not stream). A refusal is the client's (``GateRefusal``) and
+the gate counts it in the outcome ledger, as in the daemon. The driver advances the virtual clock
+from event to event (an engine step ends, a request arrives, a control tick is due, a time-series
+sample is due) and lets the tasks run after each event, so a slot released by a finished request goes
+to the next waiter before the next step is planned, as it does between two steps of the real engine.
+Time never comes from the wall clock: two runs with the same workload, settings and seed give the same
+records.
 
 Noise. With the mean model (a profile without ``[variance]``, or ``use_variance=False``) request ``i``
 reaches the gate at ``arrival_i + frontend_s`` and a step lasts ``step_s(plan)``. With a profile's
@@ -41,7 +45,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller.admission.gate import GateRejected
+from controller.admission.classes import PriorityRefused
 from controller.clock import FakeClock
 from controller.config.load import AdmissionConfig, ControlConfig
 from controller.control.build import build_core
@@ -49,6 +53,8 @@ from controller.control.loop import Change
 from controller.control.outcomes import OutcomeLedger
 from controller.control.steps import KEPT, EngineStep
 from controller.control.warmfit import plan, seed_from_warm_up
+from controller.engine.frontend import context
+from controller.engine.frontend.client import GateRefusal, GovernedEngineClient
 from controller.load.workload import RequestSpec, describe
 from controller.results.records import (
     RequestRecord,
@@ -59,15 +65,19 @@ from controller.results.records import (
     tpot,
 )
 from controller.sim.engine import SimEngine, SimRequest, StepPlan
+from controller.sim.llm import PromptTooLong, SimHost, SimLLM, SimOutput, SimParams
 from controller.sim.profile import Profile
 from controller.sim.quantiles import LoadTables, QuantileTable
 from policies.base import Observation
 from policies.slo_targets import SloTargets
 
 SETTLE_ROUNDS = 4
-"""Event-loop rounds after each event. The longest chain is: the engine finishes a request -> its task
-resumes and releases the slot -> the gate wakes a waiter -> that task resumes and adds its request
-to the engine (three rounds); one more for safety."""
+"""Event-loop rounds after each event. The longest chain: a step ends and the virtual vLLM resolves a
+finished request's future -> (1) its ``generate`` resumes and yields the output through the engine
+client, which releases the slot (the gate grants it to a waiter) and starts its stream's pump task ->
+(2) the waiter's call adds its request to the engine, the pump ends the finished stream -> (3) the
+finished request's handler returns, and the request leaves ``_in_flight``. Three rounds; one more for
+safety (the twin's runs measure at most three before the event loop has nothing ready)."""
 
 MIN_STEP_S = 1e-6
 """A step takes at least this long, so virtual time always moves."""
@@ -114,45 +124,6 @@ class SimResult:
         return summarize(self.records, self.duration_s, slo_ttft_s, slo_tpot_s, self.series, extra)
 
 
-class SimHost:
-    """The twin's engine as the daemon's engine host shows itself to the control core
-    (``control/build.CoreEngine``): the knobs in force, the batch cap and the token budget moved
-    (each call returns at once: nothing crosses a process)."""
-
-    def __init__(self, engine: SimEngine) -> None:
-        self.engine = engine
-
-    @property
-    def batch_cap(self) -> int:
-        return self.engine.batch_cap
-
-    @property
-    def max_num_seqs(self) -> int:
-        return self.engine.max_num_seqs
-
-    @property
-    def token_budget(self) -> int:
-        return self.engine.token_budget
-
-    @property
-    def max_num_batched_tokens(self) -> int:
-        return self.engine.max_num_batched_tokens
-
-    @property
-    def token_budget_min(self) -> int:
-        return self.engine.token_budget_min
-
-    async def set_batch_cap(self, cap: int) -> int:
-        return self.engine.set_batch_cap(cap)
-
-    async def set_token_budget(self, budget: int) -> int:
-        return self.engine.set_token_budget(budget)
-
-    async def drain_steps(self) -> list[EngineStep]:
-        """None wait to be pulled: the driver publishes each step to the feed as it ends."""
-        return []
-
-
 class Simulation:
     """One run of a workload through the twin under the tables of ``control``. Use ``run`` once."""
 
@@ -176,10 +147,12 @@ class Simulation:
             c.admission,
             c.slo,
             self.outcomes,
-            engine=lambda _steps: SimHost(self.engine),  # the twin's driver publishes its steps
+            engine=lambda steps: SimHost(SimLLM(self.engine, steps, self.outcomes)),
             clock=self.clock,
             capacity_history=None,  # every tick's saturation
         )
+        self.llm = core.engine.llm
+        self.client = GovernedEngineClient(core.engine, core.gate, lambda: None)  # the engine never dies
         self.window, self.gate, self.capacity, self.loop = core.window, core.gate, core.capacity, core.loop
         self.steps = core.steps
         self.cost = core.cost.model
@@ -204,7 +177,7 @@ class Simulation:
     def _record_changes(self, _obs: Observation, changes: list[Change]) -> None:
         self.changes.extend(changes)
 
-    # -- one request, as our engine client handles it ---------------------------------------------------
+    # -- one request, as vLLM's OpenAI handler passes it to our engine client -------------------------
     async def _client(self, spec: RequestSpec) -> None:
         try:
             await self._request(spec)
@@ -213,45 +186,40 @@ class Simulation:
             self._in_flight -= 1
 
     async def _request(self, spec: RequestSpec) -> None:
-        t0 = spec.arrival_s  # then the front-end delay: TTFT's share the gate counts (the daemon's ticket)
-        limits = self.profile.engine
-        if spec.prompt_tokens + spec.output_tokens > limits.max_model_len:
-            msg = f"prompt + max_tokens = {spec.prompt_tokens + spec.output_tokens} > max_model_len"
-            self._fail(spec, t0, "failed", 400, msg)
+        t0 = spec.arrival_s  # then the front-end delay: TTFT's share the gate counts
+        bounds = self.control.admission.priority_bounds
+        try:  # the middleware's context, the priority resolved as priority.py resolves it
+            priority = bounds.resolve(spec.priority)
+        except PriorityRefused as exc:
+            self._fail(spec, t0, "failed", 400, str(exc))
             return
+        context.current.set(context.RequestContext(priority, resolved=True, bounds=bounds, arrived_mono=t0))
+        final: SimOutput | None = None
         try:
-            self.gate.check_admission(spec.priority, prompt_tokens=spec.prompt_tokens, arrived_mono=t0)
-        except GateRejected as exc:
-            self._fail(spec, t0, "refused", exc.status, exc.message)
+            self.client.check_admission()  # vLLM's preflight, before it renders the prompt
+            prompt, params = self.llm.render(spec), SimParams(spec.output_tokens)
+            async for output in self.client.generate(prompt, params, str(spec.index), priority=priority):
+                final = output  # as vLLM's handler keeps the last (the twin's one, final output)
+        except GateRefusal as exc:
+            self._fail(spec, t0, "refused", exc.http_status.value, exc.message)
             return
-        done: asyncio.Future[SimRequest] = asyncio.get_running_loop().create_future()
-        try:
-            async with self.gate.slot(spec.priority, t0, spec.prompt_tokens) as slot:
-                req = SimRequest.of(spec, self.clock())
-                req.on_finish = done.set_result
-                self.engine.add(req)
-                await done
-        except GateRejected as exc:
-            self._fail(spec, t0, "refused", exc.status, exc.message)
+        except PromptTooLong as exc:
+            self._fail(spec, t0, "failed", exc.status, str(exc))
             return
-        assert req.first_token_t is not None and req.finish_t is not None
-        queued = (req.scheduled_t or req.arrival_t) - req.arrival_t  # in the engine's waiting queue
-        self.gate.after_slot.first_token(req.first_token_t - slot.granted_mono, spec.prompt_tokens, queued)
-        ttft, e2e = req.first_token_t - t0, req.finish_t - t0
-        key = str(spec.index)  # judged as the daemon's ledger judges vLLM's finished requests
-        self.outcomes.started(key, slot.cls, slot.granted_mono - t0)
-        self.outcomes.served(key, req.first_token_t - slot.granted_mono, tpot(ttft, e2e, req.output_tokens))
+        assert final is not None and final.finished
+        m = final.metrics
+        ttft, e2e = m.first_token_ts - t0, m.last_token_ts - t0
         self._records[spec.index] = RequestRecord(
             index=spec.index,
             priority=spec.priority,
             prompt_tokens=spec.prompt_tokens,
             output_tokens_requested=spec.output_tokens,
-            output_tokens=req.output_tokens,
+            output_tokens=m.num_generation_tokens,
             arrival_s=t0,
             status="ok",
             http_status=200,
             ttft_s=ttft,
-            tpot_s=tpot(ttft, e2e, req.output_tokens),
+            tpot_s=tpot(ttft, e2e, m.num_generation_tokens),
             e2e_s=e2e,
         )
 
@@ -427,12 +395,10 @@ class Simulation:
                 step_end = t + step_s
 
     def _end_step(self, plan: StepPlan, t: float, step_s: float) -> bool:
-        """Apply a step at its end: it goes to the step feed, finished requests' tasks are woken."""
+        """Apply a step at its end and hand it to the virtual vLLM's output handler (its finished
+        requests' outputs, the step feed, the outcome ledger)."""
         step, done = self.engine.finish_step(plan, t, step_s)
-        self.steps.publish([step])
-        for req in done:
-            assert req.on_finish is not None
-            req.on_finish(req)
+        self.llm.step_ended(step, done)
         return bool(done)
 
     async def _finish(self, arrivals: Sequence[RequestSpec]) -> float:

@@ -79,7 +79,6 @@ from controller.bench.calibrate.measure import (
 from controller.config.load import AdmissionConfig
 from controller.sim.profile import CostModel, EngineLimits, Profile, ProfileError, Variance, dump_profile
 from controller.sim.quantiles import LoadTables, QuantileTable
-from controller.sim.twin import build_simulation
 
 LOAD_EDGES = (1, 2, 4, 8, 16, 32, 64)
 """Lowest in-flight count of each ``[variance.frontend_loaded]`` table."""
@@ -125,6 +124,8 @@ def loaded_delays(
     """(requests in flight at its send, measured TTFT - the twin's TTFT) for each answered request
     sent after the first ``ramp_s`` seconds. The twin replays the whole phase as sent: mean model,
     no front end, no gate in the way."""
+    from controller.sim.twin import build_simulation  # here: the twin's engine client loads vLLM
+
     profile = Profile("calibration", replace(cost, frontend_s=0.0), limits)
     admission = AdmissionConfig(limit=4096, max_queue=len(phase.specs) + 1)
     sim = build_simulation(profile, admission=admission, drain_s=3600.0, use_variance=False)

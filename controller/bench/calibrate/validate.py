@@ -37,7 +37,6 @@ from controller.load.client import Target, model_info, run_open_loop
 from controller.load.workload import RequestSpec, clamp_lengths, read_azure_trace, trace_window
 from controller.results.records import RequestRecord, summarize, write_jsonl
 from controller.sim.profile import Profile, load_profile
-from controller.sim.twin import build_simulation
 
 RATIO_KEYS = ("throughput_tok_s", "ttft_p50", "ttft_p99", "tpot_p50")
 FIGURES = ("requests", "ok", "throughput_tok_s", "ttft_p50", "ttft_p99", "tpot_p50", "duration_s")
@@ -180,6 +179,8 @@ def simulate(
     seed: int = 0,
     variance: bool = True,
 ) -> dict[str, Any]:
+    from controller.sim.twin import build_simulation  # here: the twin's engine client loads vLLM
+
     sim = build_simulation(profile, admission=admission, seed=seed, use_variance=variance)
     return figures(asyncio.run(sim.run(specs)).summary(None, None))
 

@@ -12,7 +12,7 @@ import contextlib
 import itertools
 from collections.abc import AsyncGenerator, Callable, Iterable
 from http import HTTPStatus
-from typing import Any
+from typing import Any, Protocol
 
 from vllm.engine.protocol import EngineClient
 from vllm.exceptions import GracefulHTTPError, RetryableRequestError
@@ -24,7 +24,6 @@ from controller.admission.gate import AdmissionGate, GateRejected, Slot
 from controller.clock import monotonic
 from controller.engine.frontend import context
 from controller.engine.frontend.pump import EngineStream
-from controller.engine.runtime.host import EngineHost
 from controller.engine.runtime.stats import OutcomeSink
 
 RETRIES_AFTER_ENGINE_DEATH = 1
@@ -53,10 +52,24 @@ def engine_queue_s(metrics: Any) -> float:
     return max(0.0, float(scheduled) - float(queued))
 
 
+class ClientHost(Protocol):
+    """What the client reads of the engine host: the daemon's ``runtime/host.EngineHost``, or the
+    twin's ``sim/llm.SimHost`` around its virtual vLLM."""
+
+    @property
+    def llm(self) -> Any:
+        """The engine every call goes to now (vLLM's ``AsyncLLM``)."""
+
+    in_flight: dict[int, tuple[str, Any]]
+    """The attempts in the engine now, by the client's key: (vLLM's request id, the engine)."""
+    aborted: dict[int, str]
+    """Attempts a restart aborted, with the reason their client is told."""
+
+
 class GovernedEngineClient(EngineClient):
     """Delegates to ``host.llm``; ``generate`` waits for a gate slot first."""
 
-    def __init__(self, host: EngineHost, gate: AdmissionGate, on_engine_dead: Callable[[], None]) -> None:
+    def __init__(self, host: ClientHost, gate: AdmissionGate, on_engine_dead: Callable[[], None]) -> None:
         self._host = host
         self._gate = gate
         self._on_engine_dead = on_engine_dead
