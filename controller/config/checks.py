@@ -49,10 +49,10 @@ def cross_table_errors(engine: dict[str, Any], tables: dict[str, Any]) -> list[s
     if not isinstance(seqs, int) or seqs < 1:
         errors.append(f"[engine] max_num_seqs = {seqs!r}: must be an integer >= 1 (it caps the batch)")
     control = tables["control"]
-    if isinstance(seqs, int) and 1 <= seqs < control.cap_min:
+    if isinstance(seqs, int) and 1 <= seqs < control.max_num_active_seqs_min:
         errors.append(
-            f"[control] cap_min = {control.cap_min}: above [engine] max_num_seqs = {seqs}, the batch "
-            "cap's ceiling; lower it"
+            f"[control] max_num_active_seqs_min = {control.max_num_active_seqs_min}: above [engine] "
+            f"max_num_seqs = {seqs}, the batch cap's ceiling; lower it"
         )
     if control.limit_min > control.limit_max:
         errors.append(

@@ -2,10 +2,11 @@
 (admission limit x token budget x queue deadline), on the same requests and SLO, ratios printed from
 the one run.
 
-A grid point is the static policy at ``admission_limit = L`` and ``token_budget = B`` (the batch cap at
-the engine's ``max_num_seqs``, as vLLM has it) with every class's queue deadline at ``D``; "defaults" is
-the static policy with ``[admission]`` and the engine as given (vLLM's own settings and no gate limit
-below them). Writes ``grid.json`` (every summary row, the best point and the ratios) and ``grid.md``.
+A grid point is the static policy at ``admission_limit = L`` and ``max_num_scheduled_tokens = B``
+(the token budget; the batch cap at the engine's ``max_num_seqs``, as vLLM has it) with every class's
+queue deadline at ``D``; "defaults" is the static policy with ``[admission]`` and the engine as given
+(vLLM's own settings and no gate limit below them). Writes ``grid.json`` (every summary row, the best
+point and the ratios) and ``grid.md``.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def runs(grid: dict[str, list[Any]], control: ControlConfig, admission: Admissio
     out = [Run(control.policy, control, admission), Run("defaults", static, admission)]
     for limit, budget, deadline in itertools.product(grid["limit"], grid["budget"], grid["deadline"]):
         classes = tuple(dataclasses.replace(c, queue_deadline_s=deadline) for c in admission.classes)
-        params = {"admission_limit": limit, "token_budget": budget}
+        params = {"admission_limit": limit, "max_num_scheduled_tokens": budget}
         point = dataclasses.replace(control, policy="static", params=params)
         name = f"static L{limit} B{budget} D{deadline:g}"
         out.append(Run(name, point, dataclasses.replace(admission, classes=classes)))
