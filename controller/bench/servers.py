@@ -139,6 +139,12 @@ def load_base_config(path: Path) -> dict[str, Any]:
     model = Path(engine["model"])
     if not model.is_absolute() and (path.parent / model).exists():
         engine["model"] = str((path.parent / model).resolve())
+    elif not model.is_absolute() and str(model).startswith((".", "models/")):  # local, as the daemon reads it
+        raise FileNotFoundError(
+            f"{path}: [engine] model = {str(model)!r}: no such folder beside the file "
+            f"({path.parent / model}); a relative model path is read from the config file's folder: "
+            "make it absolute or move the file"
+        )
     data["engine"] = engine
     return data
 
