@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import socket
@@ -28,9 +29,10 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import psutil
 
+from controller.admission.queues import GateStats
 from controller.bench.servers import to_toml
 from controller.load.client import pooled_connector, post
-from policies.base import Observation
+from policies.base import Observation, Policy
 
 if TYPE_CHECKING:
     from controller.lifecycle.daemon import Daemon
@@ -353,3 +355,44 @@ OBS_IDLE: dict[str, Any] = {
 def idle_obs(**overrides: Any) -> Observation:
     """An Observation of an idle engine (nothing in flight, no stats yet), with ``overrides``."""
     return obs(**{**OBS_IDLE, **overrides})
+
+
+# -- the parts the gauges read (admin/metrics.LiveGauges) ------------------------------------------
+
+
+class GateTotals:
+    """Gate totals: ``admitted`` and ``rejected`` so far, ``queued`` now; ``arrive`` adds arrivals."""
+
+    def __init__(self, admitted: int = 0, rejected: int = 0, queued: int = 0) -> None:
+        self.admitted, self.rejected, self.queued = admitted, rejected, queued
+
+    def arrive(self, n: int, refused: int = 0) -> None:
+        self.admitted += n - refused
+        self.rejected += refused
+
+    def stats(self) -> GateStats:
+        arrivals = self.admitted + self.rejected + self.queued  # each counted once, as it arrives
+        return GateStats(8, 0, self.queued, 0, self.admitted, self.rejected, 0, False, 0, arrivals)
+
+    def queued_by_class(self) -> dict[str, int]:
+        return {"default": self.queued}
+
+
+@dataclasses.dataclass
+class EngineKnobsInForce:
+    """An engine host's knobs as the gauges read them (``admin/metrics.LiveEngine``)."""
+
+    batch_cap: int = 8
+    max_num_seqs: int = 64
+    token_budget: int = 512
+    max_num_batched_tokens: int = 2048
+    token_budget_min: int = 16
+    generation: int = 1
+    ready: bool = True
+
+
+@dataclasses.dataclass
+class PolicyHolder:
+    """What holds the policy in force (the control loop, for the gauges)."""
+
+    policy: Policy

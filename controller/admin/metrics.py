@@ -16,7 +16,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from controller.control.capacity import Capacity
 from controller.control.loop import Change
-from controller.control.observe import GateReadings
+from controller.control.observe import EngineKnobs, GateReadings
 from controller.control.outcomes import OutcomeLedger, refusal_outcome
 from policies.base import Observation, Policy
 from policies.cost import CostEstimate
@@ -57,17 +57,8 @@ def _renamed_doc(new: str) -> str:
     return f"Deprecated: renamed {new}, which has the same value; removed in the next release."
 
 
-class LiveEngine(Protocol):
-    """The engine host as the gauges read it (a Protocol: the host imports vLLM)."""
-
-    @property
-    def batch_cap(self) -> int: ...
-
-    @property
-    def max_num_seqs(self) -> int: ...
-
-    @property
-    def token_budget(self) -> int: ...
+class LiveEngine(EngineKnobs, Protocol):
+    """The engine host as the gauges read it: its knobs, and which engine serves."""
 
     @property
     def generation(self) -> int: ...

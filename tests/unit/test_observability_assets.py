@@ -10,7 +10,6 @@ from prometheus_client import CollectorRegistry
 
 from controller.admin.metrics import Metrics
 from controller.admission.gate import AdmissionGate
-from policies.base import Policy
 from policies.static import StaticPolicy
 from tests.assets import (
     ALERTS,
@@ -25,6 +24,7 @@ from tests.assets import (
     vllm_metric_names,
     vllm_source_metric_names,
 )
+from tests.helpers import EngineKnobsInForce, PolicyHolder
 
 
 @pytest.mark.parametrize(
@@ -154,21 +154,14 @@ def test_promtool_accepts_the_rules() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-class _Engine:
-    batch_cap, max_num_seqs, generation, ready = 12, 16, 2, True
-    token_budget = 512
-
-
-class _Holder:
-    def __init__(self, policy: Policy) -> None:
-        self.policy = policy
+ENGINE = EngineKnobsInForce(batch_cap=12, max_num_seqs=16, generation=2)
 
 
 def test_gauges_are_read_at_scrape_time() -> None:
     metrics = Metrics(CollectorRegistry())
     gate = AdmissionGate(4, 100)
-    holder = _Holder(StaticPolicy(max_num_seqs=16, initial_limit=4, preset="interactive"))
-    metrics.live.read_from(gate, _Engine(), holder)
+    holder = PolicyHolder(StaticPolicy(max_num_seqs=16, initial_limit=4, preset="interactive"))
+    metrics.live.read_from(gate, ENGINE, holder)
     value = metrics.registry.get_sample_value
     assert value("autopilot_admission_limit") == 4
     gate.set_limit(9)  # no refresh step: the next scrape sees it
@@ -182,8 +175,8 @@ def test_gauges_are_read_at_scrape_time() -> None:
 
 def test_the_knobs_old_metric_names_show_the_same_values_until_the_next_release() -> None:
     metrics = Metrics(CollectorRegistry())
-    holder = _Holder(StaticPolicy(max_num_seqs=16, initial_limit=4, preset="interactive"))
-    metrics.live.read_from(AdmissionGate(4, 100), _Engine(), holder)
+    holder = PolicyHolder(StaticPolicy(max_num_seqs=16, initial_limit=4, preset="interactive"))
+    metrics.live.read_from(AdmissionGate(4, 100), ENGINE, holder)
     value = metrics.registry.get_sample_value
     assert value("autopilot_batch_cap") == value("autopilot_max_num_active_seqs") == 12
     assert value("autopilot_token_budget") == value("autopilot_max_num_scheduled_tokens") == 512
