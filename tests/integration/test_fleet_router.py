@@ -48,13 +48,13 @@ import pytest_asyncio
 
 from controller.bench.router import routed
 from controller.bench.router import router_binary as bench_router_binary
+from controller.bench.servers import spawn, stop, wait_healthy
 from controller.results.records import read_records
 from tests.helpers import (
     ROOT,
     http_session,
     stream_completion,
     wait_for,
-    wait_healthy,
     write_config,
 )
 
@@ -126,19 +126,6 @@ class Replica:
         raise AssertionError(f"no EngineCore under daemon {self.name}")
 
 
-def start_group(command: list[str], log_path: Path) -> subprocess.Popen[bytes]:
-    with open(log_path, "wb") as log:
-        return subprocess.Popen(
-            command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-
-def stop_group(popen: subprocess.Popen[bytes]) -> None:
-    if popen.poll() is None:
-        os.killpg(popen.pid, signal.SIGKILL)
-        popen.wait()
-
-
 @contextlib.contextmanager
 def replicas(root: Path) -> Iterator[list[Replica]]:
     """Two daemons started together (their engines build side by side), yielded once both are healthy."""
@@ -162,15 +149,15 @@ def replicas(root: Path) -> Iterator[list[Replica]]:
             admin_port = _port_of(tables, "admin")
             command = [sys.executable, "-m", "controller", "serve", "--config", str(config)]
             log = folder / "daemon.log"
-            popen = start_group(command, log)
+            popen = spawn(command, log, ROOT)
             url, admin = f"http://127.0.0.1:{server_port}", f"http://127.0.0.1:{admin_port}"
             started.append(Replica(name, url, admin, popen, log))
         for r in started:
-            wait_healthy(r.popen, r.admin, 240.0, r.log)
+            wait_healthy(r.popen, [r.admin + "/healthz"], 240.0, r.log)
         yield started
     finally:
         for r in started:
-            stop_group(r.popen)
+            stop(r.popen, 0.0)  # no drain to wait for
 
 
 def _port_of(toml_text: str, table: str) -> int:
