@@ -40,10 +40,10 @@ def cross_table_errors(engine: dict[str, Any], tables: dict[str, Any]) -> list[s
             'this machine without a token; set [admin] token, or host = "127.0.0.1"'
         )
     adm = tables["admission"]
-    if adm.default_priority < adm.min_priority:
+    if adm.default_priority < adm.most_urgent_priority:
         errors.append(
-            f"[admission] default_priority = {adm.default_priority}: below min_priority = "
-            f"{adm.min_priority}, so a request naming none would be refused; raise it"
+            f"[admission] default_priority = {adm.default_priority}: below most_urgent_priority = "
+            f"{adm.most_urgent_priority}, so a request naming none would be refused; raise it"
         )
     seqs = engine["max_num_seqs"]
     if not isinstance(seqs, int) or seqs < 1:

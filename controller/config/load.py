@@ -109,7 +109,7 @@ class AdmissionConfig:
         0,
         3600,
     )
-    min_priority: int = _f(
+    most_urgent_priority: int = _f(
         PRIORITY_MIN,
         "The most urgent priority a client may ask for (lower is more urgent); a request asking for "
         "more is refused with 400. Default: any int64 (clients pick their class).",
@@ -133,7 +133,7 @@ class AdmissionConfig:
 
     @property
     def priority_bounds(self) -> PriorityBounds:
-        return PriorityBounds(self.min_priority, self.default_priority)
+        return PriorityBounds(self.most_urgent_priority, self.default_priority)
 
 
 @dataclass(frozen=True)
@@ -294,10 +294,12 @@ _DICT_FIELDS = {"vllm", "params", "classes"}
 """Fields that hold a table of free-form keys rather than one typed value."""
 
 RENAMED: dict[str, dict[str, str]] = {
-    "control": {"tick_seconds": "tick_s", "window_seconds": "window_s", "cap_min": "max_num_active_seqs_min"}
+    "control": {"tick_seconds": "tick_s", "window_seconds": "window_s", "cap_min": "max_num_active_seqs_min"},
+    "admission": {"min_priority": "most_urgent_priority"},
 }
-"""Per table, old key -> new key: every duration is spelt ``_s``, and the batch cap is named as vLLM
-names it. The old name is read, with a warning, until the next release; both names in one table is an
+"""Per table, old key -> new key: every duration is spelt ``_s``, the batch cap is named as vLLM names
+it, and the most urgent priority a client may ask for is not a class's ``min_priority``, the lower end
+of its range. The old name is read, with a warning, until the next release; both names in one table is an
 error, since the file then says two things."""
 
 RENAMED_PARAMS: dict[str, dict[str, str]] = {

@@ -30,9 +30,13 @@ from policies.base import REGISTRY
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_ADMISSION = {
-    "limit": 64, "max_queue": 1024, "aging_s": 10.0, "min_priority": -(2**63), "default_priority": 0,
+    "limit": 64,
+    "max_queue": 1024,
+    "aging_s": 10.0,
+    "most_urgent_priority": -(2**63),
+    "default_priority": 0,
     "ttft_wait_share": 0.8,
-}  # fmt: skip
+}
 DEFAULT = ROOT / "config.toml"
 BASE: dict[str, Any] = tomllib.loads(DEFAULT.read_text())
 
@@ -77,7 +81,7 @@ def test_default_config_loads() -> None:
             "admission",
             "xyzzy",
             "[admission] unknown key 'xyzzy': known keys: "
-            "aging_s, default_priority, limit, max_queue, min_priority, ttft_wait_share",
+            "aging_s, default_priority, limit, max_queue, most_urgent_priority, ttft_wait_share",
         ),
         ("admin", "prot", "[admin] unknown key 'prot': did you mean 'port'?"),
         ("control", "polcy", "[control] unknown key 'polcy': did you mean 'policy'?"),
@@ -270,6 +274,16 @@ def test_another_policy_keeps_its_own_parameter_of_a_moved_name() -> None:
     config = parse_config(with_changes(control={"policy": "hysteresis", "params": {"min_cap": 4}}), DEFAULT)
     assert config.control.params == {"min_cap": 4}
     assert (config.control.max_num_active_seqs_min, config.warnings) == (1, ())
+
+
+def test_admissions_old_min_priority_loads_as_most_urgent_priority_with_a_warning() -> None:
+    config = parse_config(with_changes(admission={"min_priority": 0}), DEFAULT)
+    assert config.admission.most_urgent_priority == 0
+    assert config.warnings == (
+        "[admission] min_priority is renamed most_urgent_priority: write most_urgent_priority instead; "
+        "the old name is read until the next release",
+    )
+    assert [c.min_priority for c in config.admission.classes] == [None, 1]  # a class's range: its own name
 
 
 @pytest.mark.parametrize(
