@@ -320,17 +320,23 @@ async def test_a_ttft_header_through_the_router_reaches_the_gate(fleet: Fleet) -
     print(f"TTFT header through the router: 429 ({reason}) after {attempts} tries in {took:.2f} s")
 
 
+def get_load_polls(replica: Replica) -> list[str]:
+    """The router's ``/get_load`` requests in ``replica``'s log (vLLM's access log)."""
+    return [line for line in replica.log.read_text(errors="replace").splitlines() if "/get_load" in line]
+
+
 async def test_power_of_two_reads_get_load_and_avoids_the_loaded_daemon(fleet: Fleet) -> None:
     with router(fleet.binary, [fleet.a, fleet.b], fleet.folder, "power_of_two") as url:
         async with at_limit(fleet.a):
-            await asyncio.sleep(2.5)  # two of the router's /get_load polls (every 1 s) see the load
+            polled = len(get_load_polls(fleet.a))  # two more polls (every 1 s) have seen the load
+            await wait_for(lambda: len(get_load_polls(fleet.a)) >= polled + 2, 30, "two /get_load polls")
             (a_admitted, a_rejected), (b_admitted, _) = counts(fleet.a), counts(fleet.b)
             async with http_session() as s:
                 results = [await stream_completion(s, url, 8) for _ in range(6)]
             assert [r["status"] for r in results] == [200] * 6, results
             assert counts(fleet.a) == (a_admitted, a_rejected)  # load 3 against 0: never chosen
             assert counts(fleet.b)[0] - b_admitted == 6
-    polls = [line for line in fleet.a.log.read_text(errors="replace").splitlines() if "/get_load" in line]
+    polls = get_load_polls(fleet.a)
     assert polls and all(" 200" in line for line in polls), polls[-3:]
 
 
