@@ -37,8 +37,8 @@ browser:
 	  || echo "chromium not installed: the status page's browser test will be skipped"
 
 lint: install
-	$(BIN)/ruff check controller policies tests bench
-	$(BIN)/ruff format --check controller policies tests bench
+	$(BIN)/ruff check controller policies tests bench tools
+	$(BIN)/ruff format --check controller policies tests bench tools
 	$(BIN)/mypy
 
 # The shape of the house: import circles (imports inside functions count), the largest modules, the
