@@ -1,8 +1,7 @@
 #!/usr/bin/env python3
 """The shape of the house, from the project root: import circles among the modules of controller/ and
 policies/ (imports inside functions count too), the largest modules (a prompt to read them for
-cohesion, not a limit), the `# fmt: skip` lines in production code, and how much Python lives under
-bench/.
+cohesion, not a limit) and the `# fmt: skip` lines in production code.
 Run it from the project root: python3 tools/house.py (or `make house`)"""
 
 import ast
@@ -81,12 +80,6 @@ for v in graph:
 long = sorted(
     ((len(f.read_text().splitlines()), str(f.relative_to(root))) for f in mods.values()), reverse=True
 )
-over = [(n, p) for n, p in long if n > 400]
-bench_lines = (
-    sum(len(f.read_text().splitlines()) for f in (root / "bench").rglob("*.py"))
-    if (root / "bench").is_dir()
-    else 0
-)
 print(f"import circles: {len(sccs)}" + "".join(f"\n  - {' <-> '.join(c)}" for c in sccs))
 print(
     "largest modules (read them for one reason to change; no line count is a target):"
@@ -94,4 +87,3 @@ print(
 )
 skips = sum(f.read_text().count("# fmt: skip") for f in mods.values())
 print(f"`# fmt: skip` in controller/ and policies/: {skips}")
-print(f"lines of Python under bench/: {bench_lines}")
