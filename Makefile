@@ -37,12 +37,12 @@ browser:
 	  || echo "chromium not installed: the status page's browser test will be skipped"
 
 lint: install
-	$(BIN)/ruff check controller policies tests bench
-	$(BIN)/ruff format --check controller policies tests bench
+	$(BIN)/ruff check controller policies tests tools
+	$(BIN)/ruff format --check controller policies tests tools
 	$(BIN)/mypy
 
 # The shape of the house: import circles (imports inside functions count), the largest modules, the
-# `# fmt: skip` lines and the Python under bench/ (ARCHITECTURE.md's rules); it prints, it never fails.
+# `# fmt: skip` lines (ARCHITECTURE.md's rules); it prints, it never fails.
 house:
 	$(PYTHON) tools/house.py
 

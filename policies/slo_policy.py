@@ -95,10 +95,10 @@ class SloPolicy(Policy):
     good requests then pay for in TPOT.
 
     The policy asks for targets; the normalize stage (``controller/control/normalize.py``) clamps them
-    (``[control] cap_min``, ``limit_min``), drops moves within ``tolerance`` of the value in force,
-    holds a quick reversal (``reverse_after_s``) and rate-limits the budget. The steps here are
-    noisy, so the policy names its own defaults for the first two (``normalize_defaults``: tolerance
-    0.1, a reversal held 30 s), which ``[control]`` overrides.
+    (``[control] max_num_active_seqs_min``, ``limit_min``), drops moves within ``tolerance`` of the
+    value in force, holds a quick reversal (``reverse_after_s``) and rate-limits the budget. The steps
+    here are noisy, so the policy names its own defaults for the first two (``normalize_defaults``:
+    tolerance 0.1, a reversal held 30 s), which ``[control]`` overrides.
 
     Parameters (defaults): ``margin`` 0.9; ``budget_margin`` 0.9 (``margin`` of the token budget's
     step); ``kv_target`` 0.9; ``kv_min_running`` 4; ``min_prefill_tokens`` 64; ``headroom`` 0.1;

@@ -8,19 +8,20 @@ from policies.base import Decision, Observation, Policy, PolicyError
 
 PRESETS: dict[str, dict[str, int]] = {
     # The usual tuning advice: small batches for chat latency, large ones for batch throughput.
-    "interactive": {"batch_cap": 32, "admission_limit": 32},
-    "throughput": {"batch_cap": 256, "admission_limit": 512},
-    "mixed": {"batch_cap": 128, "admission_limit": 128},
-    "small": {"batch_cap": 48, "admission_limit": 48},
+    "interactive": {"max_num_active_seqs": 32, "admission_limit": 32},
+    "throughput": {"max_num_active_seqs": 256, "admission_limit": 512},
+    "mixed": {"max_num_active_seqs": 128, "admission_limit": 128},
+    "small": {"max_num_active_seqs": 48, "admission_limit": 48},
 }
 
 
 class StaticPolicy(Policy):
     """Holds the batch cap, the admission limit and (when given) the token budget at fixed values.
 
-    Formula: ``batch_cap = B``, ``admission_limit = L``, ``token_budget = T`` at every tick.
-    Parameters: ``preset`` (one of PRESETS) or explicit ``batch_cap`` / ``admission_limit`` (explicit
-    values override the preset's), and ``token_budget``. Without any, ``B`` is the engine's
+    Formula: batch cap ``B``, admission limit ``L``, token budget ``T`` at every tick.
+    Parameters, named as vLLM names the two engine knobs: ``preset`` (one of PRESETS) or explicit
+    ``max_num_active_seqs`` (``B``) / ``admission_limit`` (``L``) (explicit values override the
+    preset's), and ``max_num_scheduled_tokens`` (``T``). Without any, ``B`` is the engine's
     ``max_num_seqs``, ``L`` is ``[admission] limit`` and the token budget is left as the engine has it
     (``max_num_batched_tokens``). The normalize stage clamps ``B`` to ``max_num_seqs`` and ``T`` to
     ``max_num_batched_tokens``.
@@ -35,28 +36,28 @@ class StaticPolicy(Policy):
         max_num_seqs: int,
         initial_limit: int,
         preset: str | None = None,
-        batch_cap: int | None = None,
+        max_num_active_seqs: int | None = None,
         admission_limit: int | None = None,
-        token_budget: int | None = None,
+        max_num_scheduled_tokens: int | None = None,
     ) -> None:
-        base: dict[str, int] = {"batch_cap": max_num_seqs, "admission_limit": initial_limit}
+        base: dict[str, int] = {"max_num_active_seqs": max_num_seqs, "admission_limit": initial_limit}
         if preset is not None:
             if not isinstance(preset, str) or preset not in PRESETS:  # a TOML list is unhashable
                 raise PolicyError(f"preset = {preset!r}: use one of {', '.join(PRESETS)}")
             base = dict(PRESETS[preset])
         for key, value in (
-            ("batch_cap", batch_cap),
+            ("max_num_active_seqs", max_num_active_seqs),
             ("admission_limit", admission_limit),
-            ("token_budget", token_budget),
+            ("max_num_scheduled_tokens", max_num_scheduled_tokens),
         ):
             if value is not None:
                 if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                     raise PolicyError(f"{key} = {value!r}: must be an integer >= 1")
                 base[key] = value
         self.preset = preset
-        self.batch_cap = base["batch_cap"]
+        self.batch_cap = base["max_num_active_seqs"]
         self.admission_limit = base["admission_limit"]
-        self.token_budget = base.get("token_budget")
+        self.token_budget = base.get("max_num_scheduled_tokens")
 
     def decide(self, obs: Observation, now_mono: float) -> Decision:
         return Decision(self.admission_limit, self.batch_cap, "static", token_budget=self.token_budget)
@@ -64,7 +65,7 @@ class StaticPolicy(Policy):
     def params(self) -> dict[str, Any]:
         return {
             "preset": self.preset,
-            "batch_cap": self.batch_cap,
+            "max_num_active_seqs": self.batch_cap,
             "admission_limit": self.admission_limit,
-            "token_budget": self.token_budget,
+            "max_num_scheduled_tokens": self.token_budget,
         }

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import signal
+import dataclasses
 import socket
 import subprocess
 import sys
 import time
 import tomllib
-import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,9 +26,10 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import psutil
 
-from controller.bench.servers import to_toml
+from controller.admission.queues import GateStats
+from controller.bench.servers import serving, to_toml
 from controller.load.client import pooled_connector, post
-from policies.base import Observation
+from policies.base import Observation, Policy
 
 if TYPE_CHECKING:
     from controller.lifecycle.daemon import Daemon
@@ -95,25 +94,6 @@ async def running_daemon(config: Path, **parts: Any) -> AsyncIterator[Daemon]:
         await d.shutdown()
 
 
-def wait_healthy(popen: subprocess.Popen[bytes], admin_url: str, timeout_s: float, log_path: Path) -> None:
-    """Until ``/healthz`` answers 200; fails if the daemon exits (with its log's last lines, which say
-    why) or the timeout passes."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if popen.poll() is not None:
-            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-25:])
-            code = popen.returncode
-            raise AssertionError(f"daemon exited during startup (exit code {code}); its log ends:\n{tail}")
-        try:
-            with urllib.request.urlopen(admin_url + "/healthz", timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError("daemon did not become healthy")
-
-
 @contextlib.contextmanager
 def daemon_process(
     config: Path, admin_url: str, startup_timeout_s: float = 240.0
@@ -130,23 +110,10 @@ def daemon_process(
 def serve_process(
     command: list[str], log_path: Path, admin_url: str, startup_timeout_s: float = 240.0
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """Run ``command`` (a daemon's serve line) in its own process group, its output in ``log_path``;
-    yield it once healthy, and kill the group if it is still running at the end."""
-    with open(log_path, "wb") as log:
-        popen = subprocess.Popen(
-            command,
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            wait_healthy(popen, admin_url, startup_timeout_s, log_path)
-            yield popen
-        finally:
-            if popen.poll() is None:
-                os.killpg(popen.pid, signal.SIGKILL)
-                popen.wait()
+    """Run ``command`` (a daemon's serve line) as the bench runs a server (``bench/servers.serving``),
+    from the repository's root; yield it once ``/healthz`` answers, and kill its group at the end."""
+    with serving(command, log_path, [admin_url + "/healthz"], startup_timeout_s, 0.0, ROOT) as popen:
+        yield popen
 
 
 def url(d: Daemon, path: str) -> str:
@@ -353,3 +320,44 @@ OBS_IDLE: dict[str, Any] = {
 def idle_obs(**overrides: Any) -> Observation:
     """An Observation of an idle engine (nothing in flight, no stats yet), with ``overrides``."""
     return obs(**{**OBS_IDLE, **overrides})
+
+
+# -- the parts the gauges read (admin/metrics.LiveGauges) ------------------------------------------
+
+
+class GateTotals:
+    """Gate totals: ``admitted`` and ``rejected`` so far, ``queued`` now; ``arrive`` adds arrivals."""
+
+    def __init__(self, admitted: int = 0, rejected: int = 0, queued: int = 0) -> None:
+        self.admitted, self.rejected, self.queued = admitted, rejected, queued
+
+    def arrive(self, n: int, refused: int = 0) -> None:
+        self.admitted += n - refused
+        self.rejected += refused
+
+    def stats(self) -> GateStats:
+        arrivals = self.admitted + self.rejected + self.queued  # each counted once, as it arrives
+        return GateStats(8, 0, self.queued, 0, self.admitted, self.rejected, 0, False, 0, arrivals)
+
+    def queued_by_class(self) -> dict[str, int]:
+        return {"default": self.queued}
+
+
+@dataclasses.dataclass
+class EngineKnobsInForce:
+    """An engine host's knobs as the gauges read them (``admin/metrics.LiveEngine``)."""
+
+    batch_cap: int = 8
+    max_num_seqs: int = 64
+    token_budget: int = 512
+    max_num_batched_tokens: int = 2048
+    token_budget_min: int = 16
+    generation: int = 1
+    ready: bool = True
+
+
+@dataclasses.dataclass
+class PolicyHolder:
+    """What holds the policy in force (the control loop, for the gauges)."""
+
+    policy: Policy

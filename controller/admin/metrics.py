@@ -16,20 +16,27 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from controller.control.capacity import Capacity
 from controller.control.loop import Change
-from controller.control.observe import GateReadings
+from controller.control.observe import EngineKnobs, GateReadings
 from controller.control.outcomes import OutcomeLedger
 from policies.base import Observation, Policy
 from policies.cost import CostEstimate
 
 GAUGES = {
     "autopilot_admission_limit": "Requests allowed inside the engine at once.",
-    "autopilot_batch_cap": "Active-request cap of the engine's scheduler.",
+    "autopilot_max_num_active_seqs": "Active-request cap of the engine's scheduler (the batch cap).",
     "autopilot_max_num_seqs": "Hard ceiling of the batch cap (engine max_num_seqs).",
-    "autopilot_token_budget": "Most tokens the engine's scheduler issues in one step.",
+    "autopilot_max_num_scheduled_tokens": "Most tokens the engine's scheduler issues in one step (the "
+    "token budget).",
     "autopilot_in_flight_requests": "Requests holding an admission slot.",
     "autopilot_engine_generation": "How many engines this daemon has started.",
     "autopilot_engine_up": "1 when the engine serves, else 0.",
 }
+RENAMED_GAUGES = {
+    "autopilot_batch_cap": "autopilot_max_num_active_seqs",
+    "autopilot_token_budget": "autopilot_max_num_scheduled_tokens",
+}
+"""Old name -> new (vLLM's names of the two engine knobs): the old name is exposed beside the new, with
+the same value, until the next release, so that a dashboard or an alert has a release to move."""
 QUEUE_DEPTH = "Requests waiting in the admission gate, by priority class."
 POLICY_TERM = "Internal terms of the active policy (error, integral, tau_s, ...)."
 COST_GAUGES = {
@@ -46,17 +53,12 @@ CAPACITY_GAUGES = {
 COST_TERM = "Step-cost model coefficient: step_s = a_s + b*prefill + c*decode_seqs + d*kv_tokens."
 
 
-class LiveEngine(Protocol):
-    """The engine host as the gauges read it (a Protocol: the host imports vLLM)."""
+def _renamed_doc(new: str) -> str:
+    return f"Deprecated: renamed {new}, which has the same value; removed in the next release."
 
-    @property
-    def batch_cap(self) -> int: ...
 
-    @property
-    def max_num_seqs(self) -> int: ...
-
-    @property
-    def token_budget(self) -> int: ...
+class LiveEngine(EngineKnobs, Protocol):
+    """The engine host as the gauges read it: its knobs, and which engine serves."""
 
     @property
     def generation(self) -> int: ...
@@ -123,6 +125,7 @@ class LiveGauges:
 
     def describe(self) -> Iterator[Metric]:
         yield from (GaugeMetricFamily(name, doc) for name, doc in GAUGES.items())
+        yield from (GaugeMetricFamily(old, _renamed_doc(new)) for old, new in RENAMED_GAUGES.items())
         yield GaugeMetricFamily("autopilot_queue_depth", QUEUE_DEPTH, labels=["priority_class"])
         yield GaugeMetricFamily("autopilot_policy_term", POLICY_TERM, labels=["policy", "term"])
         yield GaugeMetricFamily("autopilot_cost_model_coefficient", COST_TERM, labels=["term"])
@@ -143,8 +146,11 @@ class LiveGauges:
             g.in_flight,
             engine.generation,
         )
-        for (name, doc), value in zip(GAUGES.items(), (*values, 1 if engine.ready else 0), strict=True):
-            yield GaugeMetricFamily(name, doc, value=value)
+        read = dict(zip(GAUGES, (*values, 1 if engine.ready else 0), strict=True))
+        for name, doc in GAUGES.items():
+            yield GaugeMetricFamily(name, doc, value=read[name])
+        for old, new in RENAMED_GAUGES.items():
+            yield GaugeMetricFamily(old, _renamed_doc(new), value=read[new])
         depth = GaugeMetricFamily("autopilot_queue_depth", QUEUE_DEPTH, labels=["priority_class"])
         for cls, n in gate.queued_by_class().items():  # a class removed by a reload disappears
             depth.add_metric([cls], n)

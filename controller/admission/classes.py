@@ -66,7 +66,7 @@ class PriorityRefused(ValueError):
 
 @dataclass(frozen=True)
 class PriorityBounds:
-    """What a client may ask for: ``[admission] min_priority`` and ``default_priority``."""
+    """What a client may ask for: ``[admission] most_urgent_priority`` and ``default_priority``."""
 
     most_urgent: int = PRIORITY_MIN
     """The lowest (most urgent) priority a request may name; lower is refused."""

@@ -139,6 +139,12 @@ def load_base_config(path: Path) -> dict[str, Any]:
     model = Path(engine["model"])
     if not model.is_absolute() and (path.parent / model).exists():
         engine["model"] = str((path.parent / model).resolve())
+    elif not model.is_absolute() and str(model).startswith((".", "models/")):  # local, as the daemon reads it
+        raise FileNotFoundError(
+            f"{path}: [engine] model = {str(model)!r}: no such folder beside the file "
+            f"({path.parent / model}); a relative model path is read from the config file's folder: "
+            "make it absolute or move the file"
+        )
     data["engine"] = engine
     return data
 
@@ -297,6 +303,39 @@ def stop(proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
     return killed
 
 
+def spawn(argv: Sequence[str], log: Path, cwd: Path | None = None) -> subprocess.Popen[bytes]:
+    """``argv`` in a process group of its own (``stop`` ends the server's children with it), its
+    output in ``log``."""
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            list(argv),
+            cwd=cwd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+
+@contextmanager
+def serving(
+    argv: Sequence[str],
+    log: Path,
+    health_urls: Sequence[str],
+    startup_timeout_s: float,
+    stop_timeout_s: float = 60.0,
+    cwd: Path | None = None,
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A server started by ``spawn``, yielded once every one of ``health_urls`` answers 200, always
+    stopped (``stop``: ``stop_timeout_s`` 0 kills it at once, as a test that needs no drain does)."""
+    proc = spawn(argv, log, cwd)
+    try:
+        wait_healthy(proc, health_urls, startup_timeout_s, log)
+        yield proc
+    finally:
+        stop(proc, stop_timeout_s)
+
+
 @contextmanager
 def launched(
     spec: ServerSpec,
@@ -310,10 +349,7 @@ def launched(
     workdir.mkdir(parents=True, exist_ok=True)
     argv, base_url, metrics_url, state_url = command(spec, base, workdir)
     log = workdir / f"{_slug(spec.name)}.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
-        )
+    proc = spawn(argv, log)
     config = workdir / f"{_slug(spec.name)}.toml" if spec.kind == "daemon" else None
     handle = Launched(
         spec, base_url, metrics_url, state_url, proc.pid, float("nan"), log, proc=proc, config_path=config

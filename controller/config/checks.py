@@ -40,19 +40,19 @@ def cross_table_errors(engine: dict[str, Any], tables: dict[str, Any]) -> list[s
             'this machine without a token; set [admin] token, or host = "127.0.0.1"'
         )
     adm = tables["admission"]
-    if adm.default_priority < adm.min_priority:
+    if adm.default_priority < adm.most_urgent_priority:
         errors.append(
-            f"[admission] default_priority = {adm.default_priority}: below min_priority = "
-            f"{adm.min_priority}, so a request naming none would be refused; raise it"
+            f"[admission] default_priority = {adm.default_priority}: below most_urgent_priority = "
+            f"{adm.most_urgent_priority}, so a request naming none would be refused; raise it"
         )
     seqs = engine["max_num_seqs"]
     if not isinstance(seqs, int) or seqs < 1:
         errors.append(f"[engine] max_num_seqs = {seqs!r}: must be an integer >= 1 (it caps the batch)")
     control = tables["control"]
-    if isinstance(seqs, int) and 1 <= seqs < control.cap_min:
+    if isinstance(seqs, int) and 1 <= seqs < control.max_num_active_seqs_min:
         errors.append(
-            f"[control] cap_min = {control.cap_min}: above [engine] max_num_seqs = {seqs}, the batch "
-            "cap's ceiling; lower it"
+            f"[control] max_num_active_seqs_min = {control.max_num_active_seqs_min}: above [engine] "
+            f"max_num_seqs = {seqs}, the batch cap's ceiling; lower it"
         )
     if control.limit_min > control.limit_max:
         errors.append(

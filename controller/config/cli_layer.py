@@ -6,7 +6,7 @@ expands it into command-line options, so it counts as given); the daemon's TOML 
 override the file (``controller/engine/runtime/serve_args.py`` records them as it parses).
 
 ``--config`` names our file when it ends in ``.toml`` and vLLM's YAML otherwise, so
-``serve --config /etc/vllm-autopilot/config.toml`` (the systemd unit, deploy/k8s/) reads as before.
+``serve --config /etc/vllm-autopilot/config.toml`` (the systemd unit, deploy/k8s/) reads our TOML file.
 Without a TOML file there is no file layer: the tables take their documented defaults, and the model is
 vLLM's default when none is named. The layered tables go through ``parse_config`` like the file's own,
 so a bad value gets the file's message, with the flag that set it.

@@ -109,7 +109,7 @@ class AdmissionConfig:
         0,
         3600,
     )
-    min_priority: int = _f(
+    most_urgent_priority: int = _f(
         PRIORITY_MIN,
         "The most urgent priority a client may ask for (lower is more urgent); a request asking for "
         "more is refused with 400. Default: any int64 (clients pick their class).",
@@ -133,7 +133,7 @@ class AdmissionConfig:
 
     @property
     def priority_bounds(self) -> PriorityBounds:
-        return PriorityBounds(self.min_priority, self.default_priority)
+        return PriorityBounds(self.most_urgent_priority, self.default_priority)
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,12 @@ class ControlConfig:
     history: int = _f(50, "How many recent decisions /state shows.", 1, 10_000)
     limit_max: int = _f(4096, "Ceiling of the admission limit any policy may set.", 1, 1_000_000)
     limit_min: int = _f(1, "Floor of the admission limit any policy may set.", 1, 1_000_000)
-    cap_min: int = _f(1, "Floor of the batch cap any policy may set (up to max_num_seqs).", 1, 1_000_000)
+    max_num_active_seqs_min: int = _f(
+        1,
+        "Floor of the batch cap (vLLM's max_num_active_seqs) any policy may set (up to max_num_seqs).",
+        1,
+        1_000_000,
+    )
     tolerance: float | None = _f(
         None,
         "Normalize: ignore changes of at most this fraction of the value in force (0 = off); unset: the "
@@ -288,16 +293,27 @@ _TABLES: dict[str, type[Any]] = {
 _DICT_FIELDS = {"vllm", "params", "classes"}
 """Fields that hold a table of free-form keys rather than one typed value."""
 
-RENAMED: dict[str, dict[str, str]] = {"control": {"tick_seconds": "tick_s", "window_seconds": "window_s"}}
-"""Per table, old key -> new key: every duration is spelt ``_s``. The old name is read, with a warning,
-until the next release; both names in one table is an error, since the file then says two things."""
+RENAMED: dict[str, dict[str, str]] = {
+    "control": {"tick_seconds": "tick_s", "window_seconds": "window_s", "cap_min": "max_num_active_seqs_min"},
+    "admission": {"min_priority": "most_urgent_priority"},
+}
+"""Per table, old key -> new key: every duration is spelt ``_s``, the batch cap is named as vLLM names
+it, and the most urgent priority a client may ask for is not a class's ``min_priority``, the lower end
+of its range. The old name is read, with a warning, until the next release; both names in one table is an
+error, since the file then says two things."""
+
+RENAMED_PARAMS: dict[str, dict[str, str]] = {
+    "static": {"batch_cap": "max_num_active_seqs", "token_budget": "max_num_scheduled_tokens"}
+}
+"""Per policy, old ``[control.params]`` key -> new key: the engine's knobs as vLLM names them. Read as
+``RENAMED`` is."""
 
 
 MOVED_PARAMS: dict[str, dict[str, tuple[str, str]]] = {
     "slo": {
         "band": ("control", "tolerance"),
         "reverse_after_s": ("control", "reverse_after_s"),
-        "min_cap": ("control", "cap_min"),
+        "min_cap": ("control", "max_num_active_seqs_min"),
         "min_limit": ("control", "limit_min"),
         "ttft_wait_share": ("admission", "ttft_wait_share"),
     }
@@ -310,12 +326,17 @@ the next release; both places in one file is an error."""
 def relocate_params(
     tables: dict[str, Any], written: dict[str, dict[str, Any]], errors: list[str], warnings: list[str]
 ) -> dict[str, Any]:
-    """``tables`` (each table's dataclass by name) with the policy's moved ``[control.params]`` keys
-    (``MOVED_PARAMS``) set on their tables; ``written``: the tables as the file wrote them, to refuse
-    a key set in both places."""
+    """``tables`` (each table's dataclass by name) with the policy's renamed ``[control.params]`` keys
+    under their new names (``RENAMED_PARAMS``) and its moved ones (``MOVED_PARAMS``) set on their
+    tables; ``written``: the tables as the file wrote them, to refuse a key set in both places."""
     control = tables["control"]
     moved = MOVED_PARAMS.get(control.policy, {})
     params, out = dict(control.params), dict(tables)
+    for old, new in RENAMED_PARAMS.get(control.policy, {}).items():
+        if old in params:
+            value = params.pop(old)
+            if _current_name("control.params", old, new, params, errors, warnings):
+                params[new] = value
     for old, (table, key) in moved.items():
         if old not in params:
             continue
@@ -347,7 +368,7 @@ def _build_table(name: str, raw: dict[str, Any], errors: list[str], warnings: li
     kwargs: dict[str, Any] = {}
     free: dict[str, Any] = {}
     for written, value in raw.items():
-        key = _current_name(name, written, raw, errors, warnings)
+        key = _current_name(name, written, RENAMED.get(name, {}).get(written), raw, errors, warnings)
         if key is None:
             continue
         if name == "control" and key == "params":
@@ -372,11 +393,11 @@ def _build_table(name: str, raw: dict[str, Any], errors: list[str], warnings: li
 
 
 def _current_name(
-    table: str, written: str, raw: dict[str, Any], errors: list[str], warnings: list[str]
+    table: str, written: str, key: str | None, raw: dict[str, Any], errors: list[str], warnings: list[str]
 ) -> str | None:
-    """The field a key the file ``written`` sets: itself, or the new name of an old one (with a
-    warning); None when the file sets the new name too (an error: it would say two things)."""
-    key = RENAMED.get(table, {}).get(written)
+    """The field a key the file ``written`` sets: itself where it has no new name (``key`` None), else
+    the new name ``key`` (with a warning); None when the file sets the new name too (an error: it
+    would say two things)."""
     if key is None:
         return written
     if key in raw:

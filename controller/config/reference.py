@@ -19,7 +19,14 @@ from typing import Any
 from controller.admission.classes import _KEYS as CLASS_KEYS
 from controller.admission.classes import CHOICE_KEYS, DEFAULT_CLASSES, PriorityClass
 from controller.config.diff import LIVE_TABLES
-from controller.config.load import _DICT_FIELDS, _TABLES, MOVED_PARAMS, RENAMED, SMALL_HOST_CPUS
+from controller.config.load import (
+    _DICT_FIELDS,
+    _TABLES,
+    MOVED_PARAMS,
+    RENAMED,
+    RENAMED_PARAMS,
+    SMALL_HOST_CPUS,
+)
 from controller.config.slo_table import KEYS as SLO_KEYS
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
@@ -164,8 +171,16 @@ def _renamed(table: str) -> list[str]:
 
 
 def _moved() -> list[str]:
-    """A policy's parameters that are now keys of a table, still read from ``[control.params]``."""
+    """A policy's parameters that are renamed, or now keys of a table, still read from
+    ``[control.params]``."""
     lines = []
+    for policy, renamed in RENAMED_PARAMS.items():
+        names = ", ".join(f"`{old}` is `{new}`" for old, new in renamed.items())
+        lines += [
+            f"Renamed in the `{policy}` policy's parameters: {names}. The old name still loads, with a "
+            "warning, until the next release; both names in one file is an error.",
+            "",
+        ]
     for policy, moved in MOVED_PARAMS.items():
         names = ", ".join(f"`{old}` is `[{table}] {key}`" for old, (table, key) in moved.items())
         lines += [

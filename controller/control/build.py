@@ -128,7 +128,7 @@ def normalizer_for(control: ControlConfig, policy: Policy) -> Normalizer:
     return Normalizer(
         limit_max=control.limit_max,
         limit_min=control.limit_min,
-        cap_min=control.cap_min,
+        cap_min=control.max_num_active_seqs_min,
         tolerance=tolerance,
         reverse_after_s=reverse_after_s,
         max_step_up=control.max_step_up,

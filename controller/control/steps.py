@@ -101,9 +101,9 @@ class EngineStep:
     """The stat logger's figures; None where the record comes from the EngineCore."""
     engine_idx: int = 0
     """Which engine of a data-parallel group reported the step's ``stats`` (vLLM's ``engine_idx``; 0
-    without DP): ``stats.running``, ``stats.waiting`` and ``stats.kv_usage`` are that engine's alone.
-    A record of ``cost`` alone has 0: the engine host merges every engine's ring in time order, and
-    no consumer of the cost figures asks which engine ran the step."""
+    without DP): ``stats.running``, ``stats.waiting`` and ``stats.kv_usage`` are that engine's alone,
+    and a record of ``cost`` is that engine's step (the engine host merges every engine's ring in
+    time order)."""
 
     @classmethod
     def measured(

@@ -24,7 +24,7 @@ PRIOR_SAMPLES = 20.0
 
 
 @dataclass(frozen=True)
-class Phase:
+class WarmupPhase:
     """``streams`` requests at once, each of ``prompt_tokens`` random tokens, generating ``output_tokens``."""
 
     streams: int
@@ -35,7 +35,7 @@ class Phase:
         return f"{self.streams}x{self.prompt_tokens}+{self.output_tokens}"
 
 
-def plan(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> list[Phase]:
+def plan(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> list[WarmupPhase]:
     """The phases, most informative first, sized within the engine's limits: prefill alone at three
     sizes, decode batches from 1 to the batch ceiling (doubling from 1 to 32, then the ceiling), and
     decodes over long prompts."""
@@ -45,17 +45,17 @@ def plan(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> 
     def prompt(n: int) -> int:
         return max(1, min(n, chunk))
 
-    def decode(streams: int) -> Phase:
+    def decode(streams: int) -> WarmupPhase:
         # a light load decodes 1-4 streams over chat-sized prompts; larger batches run over short
         # prompts (their prefill is ``streams`` times longer), the largest for fewer steps
         short = streams <= 4
         output = 8 if streams == max_num_seqs and streams > 32 else 16
-        return Phase(streams, prompt(64) if short else 16, output)
+        return WarmupPhase(streams, prompt(64) if short else 16, output)
 
     batches = sorted({min(b, max_num_seqs) for b in (2, 4, 8, 16, 32, max_num_seqs)} - {1})
-    phases = [Phase(1, prompt(64), 1), Phase(1, 16, 16), Phase(1, prompt(256), 1)]
+    phases = [WarmupPhase(1, prompt(64), 1), WarmupPhase(1, 16, 16), WarmupPhase(1, prompt(256), 1)]
     phases += [decode(b) for b in batches]
-    phases += [Phase(1, prompt(1024), 1), Phase(min(4, max_num_seqs), prompt(512), 16)]
+    phases += [WarmupPhase(1, prompt(1024), 1), WarmupPhase(min(4, max_num_seqs), prompt(512), 16)]
     return phases
 
 

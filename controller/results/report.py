@@ -24,7 +24,7 @@ MAX_PANELS = 12
 
 
 @dataclass(frozen=True)
-class Run:
+class RunDir:
     dir: Path
     summary: dict[str, Any]
     series: list[SeriesPoint]
@@ -60,8 +60,10 @@ def find_runs(paths: Sequence[Path]) -> list[Path]:
     return found
 
 
-def load(dirs: Sequence[Path]) -> list[Run]:
-    return [Run(d, read_summary(d), read_series(d / SERIES) if (d / SERIES).is_file() else []) for d in dirs]
+def load(dirs: Sequence[Path]) -> list[RunDir]:
+    return [
+        RunDir(d, read_summary(d), read_series(d / SERIES) if (d / SERIES).is_file() else []) for d in dirs
+    ]
 
 
 def main(args: argparse.Namespace) -> int:
@@ -97,7 +99,7 @@ def render(out: Path, dirs: Sequence[Path], *, title: str, table: str | None = N
     return path
 
 
-def _workload_lines(runs: Sequence[Run]) -> list[str]:
+def _workload_lines(runs: Sequence[RunDir]) -> list[str]:
     first = runs[0].summary
     work = first.get("workload") or {}
     if not work:
@@ -113,7 +115,7 @@ def _workload_lines(runs: Sequence[Run]) -> list[str]:
     ]
 
 
-def _run_line(run: Run) -> str:
+def _run_line(run: RunDir) -> str:
     s = run.summary
     bits = [f"{s.get('requests')} requests in {cell(s.get('duration_s'), '.1f')} s"]
     if s.get("server"):
@@ -128,7 +130,7 @@ def _run_line(run: Run) -> str:
 # --- plots -----------------------------------------------------------------------------------------------
 
 
-def plot_throughput_latency(runs: Sequence[Run], path: Path) -> Path:
+def plot_throughput_latency(runs: Sequence[RunDir], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -151,7 +153,7 @@ def plot_throughput_latency(runs: Sequence[Run], path: Path) -> Path:
     return _save(fig, path)
 
 
-def plot_goodput(runs: Sequence[Run], path: Path) -> Path:
+def plot_goodput(runs: Sequence[RunDir], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(10, 0.45 * len(runs) + 1.5))
@@ -174,7 +176,7 @@ def _grid(n: int) -> tuple[int, int]:
     return math.ceil(n / cols), cols
 
 
-def _series_axes(runs: Sequence[Run], title: str) -> tuple[Any, list[tuple[Any, Run]]]:
+def _series_axes(runs: Sequence[RunDir], title: str) -> tuple[Any, list[tuple[Any, RunDir]]]:
     import matplotlib.pyplot as plt
 
     shown = [r for r in runs if r.series][:MAX_PANELS]
@@ -192,7 +194,7 @@ def _xy(series: Sequence[SeriesPoint], field: str) -> tuple[list[float], list[fl
     return [t for t, _ in pts], [float(v) for _, v in pts]
 
 
-def plot_knobs_kv(runs: Sequence[Run], path: Path) -> Path | None:
+def plot_knobs_kv(runs: Sequence[RunDir], path: Path) -> Path | None:
     if not any(r.series for r in runs):
         return None
     fig, panels = _series_axes(runs, "Knobs (left) against KV cache usage (right, dashed)")
@@ -213,7 +215,7 @@ def plot_knobs_kv(runs: Sequence[Run], path: Path) -> Path | None:
     return _save(fig, path)
 
 
-def plot_ttft_queue(runs: Sequence[Run], path: Path) -> Path | None:
+def plot_ttft_queue(runs: Sequence[RunDir], path: Path) -> Path | None:
     if not any(r.series for r in runs):
         return None
     fig, panels = _series_axes(runs, "Median TTFT per second (left) and queue depth (right, dashed)")

@@ -2,10 +2,11 @@
 (admission limit x token budget x queue deadline), on the same requests and SLO, ratios printed from
 the one run.
 
-A grid point is the static policy at ``admission_limit = L`` and ``token_budget = B`` (the batch cap at
-the engine's ``max_num_seqs``, as vLLM has it) with every class's queue deadline at ``D``; "defaults" is
-the static policy with ``[admission]`` and the engine as given (vLLM's own settings and no gate limit
-below them). Writes ``grid.json`` (every summary row, the best point and the ratios) and ``grid.md``.
+A grid point is the static policy at ``admission_limit = L`` and ``max_num_scheduled_tokens = B``
+(the token budget; the batch cap at the engine's ``max_num_seqs``, as vLLM has it) with every class's
+queue deadline at ``D``; "defaults" is the static policy with ``[admission]`` and the engine as given
+(vLLM's own settings and no gate limit below them). Writes ``grid.json`` (every summary row, the best
+point and the ratios) and ``grid.md``.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ AXES = {"limit": int, "budget": int, "deadline": float}
 
 
 @dataclasses.dataclass(frozen=True)
-class Run:
+class GridRun:
     """One configuration of the grid run: its name, the ``[control]`` and ``[admission]`` it runs."""
 
     name: str
@@ -56,20 +57,20 @@ def parse_grid(items: Sequence[str]) -> dict[str, list[Any]]:
     return grid
 
 
-def runs(grid: dict[str, list[Any]], control: ControlConfig, admission: AdmissionConfig) -> list[Run]:
+def runs(grid: dict[str, list[Any]], control: ControlConfig, admission: AdmissionConfig) -> list[GridRun]:
     """The policy of ``control`` as given, vLLM's defaults, then every grid point."""
     static = dataclasses.replace(control, policy="static", params={})
-    out = [Run(control.policy, control, admission), Run("defaults", static, admission)]
+    out = [GridRun(control.policy, control, admission), GridRun("defaults", static, admission)]
     for limit, budget, deadline in itertools.product(grid["limit"], grid["budget"], grid["deadline"]):
         classes = tuple(dataclasses.replace(c, queue_deadline_s=deadline) for c in admission.classes)
-        params = {"admission_limit": limit, "token_budget": budget}
+        params = {"admission_limit": limit, "max_num_scheduled_tokens": budget}
         point = dataclasses.replace(control, policy="static", params=params)
         name = f"static L{limit} B{budget} D{deadline:g}"
-        out.append(Run(name, point, dataclasses.replace(admission, classes=classes)))
+        out.append(GridRun(name, point, dataclasses.replace(admission, classes=classes)))
     return out
 
 
-Job = tuple[Run, Profile, SloTargets | None, Sequence[RequestSpec], dict[str, Any]]
+Job = tuple[GridRun, Profile, SloTargets | None, Sequence[RequestSpec], dict[str, Any]]
 
 
 def _one(job: Job) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """vLLM's own routes and call patterns through the daemon's admission gate, on the tiny model: a
 streamed completion with more prompts than the limit, the batch chat route, beam search and
-``n > 1`` each pass the gate's rules (the limit, the queue bounds, ``[admission] min_priority``).
+``n > 1`` each pass the gate's rules (the limit, the queue bounds, ``[admission] most_urgent_priority``).
 
 The gate's ``acquire`` is watched in place: each call's priority and weight, and the gate's waiting
 requests when it is called.
@@ -52,7 +52,7 @@ async def daemon(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Daem
         admission={
             "limit": LIMIT,
             "max_queue": MAX_QUEUE,
-            "min_priority": MIN_PRIORITY,
+            "most_urgent_priority": MIN_PRIORITY,
             "default_priority": 1,
         },
         control={"tick_s": 3600.0, "policy": "static"},
@@ -109,7 +109,7 @@ async def test_the_batch_route_is_bounded_by_the_queue_limit(daemon: Daemon, wat
     assert watched.idle()  # no pending place left behind by the conversations never run
 
 
-async def test_a_batch_priority_more_urgent_than_min_priority_is_refused_before_the_gate(
+async def test_a_batch_priority_more_urgent_than_most_urgent_priority_is_refused_before_the_gate(
     daemon: Daemon, watched: Watched
 ) -> None:
     conversations = [[{"role": "user", "content": "hello"}]] * 2

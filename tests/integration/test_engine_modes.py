@@ -27,7 +27,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from controller.control.steps import StepCost, costs
+from controller.control.steps import EngineStep, StepCost, costs
 from controller.engine.runtime.scheduler import scheduler_path
 from controller.lifecycle.daemon import Daemon
 from tests.helpers import admin_url, http_session, running_daemon, stream_completion, url, write_config
@@ -44,7 +44,11 @@ def _config(folder: Path, **engine: Any) -> Path:
         folder / "config.toml",
         # prefix caching off: every prompt is prefilled whole, so a step's tokens are the prompt's
         engine={"max_num_batched_tokens": 2048, "enable_prefix_caching": False, **engine},
-        control={"tick_s": 3600.0, "policy": "static", "params": {"batch_cap": CAP, "token_budget": BUDGET}},
+        control={
+            "tick_s": 3600.0,
+            "policy": "static",
+            "params": {"max_num_active_seqs": CAP, "max_num_scheduled_tokens": BUDGET},
+        },
     )
 
 
@@ -82,10 +86,15 @@ async def knobs_daemon(config: Path) -> AsyncIterator[Daemon]:
 
 async def served_steps(d: Daemon, s: aiohttp.ClientSession) -> list[StepCost]:
     """The engine's steps while ``STREAMS`` streams of ``TOKENS`` tokens are served (all of them)."""
+    return [c for _, c in costs(await served_records(d, s))]
+
+
+async def served_records(d: Daemon, s: aiohttp.ClientSession) -> list[EngineStep]:
+    """``served_steps`` as the engine host drained them, each with the engine that took it."""
     await d.parts.host.drain_steps()  # what the start left
     results = await asyncio.gather(*(stream_completion(s, url(d, ""), TOKENS) for _ in range(STREAMS)))
     assert all(r["status"] == 200 and r["tokens"] == TOKENS for r in results), results
-    return [c for _, c in costs(await d.parts.host.drain_steps())]
+    return await d.parts.host.drain_steps()
 
 
 @contextlib.asynccontextmanager
@@ -195,12 +204,19 @@ class TestDataParallel:
         t0 = time.monotonic()
         async with http_session() as s:
             before = await generated_by_engine(dp_daemon, s)
-            steps = await served_steps(dp_daemon, s)
+            records = await served_records(dp_daemon, s)
             after = await generated_by_engine(dp_daemon, s)
+        steps = [c for _, c in costs(records)]
         assert sorted(after) == ["0", "1"] and all(after[e] > before.get(e, 0.0) for e in after), after
         # both engines' steps (a drain of the first engine alone would count about half the decodes)
         assert sum(st.decode_seqs for st in steps) == STREAMS * (TOKENS - 1)
         assert max(st.decode_seqs for st in steps) == CAP  # each engine, not only the first
+        # each step names the engine that took it as vLLM's counters name it: an engine's decodes are
+        # its streams' tokens but their first (each stream's TOKENS, counted by its `engine` label)
+        for e in after:
+            decodes = sum(r.cost.decode_seqs for r in records if r.engine_idx == int(e) and r.cost)
+            generated = after[e] - before.get(e, 0.0)
+            assert decodes == generated * (TOKENS - 1) / TOKENS, (e, decodes, generated)
         assert dp_daemon.parts.window.max_running_since(t0) == CAP  # each engine reports its own
         assert await dp_daemon.parts.actuator.set_batch_cap(1000) == 16  # max_num_seqs is per engine
         await dp_daemon.parts.actuator.set_batch_cap(CAP)

@@ -48,13 +48,13 @@ import pytest_asyncio
 
 from controller.bench.router import routed
 from controller.bench.router import router_binary as bench_router_binary
+from controller.bench.servers import spawn, stop, wait_healthy
 from controller.results.records import read_records
 from tests.helpers import (
     ROOT,
     http_session,
     stream_completion,
     wait_for,
-    wait_healthy,
     write_config,
 )
 
@@ -126,19 +126,6 @@ class Replica:
         raise AssertionError(f"no EngineCore under daemon {self.name}")
 
 
-def start_group(command: list[str], log_path: Path) -> subprocess.Popen[bytes]:
-    with open(log_path, "wb") as log:
-        return subprocess.Popen(
-            command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-
-def stop_group(popen: subprocess.Popen[bytes]) -> None:
-    if popen.poll() is None:
-        os.killpg(popen.pid, signal.SIGKILL)
-        popen.wait()
-
-
 @contextlib.contextmanager
 def replicas(root: Path) -> Iterator[list[Replica]]:
     """Two daemons started together (their engines build side by side), yielded once both are healthy."""
@@ -162,15 +149,15 @@ def replicas(root: Path) -> Iterator[list[Replica]]:
             admin_port = _port_of(tables, "admin")
             command = [sys.executable, "-m", "controller", "serve", "--config", str(config)]
             log = folder / "daemon.log"
-            popen = start_group(command, log)
+            popen = spawn(command, log, ROOT)
             url, admin = f"http://127.0.0.1:{server_port}", f"http://127.0.0.1:{admin_port}"
             started.append(Replica(name, url, admin, popen, log))
         for r in started:
-            wait_healthy(r.popen, r.admin, 240.0, r.log)
+            wait_healthy(r.popen, [r.admin + "/healthz"], 240.0, r.log)
         yield started
     finally:
         for r in started:
-            stop_group(r.popen)
+            stop(r.popen, 0.0)  # no drain to wait for
 
 
 def _port_of(toml_text: str, table: str) -> int:
@@ -333,17 +320,23 @@ async def test_a_ttft_header_through_the_router_reaches_the_gate(fleet: Fleet) -
     print(f"TTFT header through the router: 429 ({reason}) after {attempts} tries in {took:.2f} s")
 
 
+def get_load_polls(replica: Replica) -> list[str]:
+    """The router's ``/get_load`` requests in ``replica``'s log (vLLM's access log)."""
+    return [line for line in replica.log.read_text(errors="replace").splitlines() if "/get_load" in line]
+
+
 async def test_power_of_two_reads_get_load_and_avoids_the_loaded_daemon(fleet: Fleet) -> None:
     with router(fleet.binary, [fleet.a, fleet.b], fleet.folder, "power_of_two") as url:
         async with at_limit(fleet.a):
-            await asyncio.sleep(2.5)  # two of the router's /get_load polls (every 1 s) see the load
+            polled = len(get_load_polls(fleet.a))  # two more polls (every 1 s) have seen the load
+            await wait_for(lambda: len(get_load_polls(fleet.a)) >= polled + 2, 30, "two /get_load polls")
             (a_admitted, a_rejected), (b_admitted, _) = counts(fleet.a), counts(fleet.b)
             async with http_session() as s:
                 results = [await stream_completion(s, url, 8) for _ in range(6)]
             assert [r["status"] for r in results] == [200] * 6, results
             assert counts(fleet.a) == (a_admitted, a_rejected)  # load 3 against 0: never chosen
             assert counts(fleet.b)[0] - b_admitted == 6
-    polls = [line for line in fleet.a.log.read_text(errors="replace").splitlines() if "/get_load" in line]
+    polls = get_load_polls(fleet.a)
     assert polls and all(" 200" in line for line in polls), polls[-3:]
 
 

@@ -56,7 +56,11 @@ async def test_api_and_control_plane_answer(daemon: Daemon) -> None:
         assert (await stream_completion(s, url(daemon, ""), 5))["tokens"] == 5
         async with s.get(admin_url(daemon, "/metrics")) as r:
             text = await r.text()
-        for name in ("autopilot_admission_limit 4.0", "autopilot_batch_cap 16.0", "vllm:kv_cache_usage_perc"):
+        for name in (
+            "autopilot_admission_limit 4.0",
+            "autopilot_max_num_active_seqs 16.0",
+            "vllm:kv_cache_usage_perc",
+        ):
             assert name in text
         assert "vllm:num_requests_waiting" in text  # routers read it with the KV gauge (deploy/k8s)
         exported = {

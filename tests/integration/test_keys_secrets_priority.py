@@ -26,7 +26,7 @@ async def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> 
         tmp_path_factory.mktemp("cfg") / "config.toml",
         server={"api_key": API_KEY},
         admin={"token": TOKEN},
-        admission={"min_priority": 0, "default_priority": 1},
+        admission={"most_urgent_priority": 0, "default_priority": 1},
         control={"tick_s": 3600.0, "policy": "static"},
     )
     async with running_daemon(path) as d:

@@ -91,5 +91,5 @@ async def test_the_budget_moves_in_the_engine_and_chunks_a_long_prompt(daemon: D
             state = await r.json()
         assert state["token_budget"] == 64 and state["engine"]["token_budget"] == 64
         async with s.get(admin_url(daemon, "/metrics")) as r:
-            assert "autopilot_token_budget 64.0" in await r.text()
+            assert "autopilot_max_num_scheduled_tokens 64.0" in await r.text()
     await actuator.set_token_budget(CEILING)

@@ -60,7 +60,7 @@ def test_compare_servers_expand_in_a_fixed_order() -> None:
     names = [s.name for s in specs]
     assert names[0] == "vllm-serve"
     assert names[1:5] == [f"static:{p}" for p in compare.presets()]
-    assert names[5] == "best:max_num_seqs=32"
+    assert names[5] == "best:static:max_num_seqs=32"
     assert names[6:] == [f"policy:{p}" for p in compare.policies()]
     baseline = specs[0]
     assert baseline.kind == "vllm-serve" and "max_num_seqs" not in baseline.engine  # vLLM's defaults

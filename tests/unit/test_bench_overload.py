@@ -12,7 +12,7 @@ from aiohttp.test_utils import TestServer
 
 from controller.bench.cli import add_bench_commands
 from controller.bench.experiments import overload
-from controller.bench.experiments.mix import BATCH, INTERACTIVE, Outcome, one_request, summarize
+from controller.bench.experiments.mix import BATCH, INTERACTIVE, MixOutcome, one_request, summarize
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -36,12 +36,12 @@ def test_servers_daemon_per_poll_sleep_and_vllm_serve_with_priority_scheduling()
 
 def test_summarize_counts_refusals_errors_and_goodput_per_class() -> None:
     outcomes = [
-        Outcome(INTERACTIVE, 200, 0.0, 0.1, ttft_s=0.1),
-        Outcome(INTERACTIVE, 200, 0.0, 2.0, ttft_s=2.0),  # served, over the SLO
-        Outcome(INTERACTIVE, 429, 0.0, 0.0, retry_after="1"),
-        Outcome(BATCH, 429, 0.0, 0.0, detail="stream error event: deadline"),
-        Outcome(BATCH, 0, 0.0, 60.0, detail="TimeoutError"),
-        Outcome(BATCH, 503, 0.0, 0.0),
+        MixOutcome(INTERACTIVE, 200, 0.0, 0.1, ttft_s=0.1),
+        MixOutcome(INTERACTIVE, 200, 0.0, 2.0, ttft_s=2.0),  # served, over the SLO
+        MixOutcome(INTERACTIVE, 429, 0.0, 0.0, retry_after="1"),
+        MixOutcome(BATCH, 429, 0.0, 0.0, detail="stream error event: deadline"),
+        MixOutcome(BATCH, 0, 0.0, 60.0, detail="TimeoutError"),
+        MixOutcome(BATCH, 503, 0.0, 0.0),
     ]
     s = summarize(outcomes, {INTERACTIVE: 1.0, BATCH: 20.0}, 10.0)
     inter, batch = s[INTERACTIVE], s[BATCH]

@@ -20,6 +20,18 @@ def test_the_default_config_round_trips_with_its_nested_class_tables() -> None:
     assert tomllib.loads(to_toml(base)) == base
 
 
+def test_a_relative_model_folder_missing_beside_the_config_is_named_before_any_server_starts(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "mine.toml"
+    path.write_text('[engine]\nmodel = "models/tiny"\n')
+    with pytest.raises(FileNotFoundError, match="read from the config file's folder") as caught:
+        load_base_config(path)
+    assert str(tmp_path / "models/tiny") in str(caught.value)
+    (tmp_path / "models/tiny").mkdir(parents=True)
+    assert load_base_config(path)["engine"]["model"] == str((tmp_path / "models/tiny").resolve())
+
+
 def test_a_daemon_config_written_for_a_server_loads_as_a_valid_config(tmp_path: Path) -> None:
     base = load_base_config(ROOT / "config.toml")
     spec = ServerSpec(name="static", kind="daemon", engine=dict(base["engine"]), admission={"limit": 8})

@@ -31,16 +31,16 @@ def test_an_engine_setting_changes_the_engine_and_the_gate_follows_max_num_seqs(
 
 
 def test_a_dotted_key_sets_the_daemon_and_keeps_the_engine() -> None:
-    sets = parse_sets(["control.params.batch_cap=1,8", "server.engine_poll_sleep_s=0.0002"])
+    sets = parse_sets(["control.params.max_num_active_seqs=1,8", "server.engine_poll_sleep_s=0.0002"])
     specs = server_specs(bench(max_queue=5), settings(sets), "daemon")
     assert {s.name for s in specs} == {
-        "control.params.batch_cap=1,server.engine_poll_sleep_s=0.0002",
-        "control.params.batch_cap=8,server.engine_poll_sleep_s=0.0002",
+        "control.params.max_num_active_seqs=1,server.engine_poll_sleep_s=0.0002",
+        "control.params.max_num_active_seqs=8,server.engine_poll_sleep_s=0.0002",
     }
     assert all(s.engine == {"model": "/m", "max_num_seqs": 64} for s in specs)
     assert [s.control for s in specs] == [
-        {"policy": "static", "params": {"batch_cap": 1}},
-        {"policy": "static", "params": {"batch_cap": 8}},
+        {"policy": "static", "params": {"max_num_active_seqs": 1}},
+        {"policy": "static", "params": {"max_num_active_seqs": 8}},
     ]
     assert specs[0].admission == {"limit": 8, "max_queue": 5}
     assert specs[0].server == {"engine_poll_sleep_s": 0.0002}
@@ -87,7 +87,9 @@ def test_reconfigure_rewrites_the_config_reloads_and_waits_for_the_knobs(
     threading.Thread(target=http.serve_forever, daemon=True).start()
     port = http.server_address[1]
     b = bench()
-    first, second = server_specs(b, settings(parse_sets(["control.params.batch_cap=64,16"])), "daemon")
+    first, second = server_specs(
+        b, settings(parse_sets(["control.params.max_num_active_seqs=64,16"])), "daemon"
+    )
     config = tmp_path / "daemon.toml"
     url = f"http://127.0.0.1:{port}"
     server = servers.Launched(first, url, f"{url}/metrics", f"{url}/state", 1, 0.0, tmp_path / "log",
@@ -98,7 +100,7 @@ def test_reconfigure_rewrites_the_config_reloads_and_waits_for_the_knobs(
         http.shutdown()
     assert _Daemon.reloads == 1 and _Daemon.caps == [16] and server.spec is second
     written = tomllib.loads(config.read_text())
-    assert written["control"]["params"] == {"batch_cap": 16}
+    assert written["control"]["params"] == {"max_num_active_seqs": 16}
     assert written["server"]["port"] == port and written["admin"]["port"] == port
     with pytest.raises(ValueError, match="differs from"):
         servers.reconfigure(server, replace(second, engine={"model": "/other"}), b.base)

@@ -10,7 +10,6 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from controller.admin.metrics import Metrics
-from controller.admission.queues import GateStats
 from controller.clock import FakeClock
 from controller.control.capacity import CapacityMeter, fit_capacity, tpot_share_of
 from controller.control.steps import EngineStep, StepFeed, StepStats
@@ -19,7 +18,7 @@ from policies.cost import CostEstimate
 from policies.slo_policy import SloPolicy
 from policies.slo_targets import SloBound, SloTargets
 from policies.static import StaticPolicy
-from tests.helpers import obs, write_config
+from tests.helpers import EngineKnobsInForce, GateTotals, PolicyHolder, obs, write_config
 
 COST = CostEstimate(
     a_s=0.010, b_s_per_prefill_token=1e-4, c_s_per_decode_seq=1e-3, d_s_per_kv_token=1e-6,
@@ -70,43 +69,11 @@ def test_a_bound_that_not_one_sequence_fits_is_capacity_zero() -> None:
     assert not isinstance(fit, str) and (fit.batch, fit.capacity_rps) == (0, 0.0)
 
 
-class FakeGate:
-    """Gate totals that grow as a test says requests arrive (some admitted, some refused)."""
-
-    def __init__(self) -> None:
-        self.admitted = self.rejected = self.queued = 0
-
-    def arrive(self, n: int, refused: int = 0) -> None:
-        self.admitted += n - refused
-        self.rejected += refused
-
-    def stats(self) -> GateStats:
-        arrivals = self.admitted + self.rejected + self.queued  # each counted once, as it arrives
-        return GateStats(8, 0, self.queued, 0, self.admitted, self.rejected, 0, False, 0, arrivals)
-
-    def queued_by_class(self) -> dict[str, int]:
-        return {"default": self.queued}
-
-
-@dataclasses.dataclass
-class FakeEngine:
-    batch_cap: int = 8
-    max_num_seqs: int = 64
-    token_budget: int = 512
-    generation: int = 1
-    ready: bool = True
-
-
-@dataclasses.dataclass
-class Holder:
-    policy: StaticPolicy
-
-
-def _gauges(meter: CapacityMeter, gate: FakeGate) -> CollectorRegistry:
+def _gauges(meter: CapacityMeter, gate: GateTotals) -> CollectorRegistry:
     """A registry whose gauges read ``meter`` (and the fakes) at each scrape, as the daemon's do."""
     registry = CollectorRegistry()
     live = Metrics(registry).live
-    live.read_from(gate, FakeEngine(), Holder(StaticPolicy(max_num_seqs=64, initial_limit=8)))
+    live.read_from(gate, EngineKnobsInForce(), PolicyHolder(StaticPolicy(max_num_seqs=64, initial_limit=8)))
     live.read_capacity(meter)
     return registry
 
@@ -116,8 +83,8 @@ def _finish(window: TelemetryWindow, t: float, n: int, prefill: int = 200, outpu
     window.record(EngineStep(t, stats=stats))
 
 
-def _meter(clock: FakeClock) -> tuple[CapacityMeter, FakeGate, TelemetryWindow]:
-    window, gate = TelemetryWindow(10.0, clock), FakeGate()
+def _meter(clock: FakeClock) -> tuple[CapacityMeter, GateTotals, TelemetryWindow]:
+    window, gate = TelemetryWindow(10.0, clock), GateTotals()
     meter = CapacityMeter(window, gate)
     meter.configure(SLO, StaticPolicy(max_num_seqs=64, initial_limit=8))
     return meter, gate, window

@@ -4,19 +4,16 @@ offered 0 and saturation 0 at once (an autoscaler sees a sample from the first t
 
 from __future__ import annotations
 
-import dataclasses
-
 from prometheus_client import CollectorRegistry
 
 from controller.admin.metrics import Metrics
-from controller.admission.queues import GateStats
 from controller.clock import FakeClock
 from controller.control.capacity import CapacityMeter
 from controller.control.telemetry import TelemetryWindow
 from policies.cost import CostEstimate
 from policies.slo_targets import SloBound, SloTargets
 from policies.static import StaticPolicy
-from tests.helpers import obs
+from tests.helpers import EngineKnobsInForce, GateTotals, PolicyHolder, obs
 
 SLO = SloTargets(SloBound(ttft_s=2.0, tpot_s=0.050))
 POLICY = StaticPolicy(max_num_seqs=64, initial_limit=8)
@@ -27,46 +24,18 @@ COST = CostEstimate(
 )  # fmt: skip
 
 
-class Gate:
-    """Gate totals: ``admitted`` and ``rejected`` so far, ``queued`` now."""
-
-    def __init__(self, admitted: int = 0, rejected: int = 0, queued: int = 0) -> None:
-        self.admitted, self.rejected, self.queued = admitted, rejected, queued
-
-    def stats(self) -> GateStats:
-        arrivals = self.admitted + self.rejected + self.queued  # each counted once, as it arrives
-        return GateStats(8, 0, self.queued, 0, self.admitted, self.rejected, 0, False, 0, arrivals)
-
-    def queued_by_class(self) -> dict[str, int]:
-        return {"default": self.queued}
-
-
-@dataclasses.dataclass
-class Engine:
-    batch_cap: int = 8
-    max_num_seqs: int = 64
-    token_budget: int = 512
-    generation: int = 1
-    ready: bool = True
-
-
-@dataclasses.dataclass
-class Holder:
-    policy: StaticPolicy
-
-
-def _meter(gate: Gate, slo: SloTargets | None) -> tuple[CapacityMeter, CollectorRegistry]:
+def _meter(gate: GateTotals, slo: SloTargets | None) -> tuple[CapacityMeter, CollectorRegistry]:
     meter = CapacityMeter(TelemetryWindow(10.0, FakeClock(100.0)), gate)
     meter.configure(slo, POLICY)
     registry = CollectorRegistry()
     live = Metrics(registry).live  # the gauges read at each scrape, as the daemon's do
-    live.read_from(gate, Engine(), Holder(POLICY))
+    live.read_from(gate, EngineKnobsInForce(), PolicyHolder(POLICY))
     live.read_capacity(meter)
     return meter, registry
 
 
 def test_the_first_tick_of_an_idle_replica_reads_saturation_zero_with_slo() -> None:
-    meter, registry = _meter(Gate(), SLO)
+    meter, registry = _meter(GateTotals(), SLO)
     meter.on_tick(obs(now_mono=100.0, cost=COST), [])
     assert (meter.last.offered_rps, meter.last.saturation, meter.last.capacity_rps) == (0.0, 0.0, None)
     assert meter.last.reason == "mix: 0 requests finished in 10 s < 3"
@@ -76,7 +45,7 @@ def test_the_first_tick_of_an_idle_replica_reads_saturation_zero_with_slo() -> N
 
 def test_the_first_tick_of_an_idle_replica_reads_saturation_zero_without_slo() -> None:
     """Drop-in mode without --slo-ttft/--slo-tpot: no [slo], no cost model yet."""
-    meter, registry = _meter(Gate(), None)
+    meter, registry = _meter(GateTotals(), None)
     meter.on_tick(obs(now_mono=100.0, cost=None), [])
     assert (meter.last.offered_rps, meter.last.saturation) == (0.0, 0.0)
     assert meter.last.reason.startswith("no [slo] table")
@@ -85,13 +54,13 @@ def test_the_first_tick_of_an_idle_replica_reads_saturation_zero_without_slo() -
 
 def test_totals_the_gate_had_before_the_meter_started_are_not_arrivals() -> None:
     """A meter built over a gate that already counted requests (a rebuilt loop) starts from them."""
-    meter, _registry = _meter(Gate(admitted=40, rejected=2, queued=1), SLO)
+    meter, _registry = _meter(GateTotals(admitted=40, rejected=2, queued=1), SLO)
     meter.on_tick(obs(now_mono=100.0, cost=COST), [])
     assert (meter.last.offered_rps, meter.last.saturation) == (0.0, 0.0)
 
 
 def test_a_request_before_the_first_tick_leaves_the_rate_to_the_second() -> None:
-    gate = Gate()
+    gate = GateTotals()
     meter, registry = _meter(gate, SLO)
     gate.queued = 1  # one request waits in the gate at the first tick
     meter.on_tick(obs(now_mono=100.0, cost=COST), [])
@@ -104,7 +73,7 @@ def test_a_request_before_the_first_tick_leaves_the_rate_to_the_second() -> None
 
 
 def test_an_idle_second_tick_still_reads_zero() -> None:
-    meter, registry = _meter(Gate(), SLO)
+    meter, registry = _meter(GateTotals(), SLO)
     for t in (100.0, 101.0):
         meter.on_tick(obs(now_mono=t, cost=COST), [])
     assert (meter.last.offered_rps, meter.last.saturation) == (0.0, 0.0)

@@ -14,7 +14,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from controller.bench.chaos.faults import FaultRecord, inject_faults
-from controller.bench.chaos.load import LoadShape, Outcome, Sender
+from controller.bench.chaos.load import ChaosOutcome, LoadShape, Sender
 from controller.bench.chaos.verdict import ChaosVerdictLimits, EndState, bad_ending, verdict
 from controller.load.client import Target
 
@@ -66,7 +66,7 @@ async def _state(request: web.Request) -> web.Response:
     return web.json_response({"admission_limit": 5})
 
 
-async def _send(kind: Any, rid: str, deadline_s: float = 3.0, with_state: bool = False) -> Outcome:
+async def _send(kind: Any, rid: str, deadline_s: float = 3.0, with_state: bool = False) -> ChaosOutcome:
     app = web.Application()
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions/batch", _chat_batch)
@@ -116,8 +116,8 @@ async def test_a_request_past_its_deadline_is_hung() -> None:
     assert bad_ending(out) is not None
 
 
-def _outcome(end: Any, kind: Any = "stream", clear: bool = True, status: int | None = 200) -> Outcome:
-    return Outcome(kind, 0, 1.0, 2.0, 100.0, end, status, clear)
+def _outcome(end: Any, kind: Any = "stream", clear: bool = True, status: int | None = 200) -> ChaosOutcome:
+    return ChaosOutcome(kind, 0, 1.0, 2.0, 100.0, end, status, clear)
 
 
 def test_only_clear_endings_keep_the_rule() -> None:
@@ -129,7 +129,7 @@ def test_only_clear_endings_keep_the_rule() -> None:
     assert (
         bad_ending(_outcome("cut", kind="stall", clear=False)) is None
     )  # the send timeout cut a stalled reader
-    late = Outcome("stream", 0, 1.0, 120.0, 100.0, "completed", 200)
+    late = ChaosOutcome("stream", 0, 1.0, 120.0, 100.0, "completed", 200)
     assert bad_ending(late) is not None
 
 
@@ -174,15 +174,15 @@ def test_each_broken_invariant_is_named(changes: dict[str, Any], says: str) -> N
 
 def test_a_failed_fault_and_a_hung_request_fail_the_run() -> None:
     faults = [FaultRecord(10.0, "reload_bad_engine", "refused", "NOT refused", False)]
-    hung = Outcome("same_id", 1, 3.0, 100.0, 100.0, "hung", None, False, "no end within 100 s")
+    hung = ChaosOutcome("same_id", 1, 3.0, 100.0, 100.0, "hung", None, False, "no end within 100 s")
     passed, reasons, figures = verdict([hung], faults, _good_end(), ChaosVerdictLimits())
     assert not passed
     assert figures["faults_failed"] == 1 and figures["bad_endings"] == 1
     assert any("reload_bad_engine" in r for r in reasons) and any("same_id" in r for r in reasons)
 
 
-def _at(kind: Any, start_s: float, elapsed_s: float, end: Any, status: int | None = 200) -> Outcome:
-    return Outcome(kind, 0, start_s, elapsed_s, 100.0, end, status)
+def _at(kind: Any, start_s: float, elapsed_s: float, end: Any, status: int | None = 200) -> ChaosOutcome:
+    return ChaosOutcome(kind, 0, start_s, elapsed_s, 100.0, end, status)
 
 
 def test_plain_streams_all_refused_beside_a_stream_over_the_limit_fail_the_run() -> None:

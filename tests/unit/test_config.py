@@ -30,9 +30,13 @@ from policies.base import REGISTRY
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_ADMISSION = {
-    "limit": 64, "max_queue": 1024, "aging_s": 10.0, "min_priority": -(2**63), "default_priority": 0,
+    "limit": 64,
+    "max_queue": 1024,
+    "aging_s": 10.0,
+    "most_urgent_priority": -(2**63),
+    "default_priority": 0,
     "ttft_wait_share": 0.8,
-}  # fmt: skip
+}
 DEFAULT = ROOT / "config.toml"
 BASE: dict[str, Any] = tomllib.loads(DEFAULT.read_text())
 
@@ -77,7 +81,7 @@ def test_default_config_loads() -> None:
             "admission",
             "xyzzy",
             "[admission] unknown key 'xyzzy': known keys: "
-            "aging_s, default_priority, limit, max_queue, min_priority, ttft_wait_share",
+            "aging_s, default_priority, limit, max_queue, most_urgent_priority, ttft_wait_share",
         ),
         ("admin", "prot", "[admin] unknown key 'prot': did you mean 'port'?"),
         ("control", "polcy", "[control] unknown key 'polcy': did you mean 'policy'?"),
@@ -195,7 +199,12 @@ def test_a_duration_key_loads_under_its_new_name_without_a_warning(new: str, val
 
 
 @pytest.mark.parametrize(
-    ("old", "new", "value"), [("tick_seconds", "tick_s", 0.5), ("window_seconds", "window_s", 3.0)]
+    ("old", "new", "value"),
+    [
+        ("tick_seconds", "tick_s", 0.5),
+        ("window_seconds", "window_s", 3.0),
+        ("cap_min", "max_num_active_seqs_min", 4),
+    ],
 )
 def test_an_old_key_name_loads_with_a_warning_naming_old_and_new(old: str, new: str, value: float) -> None:
     config = parse_config(without_control_keys(new, **{old: value}), DEFAULT)
@@ -205,9 +214,12 @@ def test_an_old_key_name_loads_with_a_warning_naming_old_and_new(old: str, new: 
     )
 
 
-@pytest.mark.parametrize(("old", "new"), [("tick_seconds", "tick_s"), ("window_seconds", "window_s")])
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [("tick_seconds", "tick_s"), ("window_seconds", "window_s"), ("cap_min", "max_num_active_seqs_min")],
+)
 def test_old_and_new_key_name_together_is_an_error_naming_both(old: str, new: str) -> None:
-    assert errors_of(with_changes(control={old: 2.0, new: 2.0})) == [
+    assert errors_of(with_changes(control={old: 2, new: 2})) == [
         f"[control] {old} and {new} are both set: {old} is the old name of {new}; keep {new} only"
     ]
 
@@ -225,7 +237,7 @@ def test_an_old_key_name_out_of_range_is_named_as_the_file_wrote_it() -> None:
     [
         ("band", "control", "tolerance", 0.2),
         ("reverse_after_s", "control", "reverse_after_s", 10.0),
-        ("min_cap", "control", "cap_min", 4),
+        ("min_cap", "control", "max_num_active_seqs_min", 4),
         ("min_limit", "control", "limit_min", 3),
         ("ttft_wait_share", "admission", "ttft_wait_share", 0.5),
     ],
@@ -261,7 +273,39 @@ def test_a_moved_slo_parameter_is_checked_against_its_new_key() -> None:
 def test_another_policy_keeps_its_own_parameter_of_a_moved_name() -> None:
     config = parse_config(with_changes(control={"policy": "hysteresis", "params": {"min_cap": 4}}), DEFAULT)
     assert config.control.params == {"min_cap": 4}
-    assert (config.control.cap_min, config.warnings) == (1, ())
+    assert (config.control.max_num_active_seqs_min, config.warnings) == (1, ())
+
+
+def test_admissions_old_min_priority_loads_as_most_urgent_priority_with_a_warning() -> None:
+    config = parse_config(with_changes(admission={"min_priority": 0}), DEFAULT)
+    assert config.admission.most_urgent_priority == 0
+    assert config.warnings == (
+        "[admission] min_priority is renamed most_urgent_priority: write most_urgent_priority instead; "
+        "the old name is read until the next release",
+    )
+    assert [c.min_priority for c in config.admission.classes] == [None, 1]  # a class's range: its own name
+
+
+@pytest.mark.parametrize(
+    ("old", "new"), [("batch_cap", "max_num_active_seqs"), ("token_budget", "max_num_scheduled_tokens")]
+)
+def test_a_static_parameter_under_its_old_name_loads_as_vllms_name_with_a_warning(old: str, new: str) -> None:
+    config = parse_config(with_changes(control={"policy": "static", "params": {old: 24}}), DEFAULT)
+    assert config.control.params == {new: 24}
+    assert config.warnings == (
+        f"[control.params] {old} is renamed {new}: write {new} instead; the old name is read until the "
+        "next release",
+    )
+    policy = config.control.build_policy(config.admission, None, max_num_seqs=64)
+    assert policy.params()[new] == 24
+
+
+def test_a_static_parameter_under_both_names_is_an_error_naming_both() -> None:
+    data = with_changes(control={"policy": "static", "params": {"batch_cap": 8, "max_num_active_seqs": 8}})
+    assert errors_of(data) == [
+        "[control.params] batch_cap and max_num_active_seqs are both set: batch_cap is the old name of "
+        "max_num_active_seqs; keep max_num_active_seqs only"
+    ]
 
 
 def test_check_config_prints_an_old_key_name_warning_on_stderr_and_the_json_on_stdout(
@@ -385,7 +429,10 @@ def test_unknown_policy_lists_the_registered_names() -> None:
     ("params", "fragments"),
     [
         ({"preset": "nope"}, ["[control] policy = 'static'", "preset = 'nope'", "interactive"]),
-        ({"batch_cap": 0}, ["[control] policy = 'static'", "batch_cap = 0: must be an integer >= 1"]),
+        (
+            {"max_num_active_seqs": 0},
+            ["[control] policy = 'static'", "max_num_active_seqs = 0: must be an integer >= 1"],
+        ),
         ({"bogus": 1}, ["[control.params] for policy 'static'", "'bogus'"]),
     ],
 )

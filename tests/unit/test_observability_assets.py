@@ -10,7 +10,6 @@ from prometheus_client import CollectorRegistry
 
 from controller.admin.metrics import Metrics
 from controller.admission.gate import AdmissionGate
-from policies.base import Policy
 from policies.static import StaticPolicy
 from tests.assets import (
     ALERTS,
@@ -25,6 +24,7 @@ from tests.assets import (
     vllm_metric_names,
     vllm_source_metric_names,
 )
+from tests.helpers import EngineKnobsInForce, PolicyHolder
 
 
 @pytest.mark.parametrize(
@@ -81,7 +81,7 @@ def test_dashboard_shows_the_knobs_against_the_engine() -> None:
     used = autopilot_metric_names() | vllm_metric_names()
     for name in (
         "autopilot_admission_limit",
-        "autopilot_batch_cap",
+        "autopilot_max_num_active_seqs",
         "autopilot_queue_depth",
         "autopilot_decisions_total",
         "autopilot_engine_generation",
@@ -154,27 +154,31 @@ def test_promtool_accepts_the_rules() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-class _Engine:
-    batch_cap, max_num_seqs, generation, ready = 12, 16, 2, True
-    token_budget = 512
-
-
-class _Holder:
-    def __init__(self, policy: Policy) -> None:
-        self.policy = policy
+ENGINE = EngineKnobsInForce(batch_cap=12, max_num_seqs=16, generation=2)
 
 
 def test_gauges_are_read_at_scrape_time() -> None:
     metrics = Metrics(CollectorRegistry())
     gate = AdmissionGate(4, 100)
-    holder = _Holder(StaticPolicy(max_num_seqs=16, initial_limit=4, preset="interactive"))
-    metrics.live.read_from(gate, _Engine(), holder)
+    holder = PolicyHolder(StaticPolicy(max_num_seqs=16, initial_limit=4, preset="interactive"))
+    metrics.live.read_from(gate, ENGINE, holder)
     value = metrics.registry.get_sample_value
     assert value("autopilot_admission_limit") == 4
     gate.set_limit(9)  # no refresh step: the next scrape sees it
     assert value("autopilot_admission_limit") == 9
-    assert (value("autopilot_batch_cap"), value("autopilot_max_num_seqs")) == (12, 16)
-    assert value("autopilot_token_budget") == 512
+    assert (value("autopilot_max_num_active_seqs"), value("autopilot_max_num_seqs")) == (12, 16)
+    assert value("autopilot_max_num_scheduled_tokens") == 512
     assert (value("autopilot_engine_generation"), value("autopilot_engine_up")) == (2, 1)
     assert value("autopilot_in_flight_requests") == 0
     assert value("autopilot_queue_depth", {"priority_class": gate.classes[0].name}) == 0
+
+
+def test_the_knobs_old_metric_names_show_the_same_values_until_the_next_release() -> None:
+    metrics = Metrics(CollectorRegistry())
+    holder = PolicyHolder(StaticPolicy(max_num_seqs=16, initial_limit=4, preset="interactive"))
+    metrics.live.read_from(AdmissionGate(4, 100), ENGINE, holder)
+    value = metrics.registry.get_sample_value
+    assert value("autopilot_batch_cap") == value("autopilot_max_num_active_seqs") == 12
+    assert value("autopilot_token_budget") == value("autopilot_max_num_scheduled_tokens") == 512
+    families = {m.name: m.documentation for m in metrics.registry.collect()}
+    assert families["autopilot_batch_cap"].startswith("Deprecated: renamed autopilot_max_num_active_seqs")

@@ -24,7 +24,7 @@ def test_the_window_reports_the_share_of_prompt_tokens_the_cache_served() -> Non
     window.record(sample(100.0, prompt=100, prefill=100))
     mix = window.finished_mix()
     assert mix.cached_share == pytest.approx(0.5)  # 200 of 400 prompt tokens from the cache
-    assert mix.prefill_tokens == 100  # the mean computed prefill, as before
+    assert mix.prefill_tokens == 100  # the mean computed prefill, the cache's hits left out
 
 
 def model() -> StepCostModel:

@@ -1,5 +1,5 @@
 """Operators bound the priority clients may ask for: ``[admission]
-min_priority`` (more urgent is refused with 400) and ``default_priority`` (a request naming none); a
+most_urgent_priority`` (more urgent is refused with 400) and ``default_priority`` (a request naming none); a
 value past vLLM's int64 or not an integer is refused with 400 before the gate, so it never counts,
 queues or sheds. vLLM's serving object is replaced by a fake with the same shape (``_check_model``
 first, as vLLM's handlers) and a pydantic request, as vLLM's own."""
@@ -154,7 +154,7 @@ def _doc(**admission: Any) -> dict[str, Any]:
 
 
 def test_admission_bounds_load_from_config() -> None:
-    config = parse_config(_doc(min_priority=0, default_priority=1), ROOT / "config.toml")
+    config = parse_config(_doc(most_urgent_priority=0, default_priority=1), ROOT / "config.toml")
     assert config.admission.priority_bounds == PriorityBounds(most_urgent=0, default=1)
 
 
@@ -162,12 +162,12 @@ def test_admission_bounds_load_from_config() -> None:
     ("admission", "error"),
     [
         (
-            {"min_priority": 0, "default_priority": -1},
-            "[admission] default_priority = -1: below min_priority = 0, so a request naming none "
+            {"most_urgent_priority": 0, "default_priority": -1},
+            "[admission] default_priority = -1: below most_urgent_priority = 0, so a request naming none "
             "would be refused; raise it",
         ),
-        ({"min_priority": 2**63 - 1 + 0, "default_priority": 0}, "below min_priority"),
-        ({"min_priority": "0"}, "[admission] min_priority = '0': must be int."),
+        ({"most_urgent_priority": 2**63 - 1 + 0, "default_priority": 0}, "below most_urgent_priority"),
+        ({"most_urgent_priority": "0"}, "[admission] most_urgent_priority = '0': must be int."),
     ],
 )
 def test_admission_bounds_are_validated(admission: dict[str, Any], error: str) -> None:

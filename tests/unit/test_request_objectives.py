@@ -229,8 +229,8 @@ def test_an_unknown_class_is_an_error_under_ours_and_ignored_under_llm_ds() -> N
         (BATCH, 7, 0, 7, False),  # already in it: kept
         (INTERACTIVE, 5, 0, 0, False),
         (INTERACTIVE, -3, -10, -3, False),
-        (BATCH, 1, 3, 3, False),  # min_priority 3 wins over batch's lower end
-        (INTERACTIVE, 5, 1, 1, True),  # interactive lies wholly below min_priority 1
+        (BATCH, 1, 3, 3, False),  # most_urgent_priority 3 wins over batch's lower end
+        (INTERACTIVE, 5, 1, 1, True),  # interactive lies wholly below most_urgent_priority 1
         (None, -7, -10, -7, False),  # no class: the priority as it is, within the bounds
     ],
 )  # fmt: skip
@@ -270,7 +270,7 @@ async def test_the_class_a_header_names_reaches_gate_and_engine_as_its_priority(
         ({"x-llm-d-inference-objective": "interactive"}, 1, "this server accepts (1 is the most urgent"),
     ],
 )  # fmt: skip
-async def test_an_unknown_class_of_ours_or_one_past_min_priority_is_answered_400_before_the_gate(
+async def test_an_unknown_class_of_ours_or_one_past_most_urgent_priority_is_answered_400_before_the_gate(
     headers: dict[str, str], most_urgent: int, says: str
 ) -> None:
     http, gate, events = bounds_app.make_app(PriorityBounds(most_urgent=most_urgent, default=5))

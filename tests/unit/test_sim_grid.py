@@ -66,7 +66,7 @@ def test_the_grid_needs_every_axis_and_runs_policy_defaults_then_points() -> Non
     ]  # fmt: skip
     point = todo[2]
     assert point.control.policy == "static"
-    assert point.control.params == {"admission_limit": 24, "token_budget": 1024}
+    assert point.control.params == {"admission_limit": 24, "max_num_scheduled_tokens": 1024}
     assert {c.queue_deadline_s for c in point.admission.classes} == {0.8}
     assert todo[1].admission == AdmissionConfig(limit=1024)
 

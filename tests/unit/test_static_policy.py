@@ -59,10 +59,10 @@ def static(**params: Any) -> StaticPolicy:
         ({"preset": "throughput"}, 256, 512),  # above max_num_seqs: the normalize stage clamps it
         ({"preset": "mixed"}, 128, 128),
         ({"preset": "small"}, 48, 48),
-        ({"preset": "interactive", "batch_cap": 40}, 40, 32),
+        ({"preset": "interactive", "max_num_active_seqs": 40}, 40, 32),
         ({"preset": "throughput", "admission_limit": 100}, 256, 100),
-        ({"preset": "small", "batch_cap": 8, "admission_limit": 9}, 8, 9),
-        ({"batch_cap": 16}, 16, INITIAL_LIMIT),
+        ({"preset": "small", "max_num_active_seqs": 8, "admission_limit": 9}, 8, 9),
+        ({"max_num_active_seqs": 16}, 16, INITIAL_LIMIT),
         ({"admission_limit": 1}, MAX_NUM_SEQS, 1),
     ],
 )
@@ -77,25 +77,25 @@ def test_static_values(params: dict[str, Any], batch_cap: int, admission_limit: 
         assert policy.decide(obs, obs.now_mono) == expected
     assert policy.params() == {
         "preset": params.get("preset"),
-        "batch_cap": batch_cap,
+        "max_num_active_seqs": batch_cap,
         "admission_limit": admission_limit,
-        "token_budget": None,
+        "max_num_scheduled_tokens": None,
     }
     assert policy.terms() == {}
 
 
 def test_a_token_budget_is_held_too() -> None:
-    policy = static(batch_cap=8, token_budget=512)
+    policy = static(max_num_active_seqs=8, max_num_scheduled_tokens=512)
     assert policy.decide(observation(), 0.0) == Decision(INITIAL_LIMIT, 8, "static", token_budget=512)
-    assert policy.params()["token_budget"] == 512
+    assert policy.params()["max_num_scheduled_tokens"] == 512
 
 
 def test_presets_table() -> None:
     assert PRESETS == {
-        "interactive": {"batch_cap": 32, "admission_limit": 32},
-        "throughput": {"batch_cap": 256, "admission_limit": 512},
-        "mixed": {"batch_cap": 128, "admission_limit": 128},
-        "small": {"batch_cap": 48, "admission_limit": 48},
+        "interactive": {"max_num_active_seqs": 32, "admission_limit": 32},
+        "throughput": {"max_num_active_seqs": 256, "admission_limit": 512},
+        "mixed": {"max_num_active_seqs": 128, "admission_limit": 128},
+        "small": {"max_num_active_seqs": 48, "admission_limit": 48},
     }
 
 
@@ -105,12 +105,12 @@ def test_presets_table() -> None:
         ({"preset": "nope"}, "preset = 'nope': use one of interactive, throughput, mixed, small"),
         ({"preset": 5}, "preset = 5: use one of interactive, throughput, mixed, small"),
         ({"preset": ["small"]}, "preset = ['small']: use one of interactive, throughput, mixed, small"),
-        ({"batch_cap": 0}, "batch_cap = 0: must be an integer >= 1"),
-        ({"batch_cap": -4}, "batch_cap = -4: must be an integer >= 1"),
-        ({"batch_cap": "32"}, "batch_cap = '32': must be an integer >= 1"),
-        ({"batch_cap": True}, "batch_cap = True: must be an integer >= 1"),
+        ({"max_num_active_seqs": 0}, "max_num_active_seqs = 0: must be an integer >= 1"),
+        ({"max_num_active_seqs": -4}, "max_num_active_seqs = -4: must be an integer >= 1"),
+        ({"max_num_active_seqs": "32"}, "max_num_active_seqs = '32': must be an integer >= 1"),
+        ({"max_num_active_seqs": True}, "max_num_active_seqs = True: must be an integer >= 1"),
         ({"admission_limit": 1.5}, "admission_limit = 1.5: must be an integer >= 1"),
-        ({"token_budget": 0}, "token_budget = 0: must be an integer >= 1"),
+        ({"max_num_scheduled_tokens": 0}, "max_num_scheduled_tokens = 0: must be an integer >= 1"),
         ({"preset": "small", "admission_limit": 0}, "admission_limit = 0: must be an integer >= 1"),
         (
             {"bogus": 1},

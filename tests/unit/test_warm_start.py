@@ -9,24 +9,24 @@ from pathlib import Path
 import pytest
 
 from controller.control.steps import EngineStep
-from controller.control.warmfit import Phase, fit_steps, plan
+from controller.control.warmfit import WarmupPhase, fit_steps, plan
 from controller.engine.runtime.warmup import hardware
 from controller.lifecycle.warm import WarmStart, read_state, state_dir, state_path, write_state
 
 
 def test_the_plan_excites_each_term_within_the_engine_limits() -> None:
     assert plan(64, 2048, 2048) == [
-        Phase(1, 64, 1),
-        Phase(1, 16, 16),
-        Phase(1, 256, 1),  # prefill alone, one decode
-        Phase(2, 64, 16),
-        Phase(4, 64, 16),  # the batches a light load decodes, over chat-sized prompts
-        Phase(8, 16, 16),
-        Phase(16, 16, 16),
-        Phase(32, 16, 16),
-        Phase(64, 16, 8),  # larger batches up to the ceiling, the largest for fewer steps
-        Phase(1, 1024, 1),
-        Phase(4, 512, 16),  # a long prefill, decodes over a long KV
+        WarmupPhase(1, 64, 1),
+        WarmupPhase(1, 16, 16),
+        WarmupPhase(1, 256, 1),  # prefill alone, one decode
+        WarmupPhase(2, 64, 16),
+        WarmupPhase(4, 64, 16),  # the batches a light load decodes, over chat-sized prompts
+        WarmupPhase(8, 16, 16),
+        WarmupPhase(16, 16, 16),
+        WarmupPhase(32, 16, 16),
+        WarmupPhase(64, 16, 8),  # larger batches up to the ceiling, the largest for fewer steps
+        WarmupPhase(1, 1024, 1),
+        WarmupPhase(4, 512, 16),  # a long prefill, decodes over a long KV
     ]
     small = plan(4, 128, 300)
     assert [p.streams for p in small] == [1, 1, 1, 2, 4, 1, 4]  # no batch past the ceiling

@@ -7,7 +7,7 @@ prompts, not streamed), ``stream_over_limit`` (a streamed completion with more p
 admission limit: it must not hold the gate), ``chat_batch`` (``/v1/chat/completions/batch``, several
 conversations in one body), ``beam_search`` (``use_beam_search`` with ``n`` beams), ``n_choices``
 (``n`` > 1) and ``n_over_limit`` (``n`` above the admission limit). Every request ends in an
-:class:`Outcome` that says how it ended; the verdict (``verdict``) decides which endings keep
+:class:`ChaosOutcome` that says how it ended; the verdict (``verdict``) decides which endings keep
 the rule "every request ends with a response or a clear error within its deadline".
 """
 
@@ -51,7 +51,7 @@ Ending = tuple[End, int | None, bool, str]
 
 
 @dataclass(frozen=True)
-class Outcome:
+class ChaosOutcome:
     """How one request ended."""
 
     kind: Kind
@@ -177,7 +177,7 @@ class Sender:
             return "/v1/chat/completions/batch", body, many, note
         return "/v1/completions", self._body(priority, prompt, True), None, note
 
-    async def send(self, kind: Kind, priority: int, prompt: str, deadline_s: float, rid: str) -> Outcome:
+    async def send(self, kind: Kind, priority: int, prompt: str, deadline_s: float, rid: str) -> ChaosOutcome:
         start = time.monotonic()
         try:
             end, status, clear, detail = await asyncio.wait_for(
@@ -185,7 +185,7 @@ class Sender:
             )
         except TimeoutError:
             end, status, clear, detail = "hung", None, False, f"no end within {deadline_s:.0f} s"
-        return Outcome(
+        return ChaosOutcome(
             kind, priority, start - self.t0, time.monotonic() - start, deadline_s, end, status, clear, detail
         )
 
@@ -252,13 +252,13 @@ async def run_load(
     deadline_for: Callable[[int], float],
     seed: int = 0,
     state_url: str | None = None,
-) -> list[Outcome]:
+) -> list[ChaosOutcome]:
     """Poisson arrivals for ``duration_s``; returns once every request has ended (each within its
     deadline, or recorded as hung). The first arrivals take each kind once, in :data:`KINDS` order,
     so that even a short run sends every kind; the rest are drawn by ``shape.weights``."""
     rng = random.Random(seed)
     t0 = time.monotonic()
-    outcomes: list[Outcome] = []
+    outcomes: list[ChaosOutcome] = []
     tasks: set[asyncio.Task[None]] = set()
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0)
     async with aiohttp.ClientSession(

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from controller.bench.chaos.faults import FaultRecord
-from controller.bench.chaos.load import Outcome
+from controller.bench.chaos.load import ChaosOutcome
 from controller.bench.experiments.soak import line_rise
 
 
@@ -52,7 +52,7 @@ class ChaosVerdictLimits:
     """Largest rise of the fitted RSS line over the run, relative to its start."""
 
 
-def bad_ending(o: Outcome) -> str | None:
+def bad_ending(o: ChaosOutcome) -> str | None:
     """Why an outcome breaks invariant 1, or None."""
     if o.end == "hung":
         return f"{o.kind} request (priority {o.priority}) at {o.start_s:.0f} s: {o.detail}"
@@ -85,7 +85,7 @@ class HeldGate:
         return self.refused_429 > 0 and self.served == 0
 
 
-def held_gate(outcomes: Sequence[Outcome]) -> HeldGate:
+def held_gate(outcomes: Sequence[ChaosOutcome]) -> HeldGate:
     spans = [
         (o.start_s, o.start_s + o.elapsed_s)
         for o in outcomes
@@ -98,7 +98,7 @@ def held_gate(outcomes: Sequence[Outcome]) -> HeldGate:
 
 
 def verdict(
-    outcomes: Sequence[Outcome], faults: Sequence[FaultRecord], end: EndState, limits: ChaosVerdictLimits
+    outcomes: Sequence[ChaosOutcome], faults: Sequence[FaultRecord], end: EndState, limits: ChaosVerdictLimits
 ) -> tuple[bool, list[str], dict[str, Any]]:
     """(passed, reasons for failing, the figures checked)."""
     reasons: list[str] = []

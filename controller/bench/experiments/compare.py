@@ -54,7 +54,8 @@ def add_parser(cmds: Any) -> None:
         "--best",
         action="append",
         metavar="KEY=VALUE",
-        help="[engine] setting of the best swept setting (repeatable), e.g. max_num_seqs=32",
+        help="[engine] setting of the best swept setting (repeatable), e.g. max_num_seqs=32; run on our "
+        "daemon with the static policy (labelled best:static:...; --best-from runs a sweep's own server)",
     )
     p.add_argument("--best-from", type=Path, help="take --best from a sweep's sweep.json recommendation")
     p.add_argument(
@@ -149,7 +150,7 @@ def _expand(
         named = ",".join(f"{k}={v}" for k, v in setting.items())
         if server == "vllm-serve":
             return [ServerSpec(f"best:{VLLM_SERVE}:{named}", "vllm-serve", {**engine, **setting})]
-        label = f"best:{named}"
+        label = f"best:static:{named}"  # our daemon, its static gate at max_num_seqs: not vllm serve
         limit = {"limit": setting["max_num_seqs"]} if "max_num_seqs" in setting else {}
         return [
             ServerSpec(

@@ -48,7 +48,7 @@ class Mix:
 
 
 @dataclass(frozen=True)
-class Outcome:
+class MixOutcome:
     cls: str
     status: int
     """HTTP status; a stream that ended in an error event counts as that event's code; 0: no answer
@@ -77,7 +77,7 @@ async def one_request(
     priority: int,
     prompt: str,
     stream: bool = True,
-) -> Outcome:
+) -> MixOutcome:
     """One completion; never raises for HTTP or transport errors."""
     body = {
         "model": model,
@@ -91,25 +91,25 @@ async def one_request(
     sent, ended = answer.sent_mono, answer.ended_mono
     if answer.failure is not None:
         exc = answer.failure
-        return Outcome(cls, 0, sent, ended, None, None, f"{type(exc).__name__}: {exc}")
+        return MixOutcome(cls, 0, sent, ended, None, None, f"{type(exc).__name__}: {exc}")
     status = answer.status or 0
     if status != 200:
         retry = answer.headers.get("Retry-After")
-        return Outcome(cls, status, sent, ended, None, retry, answer.body[:200])
+        return MixOutcome(cls, status, sent, ended, None, retry, answer.body[:200])
     if not stream:
-        return Outcome(cls, 200, sent, ended, ended - sent)
+        return MixOutcome(cls, 200, sent, ended, ended - sent)
     if answer.error_event is not None:
         error = answer.error_event["error"]
         detail = "stream error event: " + str(error)[:200]
-        return Outcome(cls, int(error.get("code") or 500), sent, ended, None, None, detail)
-    return Outcome(cls, 200, sent, ended, answer.ttft_s)
+        return MixOutcome(cls, int(error.get("code") or 500), sent, ended, None, None, detail)
+    return MixOutcome(cls, 200, sent, ended, answer.ttft_s)
 
 
-async def run_mix(base_url: str, model: str, mix: Mix) -> list[Outcome]:
+async def run_mix(base_url: str, model: str, mix: Mix) -> list[MixOutcome]:
     """Send the mix open-loop; wait for every answer (up to ``mix.timeout_s`` each)."""
     rng = random.Random(mix.seed)
     timeout = aiohttp.ClientTimeout(total=mix.timeout_s)
-    tasks: list[asyncio.Task[Outcome]] = []
+    tasks: list[asyncio.Task[MixOutcome]] = []
     async with aiohttp.ClientSession(timeout=timeout, connector=pooled_connector(0)) as session:
         start = time.monotonic()
         at = 0.0
@@ -174,7 +174,7 @@ def _ms(values: Sequence[float], q: float) -> float | None:
     return None if value is None else 1000 * value
 
 
-def summarize(outcomes: list[Outcome], slo_s: dict[str, float], duration_s: float) -> dict[str, Any]:
+def summarize(outcomes: list[MixOutcome], slo_s: dict[str, float], duration_s: float) -> dict[str, Any]:
     """Per class: sent, served, refused (429), other errors, TTFT percentiles of the served, the share
     served within the class's TTFT SLO, and goodput (served within SLO per second; refused, failed
     and abandoned requests are misses)."""

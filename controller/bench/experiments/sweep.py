@@ -41,8 +41,8 @@ def add_parser(cmds: Any) -> None:
     add_server_args(p)
     set_help = (
         f"an [engine] setting and its values (once or twice), e.g. max_num_seqs=8,16,32; usually one of "
-        f"{', '.join(KNOWN)}; a TABLE.KEY sets the daemon's own, e.g. control.params.batch_cap=1,4,16 "
-        "(one engine build: the compile cache serves the rest)"
+        f"{', '.join(KNOWN)}; a TABLE.KEY sets the daemon's own, e.g. "
+        "control.params.max_num_active_seqs=1,4,16 (one engine build: the compile cache serves the rest)"
     )
     p.add_argument(
         "--set", action="append", required=True, metavar="KEY=V1,V2,...", dest="sweep_set", help=set_help
@@ -89,7 +89,8 @@ def label(setting: dict[str, Any]) -> str:
 
 
 def _daemon_tables(setting: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The dotted keys of ``setting`` (``control.params.batch_cap``, ``admission.limit``) as nested tables."""
+    """The dotted keys of ``setting`` (``control.params.max_num_active_seqs``, ``admission.limit``) as
+    nested tables."""
     tables: dict[str, dict[str, Any]] = {}
     for key, value in setting.items():
         table, _, rest = key.partition(".")
@@ -102,8 +103,9 @@ def _daemon_tables(setting: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def server_specs(bench: Bench, combos: Sequence[dict[str, Any]], kind: str) -> list[ServerSpec]:
-    """One server per combination. A key with a dot is a daemon setting (``control.params.batch_cap``):
-    the engine's arguments stay the same across such a sweep, so vLLM's compile cache serves every start."""
+    """One server per combination. A key with a dot is a daemon setting
+    (``control.params.max_num_active_seqs``): the engine's arguments stay the same across such a
+    sweep, so vLLM's compile cache serves every start."""
     admission = dict(bench.base.get("admission") or {})
     specs: list[ServerSpec] = []
     for setting in combos:

@@ -46,7 +46,7 @@ class RequestContext:
     resolved: bool = False
     """Resolved from the client's header or body: every call runs at it (beam search's steps name none)."""
     bounds: PriorityBounds = field(default_factory=PriorityBounds)
-    """[admission] min_priority and default_priority in force when the request arrived."""
+    """[admission] most_urgent_priority and default_priority in force when the request arrived."""
     arrived_mono: float = field(default_factory=monotonic)
     """When the request reached the server: a TTFT bound counts from here."""
     objectives: Objectives = field(default_factory=Objectives)

@@ -33,9 +33,9 @@ current name, else its older one (the order llm-d reads them in). A named class 
 its priority: the one it asked (``X-Vllm-Priority`` or the body's ``priority``, else
 ``[admission] default_priority``) moved to the nearest priority of the class's range, so the class's
 queue, deadline and ``[slo]`` bound hold for it, and a TTFT header only tightens that bound. It never
-loosens ``[admission]``: a class whose whole range is more urgent than ``min_priority`` is answered
-400 (as such a priority is), and any class a header names is one the client could reach by naming a
-priority, behind the same API key.
+loosens ``[admission]``: a class whose whole range is more urgent than ``most_urgent_priority`` is
+answered 400 (as such a priority is), and any class a header names is one the client could reach by
+naming a priority, behind the same API key.
 
 A name that is no class of the daemon's: under our header it is the client's error, answered 400
 naming the known classes (a client that sends our header means our table, and a typo served in
@@ -126,7 +126,7 @@ class Objectives:
 
     def within_class(self, priority: int, most_urgent: int = PRIORITY_MIN) -> int:
         """``priority`` moved to the nearest priority of ``cls``'s range (unchanged without a class),
-        then kept no more urgent than ``most_urgent`` (``[admission] min_priority``): the bound wins
+        then kept no more urgent than ``most_urgent`` (``[admission] most_urgent_priority``): the bound wins
         over the class, so the result is outside the class only where the class's whole range is more
         urgent than the bound (``class_refusal`` says so)."""
         if self.cls is not None:
@@ -143,8 +143,8 @@ class Objectives:
         return ObjectiveRefused(
             self.cls_header or CLASS_HEADER,
             f"class {self.cls.name!r} runs at priorities up to {self.cls.max_priority}, more urgent than "
-            f"this server accepts ({most_urgent} is the most urgent: [admission] min_priority); name a "
-            "less urgent class",
+            f"this server accepts ({most_urgent} is the most urgent: [admission] most_urgent_priority); "
+            "name a less urgent class",
         )
 
 

@@ -5,13 +5,13 @@ What it does: each generating serving object's ``_check_model(request)`` (the fi
 generating handler does with its parsed request, before ``_preflight`` and before rendering) is
 wrapped so that the request's priority is resolved as vLLM reads it (the ``X-Vllm-Priority`` header,
 else the body's ``priority``): a request naming none gets ``[admission] default_priority``; one more
-urgent than ``min_priority``, past int64 or not an integer is answered 400 there (vLLM's own error
+urgent than ``most_urgent_priority``, past int64 or not an integer is answered 400 there (vLLM's own error
 answer for that handler, before the gate: it never counts, queues or sheds). The resolved value is
 kept in the request's context (context.py): every ``generate()`` call of the request runs at it,
 including the calls that name none (beam search's steps) or pass the body's raw value (the batch
 route). A request whose headers (``objectives.py``) name a class moves to the nearest priority of
 that class's range, within the bounds: a class whose whole range is more urgent than
-``min_priority`` is answered 400 there, naming the header, as is a TTFT or TPOT header that is not a
+``most_urgent_priority`` is answered 400 there, naming the header, as is a TTFT or TPOT header that is not a
 number of milliseconds and a class of ours the table does not hold. ``_check_model`` itself runs
 unchanged.
 

@@ -29,7 +29,7 @@ from vllm.utils import func_utils
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from controller.control.actuator import TOKEN_BUDGET_MIN, token_budget_bounds
-from controller.control.steps import EngineStep, StepFeed
+from controller.control.steps import EngineStep, StepCost, StepFeed
 from controller.engine.runtime.args import engine_args
 from controller.engine.runtime.builds import build_in_thread
 from controller.engine.runtime.dtype import dtype_settings
@@ -44,6 +44,16 @@ RENDERER_GRACE_S = 30.0
 """A retired engine's renderer stays up this long after the swap finished (the app's serving objects
 rebuilt over the new engine): requests that were tokenizing with it still finish their preprocessing
 (else they would get a 500)."""
+
+
+def engine_ranks(core: Any, engines: int) -> list[int]:
+    """The data-parallel rank of each engine ``core.call_utility_all_async`` answered for, in its
+    order: vLLM's engine client names each engine by its rank (``core_engines``, two bytes, little
+    endian), the ``engine_idx`` its stat logger reports under; 0, 1, ... where it names none."""
+    identities = getattr(core, "core_engines", None)
+    if isinstance(identities, list) and len(identities) == engines:
+        return [int.from_bytes(identity, "little") for identity in identities]
+    return list(range(engines))
 
 
 def forget_renderer_memos() -> None:
@@ -321,11 +331,16 @@ class EngineHost:
         # Every engine's: with data parallelism each EngineCore meters its own steps, and
         # call_utility_async answers with the first engine's result alone (the others' drained rows
         # would be lost). Merged in time order, as the step feed hands them on.
-        per_engine = await self.llm.engine_core.call_utility_all_async(UTILITY_DRAIN)
-        rows = sorted((row for engine_rows in per_engine for row in engine_rows), key=lambda row: row[0])
+        core = self.llm.engine_core
+        per_engine = await core.call_utility_all_async(UTILITY_DRAIN)
+        ranks = engine_ranks(core, len(per_engine))
+        rows = sorted(
+            ((rank, row) for rank, engine_rows in zip(ranks, per_engine, strict=True) for row in engine_rows),
+            key=lambda ranked: ranked[1][0],
+        )
         return [
-            EngineStep.measured(float(t), int(p), int(d), int(kv), float(s), float(gap))
-            for t, p, d, kv, s, gap in rows
+            EngineStep(float(t), StepCost(int(p), int(d), int(kv), float(s), float(gap)), engine_idx=rank)
+            for rank, (t, p, d, kv, s, gap) in rows
         ]
 
     async def abort_in_flight(self, reason: str) -> int:

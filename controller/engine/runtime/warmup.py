@@ -28,7 +28,7 @@ import structlog
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 
-from controller.control.warmfit import Phase
+from controller.control.warmfit import WarmupPhase
 from controller.engine.runtime.dtype import cpuinfo_text
 
 log = structlog.get_logger(__name__)
@@ -50,7 +50,7 @@ class WarmupRun:
 
 async def run(
     llm: Any,
-    phases: list[Phase],
+    phases: list[WarmupPhase],
     budget_s: float,
     vocab_size: int,
     clock: Callable[[], float] = time.monotonic,

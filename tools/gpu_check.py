@@ -2,7 +2,7 @@
 
 Run on a machine with a CUDA GPU, torch and nvidia-ml-py (the `device` machine of this workplace):
 
-    python bench/gpu_check.py --out results/
+    python tools/gpu_check.py --out results/
 
 1. NVML: ``controller.control.samplers.NvmlSource`` reads the GPU; allocating 8 GiB with torch must raise its
    ``used_bytes`` by about 8 GiB and lower ``free_bytes`` as much; a matmul loop must raise ``utilization``;

@@ -2,7 +2,7 @@
 
     pip install locust
     MODEL=smollm2 TOKENIZER=models/smollm2 PROMPT_TOKENS=128 OUTPUT_TOKENS=128 \\
-        locust -f bench/locustfile.py --host http://127.0.0.1:8000 --users 32 --spawn-rate 8
+        locust -f tools/locustfile.py --host http://127.0.0.1:8000 --users 32 --spawn-rate 8
 
 Each user sends streaming ``/v1/completions`` requests forced to ``OUTPUT_TOKENS`` (``ignore_eos``) with a
 prompt of exactly ``PROMPT_TOKENS`` tokens (built with the model's tokenizer, as ``bench run`` does) and waits
