@@ -174,6 +174,7 @@ class AdmissionGate:
         ttft_done: bool = False,
         ttft_bound_s: float | None = None,
         request_id: str | None = None,
+        early: bool = False,
     ) -> None:
         """Refuse now (raise ``GateRejected``) or count the request as pending in its class: ``n``
         is what it will generate (prompts x sequences each), ``calls`` the pending places it holds
@@ -184,7 +185,10 @@ class AdmissionGate:
         request has held a slot (its TTFT has happened): no expected wait refuses it, bounds still do.
         ``ttft_bound_s``: the request's own TTFT bound (a gateway's header), which only tightens its
         class's (``TtftBounds.bound_s``). ``request_id``: the client's id for it (``X-Request-Id``):
-        an arrival of an id refused lately (``refused``) counts in ``retries_total`` too."""
+        an arrival of an id refused lately (``refused``) counts in ``retries_total`` too.
+        ``early``: vLLM's preflight, before the prompt is rendered (``calls`` 0): refuse what is sure
+        to be refused, but shed no waiter for room, since the check with the prompt's length may still
+        refuse the request; that check sheds."""
         q = self._queue_of(priority)
         self.arrivals_total += not later_call
         if not later_call and request_id is not None and self.refused_ids.is_retry(request_id):
@@ -197,7 +201,7 @@ class AdmissionGate:
         if position > 0:
             bounded = ttft_bound_s is not None
             prefill_s = None if ttft_done else self.after_slot.own_s(prompt_tokens, arrived_mono, bounded)
-            self._check_wait(q, position, own, n, prefill_s, ttft_bound_s)
+            self._check_wait(q, position, own, n, prefill_s, ttft_bound_s, early)
         q.pending.extend([self._clock()] * calls)
 
     def refused(self, request_id: str | None) -> None:
@@ -220,11 +224,19 @@ class AdmissionGate:
         return (own + higher - shared if own > 0 else own), own
 
     def _check_wait(
-        self, q: ClassQueue, position: int, own: int, n: int, prefill_s: float | None, asked_s: float | None
+        self,
+        q: ClassQueue,
+        position: int,
+        own: int,
+        n: int,
+        prefill_s: float | None,
+        asked_s: float | None,
+        early: bool = False,
     ) -> None:
         """``position`` requests (this one included) would wait ahead of a slot for it, ``own`` of
         them of its class; ``prefill_s`` what it needs after the wait (``AfterSlot.own_s``; None:
-        no expected wait refuses it); ``asked_s`` its own TTFT bound, None without one."""
+        no expected wait refuses it); ``asked_s`` its own TTFT bound, None without one; ``early``:
+        the preflight, which sheds nobody (``check_admission``)."""
         spec = q.spec
         deadline = self.ttft.queue_deadline_s(spec, asked_s)
         own = min(position, own)
@@ -243,7 +255,7 @@ class AdmissionGate:
         waiting = sum(o.queued + len(o.pending) for o in self._order)
         free_any = max(0, self._limit - self._in_flight_total)
         excess = waiting + n - free_any - self.max_queue
-        if excess > 0 and not self._shed_below(q, min(excess, n)):
+        if excess > 0 and not self._shed_below(q, min(excess, n), dry=early):
             why = f"{waiting} requests already wait (gate queue limit {self.max_queue})"
             self._refuse(q, n, "queue_full", excess, why)
 
@@ -269,10 +281,12 @@ class AdmissionGate:
         """Seconds until the whole queue has likely drained (for 503s and answers without a class)."""
         return self._retry_after(1 + sum(q.queued + len(q.pending) for q in self._order))
 
-    def _shed_below(self, q: ClassQueue, count: int) -> bool:
+    def _shed_below(self, q: ClassQueue, count: int, dry: bool = False) -> bool:
         """Refuse the ``count`` newest waiters of the least urgent classes below ``q``
-        (``shedding.py``); False, and none refused, when fewer wait."""
+        (``shedding.py``); False, and none refused, when fewer wait. ``dry``: only whether they wait."""
         victims = shed_order(self._order[self._order.index(q) + 1 :], count, self._retry_after)
+        if dry:
+            return bool(victims)
         for w, error in victims:
             self._drop(w, error)
             self._events.rejected(w.queue.spec.name, "shed")

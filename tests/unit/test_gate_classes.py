@@ -314,6 +314,26 @@ async def test_full_gate_sheds_the_newest_lowest_class_waiter_first() -> None:
     assert not reqs.tasks["b0"].done()
 
 
+async def test_the_preflight_sheds_nobody_and_the_calls_own_check_does() -> None:
+    lowest = PriorityClass("bulk", min_priority=10, max_queue=8, queue_deadline_s=30.0)
+    batch = PriorityClass("batch", min_priority=1, max_priority=9, max_queue=8, queue_deadline_s=30.0)
+    gate, _, events = make(limit=1, max_queue=2, classes=(INTERACTIVE, batch, lowest))
+    reqs = Requests(gate)
+    await reqs.add("hold", 0)
+    await reqs.add("x0", 10)
+    await reqs.add("x1", 10)
+    gate.check_admission(5, calls=0, early=True)  # room only by shedding: passes, sheds nobody
+    await settle()
+    assert reqs.refused == {} and events.rejected == []
+    gate.check_admission(5, later_call=True)  # its call, the prompt's length known: sheds x1
+    await settle()
+    assert reqs.refused["x1"].reason == "shed"
+    with pytest.raises(GateRejected) as exc:
+        gate.check_admission(10, calls=0, early=True)  # nobody below bulk to shed: refused at once
+    assert exc.value.reason == "queue_full"
+    assert not reqs.tasks["x0"].done()
+
+
 # -- reserved shares ------------------------------------------------------------------------------
 
 

@@ -120,8 +120,10 @@ class GovernedEngineClient(EngineClient):
     def check_admission(self, n: int = 1, request_id: str | None = None) -> None:
         """vLLM's own queue limits, if configured, then the gate's early refusal: vLLM calls this
         (``_preflight``) before it renders the prompt, so a request the gate would refuse now (queue
-        bounds, shedding, the expected wait without its prefill) is refused before any tokenizing,
-        and before a route that generates lazily (``/v1/responses``) has sent its 200. Nothing is
+        bounds, a full gate with no less urgent waiter to shed, the expected wait without its
+        prefill) is refused before any tokenizing, and before a route that generates lazily
+        (``/v1/responses``) has sent its 200. It sheds nobody: the call's own check, with the
+        prompt's length, may still refuse the request, and sheds where it admits. Nothing is
         counted here: each ``generate()`` call passes admission itself, with its own ``n`` and
         prompt length (vLLM calls this once per request, whatever calls follow)."""
         self._host.llm.check_admission(n, request_id)
@@ -133,6 +135,7 @@ class GovernedEngineClient(EngineClient):
                 request.priority,
                 n,
                 calls=0,
+                early=True,  # before the prompt's length is known: refuse, never shed
                 arrived_mono=request.arrived_mono,
                 ttft_bound_s=request.objectives.ttft_s,
                 request_id=request.request_id,
