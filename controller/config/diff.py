@@ -1,10 +1,12 @@
 """What a reload changes, and which of it can apply live.
 
 Reload parses and validates the whole new file first (``load_config``); only then is it compared with
-the config in force. ``[admission]``, ``[control]``, ``[guard]`` and ``[slo]`` apply at once, without
-failing any request in flight (the SLO never needs an engine restart). ``[engine]``, ``[server]`` and
-``[admin]`` need a new engine or new listeners: they are reported as pending and keep their old values
-until the daemon restarts.
+the config in force, its ``[engine]`` with the file values the engine runs (``diff_config``'s
+``engine_from``): the memory guard's own shrink is in the config in force, and a file that did not
+touch the key must not undo it. ``[admission]``, ``[control]``, ``[guard]`` and ``[slo]`` apply at
+once, without failing any request in flight (the SLO never needs an engine restart). ``[engine]``,
+``[server]`` and ``[admin]`` need a new engine or new listeners: they are reported as pending and keep
+their old values until the daemon restarts.
 """
 
 from __future__ import annotations
@@ -31,7 +33,11 @@ class ConfigDiff:
         return not self.live and not self.pending
 
 
-def diff_config(old: Config, new: Config) -> ConfigDiff:
+def diff_config(old: Config, new: Config, engine_from: dict[str, Any] | None = None) -> ConfigDiff:
+    """What changed from ``old`` to ``new``; ``[engine]`` is compared with ``engine_from`` where given
+    (the [engine] of the file the engine runs, before the guard's changes), else with ``old``'s."""
+    if engine_from is not None:
+        old = dataclasses.replace(old, engine=engine_from)
     a, b = describe(old, secrets=True), describe(new, secrets=True)  # a changed key is a change
     changed: dict[str, list[str]] = {}
     for table in (*LIVE_TABLES, *RESTART_TABLES):

@@ -23,7 +23,8 @@ engine, so it moves only on out-of-memory risk and only downward; an operator ra
   request enters a dead engine. One restart or one recovery at a time: the lock is held through
   recovery's back-off sleep too, and a restart asked for meanwhile waits its turn.
 * After a restart the new settings are reported (``on_engine_args``), so the config in force says
-  what the engine runs and a reload can move them back.
+  what the engine runs; a reload compares [engine] with the file, not with this (``reload.py``), so
+  only a file that changes the key moves it back.
   No vLLM import here: the engine is reached through ``EngineControl``.
 """
 

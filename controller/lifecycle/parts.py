@@ -93,7 +93,8 @@ class Parts:
 
     def adopt_engine(self, overrides: dict[str, Any]) -> None:
         """The guard's callback after a restart that built: the config in force says what the engine
-        now runs (a memory shrink included), so a reload back to the file's value is a change."""
+        now runs (a memory shrink included); a reload compares [engine] with the file, not with this
+        (``reload.py``), so a file that leaves the key alone keeps the shrink."""
         self.config = dataclasses.replace(self.config, engine={**self.config.engine, **overrides})
 
 

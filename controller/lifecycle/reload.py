@@ -13,7 +13,12 @@ background, one restart task for all reloads: it brings the engine to the newest
 [engine], so two quick reloads end on the second's values, and never runs twice at once. One that
 arrives while a restart or a recovery runs is answered ``deferred`` and applied after it (the guard
 runs one at a time). The config in force follows the engine only when the new engine built (the
-guard reports it, ``Parts.adopt_engine``): a bad value leaves both as they were."""
+guard reports it, ``Parts.adopt_engine``): a bad value leaves both as they were.
+
+[engine] is compared with the file values the engine runs (``_engine_file``: the first file's, then
+each reloaded file's whose [engine] an engine built), never with the config in force: that holds the
+memory guard's shrink, and a reload of a file that did not touch the key would restart the engine at
+the value that was at risk. An operator raises the setting by changing it in the file."""
 
 from __future__ import annotations
 
@@ -44,6 +49,12 @@ class Reloader:
         self._wanted: Config | None = None
         """The newest reloaded file: the engine restart task brings the engine to its [engine]."""
         self._restarter: asyncio.Task[None] | None = None
+        self._engine_file: dict[str, Any] = dict(parts.config.engine)
+        """[engine] as the files asked for it, of the file whose values the engine runs: what a reload's
+        [engine] is compared with (module docstring)."""
+
+    def _diff(self, new: Config) -> ConfigDiff:
+        return diff_config(self.parts.config, new, engine_from=self._engine_file)
 
     async def reload(self) -> dict[str, Any]:
         """Re-read the config file; apply what can change live. On any error the old config stays."""
@@ -83,7 +94,7 @@ class Reloader:
         p = self.parts
         try:
             new = load_layered(p.config.path, p.config.overlay)  # the command line stays on top
-            diff = diff_config(p.config, new)
+            diff = self._diff(new)
             change = self._plan(new, diff)  # everything that can fail, before anything changes
         except ConfigError as exc:
             return self._rejected(exc.errors)
@@ -156,7 +167,7 @@ class Reloader:
         stay as they were)."""
         p = self.parts
         while (wanted := self._wanted) is not None and wanted.restart_on_reload:
-            overrides = engine_overrides(p.config, wanted, diff_config(p.config, wanted))
+            overrides = engine_overrides(p.config, wanted, self._diff(wanted))
             if not overrides:
                 break
             try:
@@ -166,7 +177,8 @@ class Reloader:
                 if self._wanted is wanted:
                     return
                 continue  # a newer file came meanwhile: try its values
-            p.pending_changes = diff_config(p.config, wanted).pending  # [engine] is in force now
+            self._engine_file = dict(wanted.engine)  # the engine runs this file's [engine] now
+            p.pending_changes = self._diff(wanted).pending
             if self._wanted is wanted:
                 break
 

@@ -370,21 +370,43 @@ async def test_a_bad_reload_value_then_the_fixed_file_leaves_the_daemon_serving(
     assert reloads(p, "error") == 0
 
 
-# -- a memory shrink is in the config in force, so a reload can raise it back -----------------------
+# -- a memory shrink is in the config in force; only a file that changes the key moves it -----------
 
 
-async def test_after_a_memory_shrink_a_reload_raises_the_setting_back(tmp_path: Path) -> None:
+async def test_a_reload_of_an_unchanged_engine_table_keeps_the_guards_memory_shrink(tmp_path: Path) -> None:
     from controller.lifecycle.reload import Reloader
 
     p = parts_for(tmp_path, restart_on_reload=True)
     engine = FakeEngine()
     p.guard.engine = engine
+    reloader = Reloader(p)
     await p.guard.restart("host_memory_low", {"kv_cache_memory_bytes": KV // 2}, drain=False)
     assert p.config.engine["kv_cache_memory_bytes"] == KV // 2
-    result = await Reloader(p).reload()
-    assert result["engine_restart"] == {"kv_cache_memory_bytes": KV}
+    rewrite(p, engine={"restart_on_reload": True}, admission={"limit": 3})  # a live change only
+    result = await reloader.reload()
     await drain_tasks(p)
-    assert engine.kv == KV and p.config.engine["kv_cache_memory_bytes"] == KV
+    assert result["changed"] == {"admission": ["limit"]}
+    assert result["engine_restart"] is None and not result["pending"]
+    assert engine.kv == KV // 2 and len(engine.restarts) == 1
+    assert p.config.engine["kv_cache_memory_bytes"] == KV // 2
+
+
+async def test_after_a_memory_shrink_a_file_that_changes_the_setting_raises_it(tmp_path: Path) -> None:
+    from controller.lifecycle.reload import Reloader
+
+    p = parts_for(tmp_path, restart_on_reload=True)
+    engine = FakeEngine()
+    p.guard.engine = engine
+    reloader = Reloader(p)
+    await p.guard.restart("host_memory_low", {"kv_cache_memory_bytes": KV // 2}, drain=False)
+    rewrite(p, engine={"restart_on_reload": True, "kv_cache_memory_bytes": KV * 2})
+    result = await reloader.reload()
+    assert result["engine_restart"] == {"kv_cache_memory_bytes": KV * 2}
+    await drain_tasks(p)
+    assert engine.kv == KV * 2 and p.config.engine["kv_cache_memory_bytes"] == KV * 2
+    rewrite(p, engine={"restart_on_reload": True, "kv_cache_memory_bytes": KV * 2})
+    again = await reloader.reload()  # the same file again: nothing left to do
+    assert again["engine_restart"] is None and not again["pending"]
 
 
 # -- reload, memory restarts and recovery never run side by side ------------------------------------
