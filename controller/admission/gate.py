@@ -81,7 +81,8 @@ class AdmissionGate:
         self.admitted_total = self.rejected_total = self.completed_total = self.timed_out_total = 0
         self.arrivals_total = self.retries_total = 0
         self.refused_ids = RefusedIds(clock)
-        """Ids of requests refused lately: their next arrivals are retries (``retries_total``)."""
+        """Ids of requests refused lately: their next few tries, refused in turn, are retries
+        (``retries_total``)."""
         self._refuse_new: GateRejected | None = None
         self._refuse_queued: GateRejected | None = None
         self._unavailable: GateRejected | None = None
@@ -173,7 +174,6 @@ class AdmissionGate:
         later_call: bool = False,
         ttft_done: bool = False,
         ttft_bound_s: float | None = None,
-        request_id: str | None = None,
         early: bool = False,
     ) -> None:
         """Refuse now (raise ``GateRejected``) or count the request as pending in its class: ``n``
@@ -184,15 +184,12 @@ class AdmissionGate:
         ``later_call``: a further call of a request admitted before, not an arrival; ``ttft_done``: its
         request has held a slot (its TTFT has happened): no expected wait refuses it, bounds still do.
         ``ttft_bound_s``: the request's own TTFT bound (a gateway's header), which only tightens its
-        class's (``TtftBounds.bound_s``). ``request_id``: the client's id for it (``X-Request-Id``):
-        an arrival of an id refused lately (``refused``) counts in ``retries_total`` too.
+        class's (``TtftBounds.bound_s``).
         ``early``: vLLM's preflight, before the prompt is rendered (``calls`` 0): refuse what is sure
         to be refused, but shed no waiter for room, since the check with the prompt's length may still
         refuse the request; that check sheds."""
         q = self._queue_of(priority)
         self.arrivals_total += not later_call
-        if not later_call and request_id is not None and self.refused_ids.is_retry(request_id):
-            self.retries_total += 1
         if self._refuse_new is not None:
             self._events.rejected(q.spec.name, self._refuse_new.reason)
             raise self._refuse_new.fresh()
@@ -204,10 +201,20 @@ class AdmissionGate:
             self._check_wait(q, position, own, n, prefill_s, ttft_bound_s, early)
         q.pending.extend([self._clock()] * calls)
 
-    def refused(self, request_id: str | None) -> None:
-        """A refusal of the gate's (early or in the queue) was answered to ``request_id``: a router
-        or a client that tries it again here within ``refused_ids.window_s`` is not new demand."""
-        if request_id is not None:
+    def take_retry(self, request_id: str | None) -> bool:
+        """A request with the client's id ``request_id`` (``X-Request-Id``) arrives: True when it
+        takes one of the tries a recent refusal of its id excuses (``RefusedIds.take``). The engine
+        client keeps the answer with the request and hands it to ``refused``."""
+        return request_id is not None and self.refused_ids.take(request_id)
+
+    def refused(self, request_id: str | None, retry: bool = False) -> None:
+        """A refusal of the gate's (early or in the queue) was answered to a request, once per
+        request. ``retry``: its arrival took an excused try (``take_retry``) and it was never admitted
+        to a slot: it counts in ``retries_total``, not as new demand, and excuses nothing more; any
+        other refused request with an id excuses the next tries of its id (``RefusedIds.refused``)."""
+        if retry:
+            self.retries_total += 1
+        elif request_id is not None:
             self.refused_ids.refused(request_id)
 
     def _position(self, q: ClassQueue, n: int, priority: int, prompt_tokens: int | None) -> tuple[int, int]:

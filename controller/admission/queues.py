@@ -43,9 +43,9 @@ class GateStats:
     """Requests that reached admission, each try counted once whatever its prompts, ``n`` or outcome;
     a router's or a client's retry of a refused request is a further arrival."""
     retries_total: int = 0
-    """Of ``arrivals_total``, the tries of a request this gate refused within the last minute (by its
-    ``X-Request-Id``, ``retries.py``): offered load is ``arrivals_total - retries_total``
-    (``control/capacity.py``)."""
+    """Of ``arrivals_total``, the tries refused in turn of a request this gate refused within the
+    last minute (by its ``X-Request-Id``, a bounded number per refusal and never an admitted one:
+    ``retries.py``): offered load is ``arrivals_total - retries_total`` (``control/capacity.py``)."""
 
 
 @dataclass(eq=False)

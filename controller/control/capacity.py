@@ -47,8 +47,9 @@ batch that the SLO and the memory allow::
   refused, timed out in the queue, and still queued (``GateStats`` totals, differenced between ticks).
   Not the admitted rate: that cannot pass what the engine takes, so it would read about 1 under any
   overload; demand the gate refused is demand a further replica would serve. A request counts once
-  per replica, not once per try: a try whose ``X-Request-Id`` this gate refused within the last
-  minute is a retry (``GateStats.retries_total``, ``admission/retries.py``), not new demand. A try
+  per replica, not once per try: a refused try whose ``X-Request-Id`` this gate refused within the
+  last minute is a retry (``GateStats.retries_total``, ``admission/retries.py``: at most 4 per
+  refusal, never an admitted try), not new demand. A try
   without the header counts each time (vllm-router passes the client's id on every attempt and
   makes up none: docs/fleet.md).
 * Across replicas, a request a replica refused and the router tried on another counts on each replica

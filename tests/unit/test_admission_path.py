@@ -24,6 +24,7 @@ from controller.admission.classes import PriorityBounds, PriorityClass
 from controller.admission.gate import AdmissionGate
 from controller.admission.ttft import TtftBounds
 from controller.clock import FakeClock
+from controller.control.capacity import new_arrivals
 from controller.engine.frontend import context
 from controller.engine.frontend.app import AdmissionMiddleware
 from controller.engine.frontend.client import GateRefusal, GovernedEngineClient
@@ -326,7 +327,8 @@ async def test_check_admission_refuses_before_vllm_renders_and_counts_nothing() 
 
 async def test_a_refused_request_tried_again_by_its_id_is_a_retry_not_an_arrival() -> None:
     """What a router does with a 429: the same request, the same ``X-Request-Id``, once more. The
-    gate counts each try in ``arrivals_total`` and the tries of an id it refused in ``retries_total``."""
+    gate counts each try in ``arrivals_total`` and the refused tries of an id it refused in
+    ``retries_total``."""
     clock = FakeClock()
     gate = AdmissionGate(1, 0, (PriorityClass("all", max_queue=0, queue_deadline_s=1e6),), clock=clock)
     held = await gate.acquire(from_pending=False)
@@ -338,9 +340,28 @@ async def test_a_refused_request_tried_again_by_its_id_is_a_retry_not_an_arrival
         assert r.status_code == 429, r.text
         gate.release(held)
         r = await http.post("/v1/completions", json={}, headers={"x-request-id": "r2"})
-        assert r.status_code == 200, r.text
+        assert r.status_code == 200, r.text  # admitted: demand, though r2 was refused lately
     stats = gate.stats()
-    assert (stats.arrivals_total, stats.retries_total) == (6, 3)
+    assert (stats.arrivals_total, stats.retries_total) == (6, 2)
+
+
+async def test_one_id_reused_for_every_request_hides_no_admitted_and_few_refused_requests() -> None:
+    """A client that sends one fixed ``X-Request-Id`` with every request: of its requests the gate
+    refuses, one in five counts as new demand (a refusal excuses a router's four retries, and the
+    refusal of a retry excuses no more); every one it admits counts."""
+    clock = FakeClock()
+    gate = AdmissionGate(1, 0, (PriorityClass("all", max_queue=0, queue_deadline_s=1e6),), clock=clock)
+    held = await gate.acquire(from_pending=False)
+    async with make_app(gate, CountingLLM()) as http:
+        for _ in range(20):
+            r = await http.post("/v1/completions", json={}, headers={"x-request-id": "same"})
+            assert r.status_code == 429, r.text
+        assert new_arrivals(gate.stats()) == 4
+        gate.release(held)
+        for _ in range(2):
+            r = await http.post("/v1/completions", json={}, headers={"x-request-id": "same"})
+            assert r.status_code == 200, r.text
+        assert new_arrivals(gate.stats()) == 6
 
 
 async def test_a_request_refused_in_the_queue_tried_again_is_a_retry() -> None:

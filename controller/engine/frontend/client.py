@@ -130,6 +130,7 @@ class GovernedEngineClient(EngineClient):
         request = context.current.get()
         if request is None or request.admitted:
             return
+        request.retry = self._gate.take_retry(request.request_id)
         try:
             self._gate.check_admission(
                 request.priority,
@@ -138,7 +139,6 @@ class GovernedEngineClient(EngineClient):
                 early=True,  # before the prompt's length is known: refuse, never shed
                 arrived_mono=request.arrived_mono,
                 ttft_bound_s=request.objectives.ttft_s,
-                request_id=request.request_id,
             )
         except GateRejected as exc:
             raise self._refused(request, exc) from None
@@ -180,6 +180,8 @@ class GovernedEngineClient(EngineClient):
             else request.objectives.within_class(bounds.clamp(asked), bounds.most_urgent)
         )
         prompt_tokens = self._prompt_len(prompt)
+        if not request.admitted:  # its arrival
+            request.retry = self._gate.take_retry(request.request_id)
         try:
             self._gate.check_admission(
                 priority,
@@ -190,7 +192,6 @@ class GovernedEngineClient(EngineClient):
                 later_call=request.admitted,
                 ttft_done=request.served,
                 ttft_bound_s=None if request.served else request.objectives.ttft_s,
-                request_id=request.request_id,
             )
         except GateRejected as exc:
             raise self._refused(request, exc) from None
@@ -209,12 +210,15 @@ class GovernedEngineClient(EngineClient):
             return None
 
     def _refused(self, request: context.RequestContext | None, exc: GateRejected) -> GateRefusal:
-        """The gate's refusal as the request's answer; the gate remembers the request's id, so that
-        a router's or a client's next try of it is counted as a retry (``AdmissionGate.refused``)."""
+        """The gate's refusal as the request's answer. The gate hears of a request's first refusal:
+        a retry where its arrival took an excused try and it never held a slot (an admitted arrival is
+        demand), else a refusal whose id excuses the next tries of a router or a client
+        (``AdmissionGate.refused``)."""
         if request is not None:
+            if request.refusal is None:
+                self._gate.refused(request.request_id, retry=request.retry and not request.served)
             request.refusal, request.retry_after_s = (exc.status, exc.message), exc.retry_after_s
             request.refusal_reason = exc.reason
-            self._gate.refused(request.request_id)
         return _http_error(exc)
 
     async def _generate(

@@ -58,6 +58,9 @@ class RequestContext:
     counts a try of an id it refused lately as a retry, not new demand; None without the header."""
     admitted: bool = False
     """A call has passed admission: later calls are not new arrivals."""
+    retry: bool = False
+    """Its arrival took a try that a recent refusal of its ``request_id`` excuses
+    (``AdmissionGate.take_retry``): refused before it holds a slot, it is a retry, not new demand."""
     served: bool = False
     """A call has held a slot: its TTFT has happened, later calls are not refused by it."""
     calls: list[Call] = field(default_factory=list)
