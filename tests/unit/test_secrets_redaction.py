@@ -21,7 +21,7 @@ from controller.cli import _check_config
 from controller.clock import FakeClock
 from controller.config.cli_layer import serve_config
 from controller.config.load import ConfigError, GuardConfig, describe, load_config, parse_config
-from controller.config.secrets import REDACTED, redact
+from controller.config.secrets import REDACTED, redact, scrub
 from controller.control.samplers import FakeHostSource
 from controller.lifecycle import guard as guard_module
 from controller.lifecycle import reload as reload_module
@@ -188,3 +188,46 @@ def test_redact_looks_inside_json_text_and_leaves_other_text_alone() -> None:
     assert redact({"opt": '{"token": "t0ps3cret", "n": 1}'}) == {"opt": '{"token": "<redacted>", "n": 1}'}
     assert redact({"opt": '{"n": 1}'}) == {"opt": '{"n": 1}'}  # nothing to hide: the text as it was
     assert redact({"opt": "{not json"}) == {"opt": "{not json"}
+
+
+def test_a_urls_user_and_password_are_redacted_under_any_key() -> None:
+    shown = redact(
+        {
+            "model": "https://user:pw123@models.internal/llama",
+            "note": "mirror at s3+http://AKIAXYZ:s3cr3t@minio:9000/bucket, see http://plain.host/x@y",
+        }
+    )
+    assert shown["model"] == f"https://{REDACTED}@models.internal/llama"
+    assert "s3cr3t" not in shown["note"] and "AKIAXYZ" not in shown["note"]
+    assert f"s3+http://{REDACTED}@minio:9000/bucket" in shown["note"]
+    assert "http://plain.host/x@y" in shown["note"]  # an @ past the host is no user: left alone
+
+
+def test_credentials_auth_and_url_passwords_inside_a_json_option_are_redacted() -> None:
+    extra = {
+        "remote_url": "redis://:hunter2@redis:6379",
+        "credentials": "s3cr3t-credential",
+        "auth": "Basic dXNlcjpwYXNz",
+        "region": "eu-west-1",
+    }
+    transfer = json.dumps({"kv_connector": "X", "kv_role": "kv_both", "kv_connector_extra_config": extra})
+    config = serve_config([str(ROOT / "models" / "tiny"), "--kv-transfer-config", transfer])
+    shown = json.dumps(describe(config))
+    for secret in ("hunter2", "s3cr3t-credential", "dXNlcjpwYXNz"):
+        assert secret not in shown
+    assert "eu-west-1" in shown and "redis:6379" in shown
+
+
+def test_a_switch_named_like_a_secret_is_shown_as_it_is() -> None:
+    assert redact({"allow_credentials": True, "auth": False}) == {"allow_credentials": True, "auth": False}
+    assert redact({"max_num_batched_tokens": 8192}) == {"max_num_batched_tokens": 8192}
+
+
+def test_a_config_error_quotes_no_urls_password() -> None:
+    data = _doc(
+        engine={"model": "https://user:pw-9876@models.internal/llama"}, admission={"limit": "pw-9876"}
+    )
+    errors = scrub(
+        ["[engine] model 'https://user:pw-9876@models.internal/llama' not found", "limit = 'pw-9876'"], data
+    )
+    assert not any("pw-9876" in e for e in errors) and "models.internal/llama" in errors[0]
