@@ -14,10 +14,10 @@ from fastapi import FastAPI
 
 from controller.admission.classes import PriorityClass
 from controller.admission.errors import shutting_down
-from controller.admission.gate import AdmissionGate
+from controller.admission.gate import AdmissionGate, GateRejected
 from controller.clock import FakeClock
 from controller.engine.frontend.app import make_server
-from controller.engine.frontend.load import LOAD_PATH, add_load_route
+from controller.engine.frontend.load import LOAD_PATH, UNAVAILABLE_LOAD, add_load_route
 from controller.engine.runtime.args import serve_namespace
 from tests.helpers import settle
 
@@ -78,12 +78,24 @@ async def test_the_poll_never_passes_the_gate() -> None:
     assert (stats.arrivals_total, stats.admitted_total, stats.rejected_total, stats.pending) == (0, 0, 0, 0)
 
 
-async def test_it_answers_while_the_gate_pauses_or_refuses() -> None:
+async def test_a_replica_that_serves_no_new_request_reports_the_highest_load() -> None:
+    """Refusing every request (shutdown, the restart budget spent, no engine while it rebuilds) or
+    holding every slot (an engine restart), an idle replica must not look the least loaded to the
+    router: it answers, with a load above any serving replica's."""
     g = gate()
     served = stack(g)
-    g.pause()  # an engine restart: slots are held
-    assert (await get_load(served)).status_code == 200
-    g.resume()
-    g.refuse_all(shutting_down())
-    r = await get_load(served)
-    assert (r.status_code, r.json()) == (200, {"load": 0})
+    states = {
+        "paused": (g.pause, g.resume),
+        "refuse_all": (lambda: g.refuse_all(shutting_down()), g.reopen),
+        "refuse_new": (
+            lambda: g.refuse_new(GateRejected("no engine", 503, 5, "engine_unavailable")),
+            lambda: g.refuse_new(None),
+        ),
+    }
+    for name, (enter, leave) in states.items():
+        enter()
+        r = await get_load(served)
+        assert (r.status_code, r.json()) == (200, {"load": UNAVAILABLE_LOAD}), name
+        leave()
+        assert (await get_load(served)).json() == {"load": 0}, name
+    assert UNAVAILABLE_LOAD > 1_000_000 + 1_000_000  # limit_max and max_queue at their ceilings
