@@ -18,16 +18,21 @@ visits must not drive the control plane, so:
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
 import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import structlog
 from aiohttp import web
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 
 from controller.admin.page import favicon, status_page
+from controller.peers import Peers, peer_key
+
+log = structlog.get_logger(__name__)
 
 StateFn = Callable[[], dict[str, Any]]
 HealthFn = Callable[[], tuple[bool, str]]
@@ -186,8 +191,106 @@ def make_admin_app(
     return app
 
 
+ADMIN_KEEPALIVE_S = 30.0
+"""A control-plane connection idle this long is closed (aiohttp's default is an hour). aiohttp arms
+this timer when a connection opens and moves it only after a response, so it is also the deadline of
+a new connection's first request head. Above Prometheus' usual 15 s scrape interval, so a scraper
+keeps its connection."""
+ADMIN_MAX_CONNECTIONS = 256
+"""Open control-plane connections at most; a new one beyond is closed at once. aiohttp has no cap of
+its own, and the daemon's file descriptors are the data plane's too."""
+ADMIN_MAX_CONNECTIONS_PER_PEER = 32
+"""Open control-plane connections one address may hold (``controller/peers.py``): a scraper, the
+kubelet's probes and a browser's status page need a few each, and one host cannot fill the cap and
+fail everyone's /healthz and /livez."""
+ADMIN_MAX_LINE_BYTES = 8190
+"""Longest request line or header line (aiohttp's ``max_line_size`` and ``max_field_size``, named
+here so the bound is ours whatever aiohttp's default becomes); a longer one gets 400."""
+ADMIN_MAX_HEADERS = 64
+"""Most header lines in one request (aiohttp's ``max_headers``)."""
+
+
 async def start_admin(app: web.Application, host: str, port: int) -> web.AppRunner:
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    runner = web.AppRunner(
+        app,
+        access_log=None,
+        handle_signals=False,
+        keepalive_timeout=ADMIN_KEEPALIVE_S,
+        max_line_size=ADMIN_MAX_LINE_BYTES,
+        max_field_size=ADMIN_MAX_LINE_BYTES,
+        max_headers=ADMIN_MAX_HEADERS,
+    )
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
+    await CappedSite(runner, host, port, ADMIN_MAX_CONNECTIONS, ADMIN_MAX_CONNECTIONS_PER_PEER).start()
     return runner
+
+
+class CappedSite(web.BaseSite):
+    """``web.TCPSite`` with caps on open connections, in all and per peer: each connection is a
+    ``_Counted`` that passes to the runner's handler when it is within both, and is closed at once
+    otherwise. Counted in ``connection_made``, as they open, so a burst of accepts cannot pass them."""
+
+    def __init__(
+        self, runner: web.BaseRunner, host: str, port: int, max_connections: int, per_peer: int
+    ) -> None:
+        super().__init__(runner)
+        self.host, self.port, self.max_connections = host, port, max_connections
+        self.peers = Peers(per_peer, "control_plane")
+        self.open = 0
+
+    @property
+    def name(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        await super().start()
+        handlers = self._runner.server
+        assert handlers is not None, "the runner is set up"
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _Counted(self, handlers), self.host, self.port)
+
+
+class _Counted(asyncio.Protocol):
+    """One connection of a ``CappedSite``: aiohttp's handler once it is admitted, every call passed on."""
+
+    def __init__(self, site: CappedSite, handlers: Callable[[], asyncio.Protocol]) -> None:
+        self.site, self.handlers = site, handlers
+        self.handler: asyncio.Protocol | None = None
+
+        self.peer: str | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        site, address = self.site, transport.get_extra_info("peername")
+        peer = peer_key(str(address[0])) if isinstance(address, tuple) else None
+        if site.open >= site.max_connections:
+            site.peers.note_full()
+            transport.close()
+            return
+        if peer is not None and not site.peers.admit(peer):
+            transport.close()
+            return
+        site.open, self.peer = site.open + 1, peer
+        self.handler = self.handlers()
+        self.handler.connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.handler is not None:
+            self.site.open -= 1
+            if self.peer is not None:
+                self.site.peers.release(self.peer)
+            self.handler.connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self.handler is not None:
+            self.handler.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.handler.eof_received() if self.handler is not None else None
+
+    def pause_writing(self) -> None:
+        if self.handler is not None:
+            self.handler.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.handler is not None:
+            self.handler.resume_writing()

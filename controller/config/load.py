@@ -71,7 +71,24 @@ class ServerConfig:
     )
     send_timeout_s: float = _f(30.0, "A response write a client does not take this long ends it.", 1, 3600)
     max_connections: int = _f(4096, "Open connections the API accepts; beyond, 503.", 1, 1_000_000)
+    max_connections_per_peer: int = _f(
+        1024,
+        "Open connections one client address (an IPv6 /64) may hold; beyond, a new one is closed at "
+        "once. Behind a gateway or load balancer that connects from one address, raise it to "
+        "max_connections.",
+        1,
+        1_000_000,
+    )
+    header_timeout_s: float = _f(
+        10.0, "A request's line and headers must arrive within this long of its first byte; else 408.", 1, 600
+    )
+    max_header_bytes: int = _f(
+        64 << 10, "Largest request line and headers together; a larger head gets 431.", 4096, 1 << 24
+    )
     max_body_bytes: int = _f(64 << 20, "Largest request body; a larger one gets 413.", 1024, 1 << 34)
+    body_timeout_s: float = _f(
+        30.0, "A request body that sends nothing this long while the app reads it gets 408.", 1, 3600
+    )
     vllm: dict[str, Any] = field(
         default_factory=dict,
         metadata={

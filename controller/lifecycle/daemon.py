@@ -110,7 +110,15 @@ class Daemon:
         p.host.on_new_engine = lambda: refresh_app_state(app, client, p.host.args)
         timeout, bounds = self.config.server.shutdown_timeout_s, lambda: p.config.admission.priority_bounds
         server = self.config.server
-        limits = ServerLimits(server.send_timeout_s, server.max_connections, server.max_body_bytes)
+        limits = ServerLimits(
+            send_timeout_s=server.send_timeout_s,
+            max_connections=server.max_connections,
+            max_body_bytes=server.max_body_bytes,
+            body_timeout_s=server.body_timeout_s,
+            header_timeout_s=server.header_timeout_s,
+            max_header_bytes=server.max_header_bytes,
+            max_connections_per_peer=server.max_connections_per_peer,
+        )
         p.server = make_server(app, p.args, timeout, p.gate, bounds, limits)  # bounds read per request
         assert self._data_socket is not None, "bound in startup, before the engine"
         self._server_task = asyncio.create_task(p.server.serve(sockets=[self._data_socket]))

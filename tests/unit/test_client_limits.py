@@ -21,7 +21,7 @@ from controller.admission.gate import AdmissionGate
 from controller.clock import FakeClock
 from controller.engine.frontend.app import make_server
 from controller.engine.frontend.client import GovernedEngineClient
-from controller.engine.frontend.limits import ClientLimits, SendStalled, SendWatch, ServerLimits
+from controller.engine.frontend.limits import ClientLimits, SendStalled, ServerLimits, StallWatch
 from controller.engine.frontend.pump import EngineStream
 from tests.helpers import FakeHost, settle
 
@@ -208,7 +208,7 @@ class FakeTask:
 
 def test_a_write_in_progress_for_send_timeout_cancels_its_task_then_and_not_before() -> None:
     timers, task = FakeTimers(), FakeTask()
-    watch = SendWatch(30.0, timers)
+    watch = StallWatch(30.0, timers)
     timers.advance_to(5.0)
     watch.begin(task)
     timers.advance_to(34.999)
@@ -219,7 +219,7 @@ def test_a_write_in_progress_for_send_timeout_cancels_its_task_then_and_not_befo
 
 def test_writes_that_complete_arm_one_timer_per_send_timeout_not_one_per_write() -> None:
     timers, task = FakeTimers(), FakeTask()
-    watch = SendWatch(30.0, timers)
+    watch = StallWatch(30.0, timers)
     for i in range(1, 2001):  # a write every 10 ms for 20 s, each taken by the client at once
         timers.advance_to(i * 0.01)
         watch.begin(task)
@@ -231,7 +231,7 @@ def test_writes_that_complete_arm_one_timer_per_send_timeout_not_one_per_write()
 
 def test_a_write_begun_after_the_timer_was_armed_gets_its_whole_timeout() -> None:
     timers, task = FakeTimers(), FakeTask()
-    watch = SendWatch(30.0, timers)
+    watch = StallWatch(30.0, timers)
     watch.begin(task)
     timers.advance_to(10.0)
     watch.end()
@@ -247,7 +247,7 @@ def test_a_write_begun_after_the_timer_was_armed_gets_its_whole_timeout() -> Non
 
 def test_a_cancellation_from_elsewhere_during_the_watch_s_own_is_not_taken_back() -> None:
     timers, task = FakeTimers(), FakeTask()
-    watch = SendWatch(30.0, timers)
+    watch = StallWatch(30.0, timers)
     watch.begin(task)
     timers.advance_to(30.0)
     task.cancel()  # the server's shutdown cancels the same task in the same turn
@@ -256,7 +256,7 @@ def test_a_cancellation_from_elsewhere_during_the_watch_s_own_is_not_taken_back(
 
 def test_a_closed_watch_leaves_no_timer_armed() -> None:
     timers, task = FakeTimers(), FakeTask()
-    watch = SendWatch(30.0, timers)
+    watch = StallWatch(30.0, timers)
     watch.begin(task)
     watch.end()
     watch.close()

@@ -27,6 +27,7 @@ from controller.engine.frontend.limits import DEFAULT_SERVER_LIMITS, ClientLimit
 from controller.engine.frontend.load import add_load_route
 from controller.engine.frontend.objectives import refusal_headers
 from controller.engine.frontend.priority import resolve_priorities
+from controller.engine.frontend.wire import DataPlaneConfig
 
 ASGIApp = Callable[..., Any]
 
@@ -160,9 +161,12 @@ def make_server(
     limits: ServerLimits = DEFAULT_SERVER_LIMITS,
 ) -> DataPlaneServer:
     # Wrapped outside the app: vLLM's app has built its middleware stack by now. The key check is
-    # outermost: a request without the key is answered before its body is read or counted.
-    config = uvicorn.Config(
+    # outermost: a request without the key is answered before its body is read or counted; what a
+    # connection may cost before that (its first byte, its head, its peer's count) is bounded in
+    # uvicorn's protocol (wire.py).
+    config = DataPlaneConfig(
         with_api_key(ClientLimits(AdmissionMiddleware(app, gate, bounds), limits), args),
+        limits,
         host=args.host,
         port=args.port,
         log_level=args.uvicorn_log_level,

@@ -1,5 +1,6 @@
-"""What one client may cost the data plane: the size of its request body and how long a response
-write may wait for it to read.
+"""What one client may cost the data plane once its request reaches the app: the size of its
+request body, how long the app waits for the body's next bytes, and how long a response write may
+wait for it to read. (Before that, the connection and its headers: ``wire.py``.)
 
 * ``max_body_bytes``: a body larger than this gets 413: at once when its Content-Length says so;
   otherwise its bytes are counted as the app reads them, whatever the framing (chunked, any coding
@@ -7,15 +8,22 @@ write may wait for it to read.
   once the count passes the limit the client is answered 413 (if no answer has started) and the app
   is told the client left. Nothing is buffered here: vLLM reads the body itself, so one request
   cannot make the daemon hold more than the limit.
+* ``body_timeout_s``: a read of the body that the client leaves without bytes this long (the app
+  waits, nothing arrives) ends the request: 408 (if no answer has started) with the connection
+  closed, and the app is told the client left, so the body read so far is freed. The gap between two
+  reads, as nginx's ``client_body_timeout``: a large body on a slow link passes, a body that stops
+  short does not. Only the body is watched: a read after its end is the app listening for a
+  disconnect, which lasts as long as the response.
 * ``send_timeout_s``: a write that a client does not take within this long ends the request: the
   connection is closed and vLLM's generator is closed with it (the engine aborts the request). Its
   admission slot came back when the engine finished it (pump.py); this frees the handler and the
-  outputs queued for the client. One timer per response watches its writes (``SendWatch``), not a
+  outputs queued for the client. One timer per response watches its writes (``StallWatch``), not a
   timeout context per write: a stream writes a message per token, and the context's timer handle,
   made and cancelled per message, was the largest per-request cost of ours in the front end's
   profile (docs/results/frontend.md).
 * ``max_connections``: open connections the server holds at once (uvicorn's ``limit_concurrency``;
-  beyond it uvicorn answers 503).
+  beyond it uvicorn answers 503); ``max_connections_per_peer``, ``header_timeout_s`` and
+  ``max_header_bytes`` bound a connection before its request reaches the app (``wire.py``).
 """
 
 from __future__ import annotations
@@ -35,12 +43,16 @@ ASGIApp = Callable[..., Any]
 
 @dataclass(frozen=True)
 class ServerLimits:
-    """What one client may cost the API server: the [server] send timeout, connection cap and body
-    limit (controller/config/load.py documents them)."""
+    """What one client may cost the API server: the [server] keys of the same names
+    (controller/config/load.py documents them)."""
 
     send_timeout_s: float = 30.0
     max_connections: int = 4096
     max_body_bytes: int = 64 << 20
+    body_timeout_s: float = 30.0
+    header_timeout_s: float = 10.0
+    max_header_bytes: int = 64 << 10
+    max_connections_per_peer: int = 1024
 
 
 DEFAULT_SERVER_LIMITS = ServerLimits()
@@ -50,12 +62,16 @@ class SendStalled(Exception):
     """The client read nothing for ``send_timeout_s``: the response is abandoned."""
 
 
+BODY_TIMED_OUT = {"type": "http.disconnect"}
+"""What the app reads once the body's bytes stopped for ``body_timeout_s``: the client is gone to it."""
+
+
 class Timer(Protocol):
     def cancel(self) -> None: ...
 
 
 class Timers(Protocol):
-    """What ``SendWatch`` needs of an event loop: its clock and a timer (a fake in tests)."""
+    """What ``StallWatch`` needs of an event loop: its clock and a timer (a fake in tests)."""
 
     def time(self) -> float: ...
 
@@ -63,7 +79,7 @@ class Timers(Protocol):
 
 
 class Cancellable(Protocol):
-    """What ``SendWatch`` needs of the task that writes: ``asyncio.Task``'s cancel count."""
+    """What ``StallWatch`` needs of the task that writes: ``asyncio.Task``'s cancel count."""
 
     def cancel(self, msg: Any = None) -> bool: ...
 
@@ -72,10 +88,11 @@ class Cancellable(Protocol):
     def uncancel(self) -> int: ...
 
 
-class SendWatch:
-    """The send timeout of one response: a write in progress for ``timeout_s`` cancels the task that
-    writes, and ``owns`` tells that cancellation from any other (``_Exchange`` turns it into
-    ``SendStalled``, as ``asyncio.timeout`` turns its own into ``TimeoutError``).
+class StallWatch:
+    """The send timeout of one response (or the body timeout of its request: a read for a write): a
+    write in progress for ``timeout_s`` cancels the task that writes, and ``owns`` tells that
+    cancellation from any other (``_Exchange`` turns it into ``SendStalled``, or a 408, as
+    ``asyncio.timeout`` turns its own into ``TimeoutError``).
 
     A write records when it began (``begin``) and that it ended (``end``): no timer of its own. One
     timer is armed at the first write for its start + ``timeout_s``; when it fires, the write then in
@@ -140,7 +157,7 @@ class SendWatch:
 
 
 class ClientLimits:
-    """ASGI middleware: the body limit and the send timeout."""
+    """ASGI middleware: the body limit, the body timeout and the send timeout."""
 
     def __init__(self, app: ASGIApp, limits: ServerLimits) -> None:
         self.app = app
@@ -165,6 +182,8 @@ class ClientLimits:
             log.debug("body_cut_app_ended", path=exchange.path, error=type(e).__name__)
         finally:
             exchange.watch.close()
+            if exchange.body_watch is not None:
+                exchange.body_watch.close()
 
 
 def _declared_length(headers: list[tuple[bytes, bytes]]) -> int | None:
@@ -183,19 +202,24 @@ class _Exchange:
     def __init__(self, receive: ASGIApp, send: ASGIApp, limits: ServerLimits, path: str) -> None:
         self._receive, self._send, self.limits, self.path = receive, send, limits, path
         self._loop = asyncio.get_running_loop()
-        self.watch = SendWatch(limits.send_timeout_s, self._loop)
+        self.watch = StallWatch(limits.send_timeout_s, self._loop)
+        self.body_watch: StallWatch | None = None
+        """The body's reads, watched from the first until the body ends (then None again)."""
+        self.body_done = False
         self.counted = 0
         self.started = False
         self.cut = False
         """Past the limit: the app's reads see a disconnect from now on."""
         self.answered = False
-        """Our 413 went out: the app's own answer is dropped."""
+        """Our 413 or 408 went out: the app's own answer is dropped."""
 
     async def receive(self) -> dict[str, Any]:
         if self.cut:
             return {"type": "http.disconnect"}
-        message: dict[str, Any] = await self._receive()
+        message = await (self._receive() if self.body_done else self._read_body())
         if message["type"] == "http.request":
+            if not message.get("more_body", False):
+                self.body_done = True
             self.counted += len(message.get("body", b""))
             if self.counted > self.limits.max_body_bytes:
                 self.cut = True
@@ -203,6 +227,33 @@ class _Exchange:
                     await self.too_large(self.counted)
                 return {"type": "http.disconnect"}
         return message
+
+    async def _read_body(self) -> dict[str, Any]:
+        """The next message of the body, or ``BODY_TIMED_OUT`` (and a 408) after ``body_timeout_s``
+        with nothing read."""
+        if self.body_watch is None:
+            self.body_watch = StallWatch(self.limits.body_timeout_s, self._loop)
+        task = asyncio.current_task(self._loop)
+        assert task is not None  # an ASGI app runs in a task
+        self.body_watch.begin(task)
+        try:
+            message: dict[str, Any] = await self._receive()
+            return message
+        except asyncio.CancelledError:
+            if not self.body_watch.owns(task):
+                raise
+        finally:
+            self.body_watch.end()
+        await self._body_timed_out()
+        return BODY_TIMED_OUT
+
+    async def _body_timed_out(self) -> None:
+        timeout = self.limits.body_timeout_s
+        log.info("request_body_timed_out", path=self.path, bytes=self.counted, body_timeout_s=timeout)
+        self.cut = True
+        if not self.started:
+            message = f"no request body bytes for {timeout:g}s (body_timeout_s) after {self.counted} bytes"
+            await self._error(408, "RequestTimeout", message, close=True)
 
     async def send(self, message: dict[str, Any]) -> None:
         """The app's write (dropped once our 413 went out), bounded by the send timeout."""
@@ -229,10 +280,17 @@ class _Exchange:
         limit = self.limits.max_body_bytes
         log.info("request_body_too_large", reason="max_body_bytes", path=self.path, bytes=size, limit=limit)
         message = f"request body of {size} bytes or more exceeds max_body_bytes = {limit}"
+        await self._error(413, "RequestEntityTooLarge", message)
+
+    async def _error(self, status: int, kind: str, message: str, close: bool = False) -> None:
+        """Our answer in vLLM's error shape; the app's own is dropped from now on. ``close``: the
+        connection ends with it (a body left unfinished cannot be skipped to the next request)."""
         body = json.dumps(
-            {"error": {"message": message, "type": "RequestEntityTooLarge", "param": None, "code": 413}}
+            {"error": {"message": message, "type": kind, "param": None, "code": status}}
         ).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        await self.send({"type": "http.response.start", "status": 413, "headers": headers})
+        if close:
+            headers.append((b"connection", b"close"))
+        await self.send({"type": "http.response.start", "status": status, "headers": headers})
         await self.send({"type": "http.response.body", "body": body})
         self.answered = True
