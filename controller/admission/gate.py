@@ -6,8 +6,9 @@ behind batch work), except that a class whose oldest waiter has waited ``aging_s
 per ``aging_s`` ahead of the others (aging: lower classes still progress). A request is refused
 early with 429 when its class queue is full or its expected wait (position / the rate slots free up
 at, ``classes.CompletionRate``) exceeds its class's queue deadline; past it in the queue, 429 too.
-When the whole gate is full, the least urgent class sheds first. No vLLM import: the engine client in
-``controller/engine`` adapts the gate's errors to HTTP.
+A request whose ``n`` sequences overflow the queue limits even on an idle gate gets 400 instead (no
+try of it is ever admitted at this limit). When the whole gate is full, the least urgent class sheds
+first. No vLLM import: the engine client in ``controller/engine`` adapts the gate's errors to HTTP.
 
 Beside the load, three states turn requests away with 503, each a stored ``GateRejected`` raised
 afresh per request (``GateRejected.fresh``): shutdown (new requests refused, queued ones go on;
@@ -189,6 +190,7 @@ class AdmissionGate:
         to be refused, but shed no waiter for room, since the check with the prompt's length may still
         refuse the request; that check sheds."""
         q = self._queue_of(priority)
+        self._check_fits(q, n)
         self.arrivals_total += not later_call
         if self._refuse_new is not None:
             self._events.rejected(q.spec.name, self._refuse_new.reason)
@@ -229,6 +231,31 @@ class AdmissionGate:
         higher = sum(o.queued + len(o.pending) for o in self._order[: self._order.index(q)])
         own = n + q.ahead_of(priority, prompt_tokens) + len(q.pending) - reserved_free
         return (own + higher - shared if own > 0 else own), own
+
+    def _check_fits(self, q: ClassQueue, n: int) -> None:
+        """Refuse with 400 a request whose ``n`` sequences overflow a queue limit with every slot free
+        and nothing waiting (``_check_wait`` on an idle gate: ``n`` less the slots its class may take
+        against the class's ``max_queue``, ``n`` less the limit against the gate's): at this limit
+        every try of it is refused, and a 429's Retry-After would send its client back for ever. A
+        request no replica like this one takes is neither an arrival nor an overload refusal."""
+        free = self._limit - sum(o.spec.reserved_slots(self._limit) for o in self._order if o is not q)
+        by_class, by_gate = max(0, free) + q.spec.max_queue, self._limit + self.max_queue
+        if n <= min(by_class, by_gate):
+            return
+        name = q.spec.name
+        key, room = (
+            (f"[admission.classes.{name}] max_queue = {q.spec.max_queue}", by_class)
+            if by_class <= by_gate
+            else (f"[admission] max_queue = {self.max_queue}", by_gate)
+        )
+        raise GateRejected(
+            f"n = {n} sequences (prompts x n) can never be admitted at the admission limit of {self._limit}:"
+            f" one {name} request holds at most {room} (the slots it may take and {key});"
+            f" ask for at most {room} sequences, or have the operator raise max_queue",
+            400,
+            0,
+            "too_many_sequences",
+        )
 
     def _check_wait(
         self,

@@ -364,6 +364,21 @@ async def test_one_id_reused_for_every_request_hides_no_admitted_and_few_refused
         assert new_arrivals(gate.stats()) == 6
 
 
+async def test_an_n_that_no_idle_gate_admits_is_a_400_counted_as_no_demand() -> None:
+    """A request whose n overflows the queue limits with every slot free gets 400 naming how many
+    sequences fit (no Retry-After: a router does not retry a 400), not a 429 its client would
+    retry for ever; it is neither an arrival nor a refused id whose next tries are excused."""
+    gate = AdmissionGate(4, 8, CLASSES, clock=FakeClock())  # the gate's 4 slots and 8 queue places
+    async with make_app(gate, CountingLLM()) as http:
+        for _ in range(2):
+            r = await http.post("/v1/completions", json={"n": 500}, headers={"x-request-id": "big"})
+            assert r.status_code == 400, r.text
+            assert "retry-after" not in r.headers and "at most 12 sequences" in r.json()["error"]
+    stats = gate.stats()
+    assert (stats.arrivals_total, stats.retries_total, stats.rejected_total) == (0, 0, 0)
+    assert len(gate.refused_ids) == 0
+
+
 async def test_a_request_refused_in_the_queue_tried_again_is_a_retry() -> None:
     """A refusal of a request that had queued (its deadline passed) marks its id as well as one at
     the door."""

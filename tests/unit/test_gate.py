@@ -236,12 +236,12 @@ async def test_check_admission_refuses_beyond_limit_plus_queue_and_counts_pendin
 
 def test_check_admission_counts_n_requests_against_the_capacity() -> None:
     gate, _, reasons = make_gate(limit=2, max_queue=1)
-    with pytest.raises(GateRejected) as exc:
-        gate.check_admission(n=4)
-    assert exc.value.status == 429
-    assert gate.stats().rejected_total == 4
     gate.check_admission(n=3)
     assert gate.stats().pending == 1  # one generate() call follows, whatever n is
+    with pytest.raises(GateRejected) as exc:
+        gate.check_admission(n=3)  # behind the one pending: past the limit and the queue's 1
+    assert exc.value.status == 429
+    assert gate.stats().rejected_total == 3
     assert reasons == ["queue_full"]
 
 

@@ -90,8 +90,34 @@ def test_arrivals_count_each_request_once_whatever_its_n_or_outcome() -> None:
     gate = AdmissionGate(1, 1, ONE_CLASS, clock=FakeClock())
     gate.check_admission(0, 1)  # takes the free slot's place
     with pytest.raises(GateRejected):
-        gate.check_admission(0, 64)  # refused: 64 sequences, one request
+        gate.check_admission(0, 2)  # refused: 2 sequences, one request, behind the one pending
     gate.check_admission(0, 1, later_call=True)  # a further call of an admitted request
     stats = gate.stats()
     assert stats.arrivals_total == 2
-    assert stats.rejected_total == 64  # refusals still count what was refused
+    assert stats.rejected_total == 2  # refusals still count what was refused
+
+
+def test_an_n_that_no_idle_gate_admits_is_answered_400_naming_the_bound_and_the_fix() -> None:
+    """n = 16,384 (vLLM's most sequences) on an idle gate: the class's queue limit refuses it at every
+    try, so it is a client error naming how many sequences fit, not a 429 to retry for ever; the
+    largest n that fits is admitted (it runs alone under a slot capped at the limit)."""
+    gate = AdmissionGate(64, 1024, clock=FakeClock())  # interactive: max_queue 256
+    with pytest.raises(GateRejected) as refused:
+        gate.check_admission(0, 16_384, calls=0, early=True)
+    assert (refused.value.status, refused.value.reason) == (400, "too_many_sequences")
+    assert "at most 320 sequences" in refused.value.message
+    assert "[admission.classes.interactive] max_queue = 256" in refused.value.message
+    with pytest.raises(GateRejected):
+        gate.check_admission(0, 321)
+    stats = gate.stats()
+    assert (stats.arrivals_total, stats.rejected_total, stats.pending) == (0, 0, 0)  # no demand, no overload
+    gate.check_admission(0, 320, calls=0)
+    assert gate.stats().arrivals_total == 1
+
+
+def test_an_n_past_the_gates_own_queue_limit_names_that_limit() -> None:
+    gate = AdmissionGate(4, 2, TWO_CLASSES, clock=FakeClock())  # batch reserves 1 of the 4 slots
+    with pytest.raises(GateRejected) as refused:
+        gate.check_admission(0, 7)
+    assert refused.value.status == 400 and "[admission] max_queue = 2" in refused.value.message
+    gate.check_admission(0, 6)  # the limit's 4 and the gate's 2 queue places

@@ -210,12 +210,12 @@ class GovernedEngineClient(EngineClient):
             return None
 
     def _refused(self, request: context.RequestContext | None, exc: GateRejected) -> GateRefusal:
-        """The gate's refusal as the request's answer. The gate hears of a request's first refusal:
-        a retry where its arrival took an excused try and it never held a slot (an admitted arrival is
-        demand), else a refusal whose id excuses the next tries of a router or a client
-        (``AdmissionGate.refused``)."""
+        """The gate's refusal as the request's answer. The gate hears of a request's first refusal
+        of those a client tries again (429, 503; not a 400): a retry where its arrival took an
+        excused try and it never held a slot (an admitted arrival is demand), else a refusal whose id
+        excuses the next tries of a router or a client (``AdmissionGate.refused``)."""
         if request is not None:
-            if request.refusal is None:
+            if request.refusal is None and exc.status != HTTPStatus.BAD_REQUEST:
                 self._gate.refused(request.request_id, retry=request.retry and not request.served)
             request.refusal, request.retry_after_s = (exc.status, exc.message), exc.retry_after_s
             request.refusal_reason = exc.reason
