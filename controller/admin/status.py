@@ -57,11 +57,19 @@ class StatusParts(Protocol):
     def metrics(self) -> Metrics: ...
 
 
+def loop_stall(d: StatusParts) -> str | None:
+    """Why the control loop counts as stalled, or None (``ControlLoop.stalled``: its ticks wait on
+    the engine host's calls, each within the host's deadline)."""
+    return d.loop.stalled(d.loop.clock(), d.config.control.tick_s, d.host.call_deadline_s)
+
+
 def health(d: StatusParts) -> tuple[bool, str]:
     if d.draining:
         return False, "draining"
     if d.guard.unavailable_reason is not None:
         return False, d.guard.unavailable_reason
+    if loop_stall(d) is not None:  # the knobs, the memory guard and the saturation no longer move
+        return False, "control_loop_stalled"
     if d.guard.restarting:
         return False, "engine_restarting"
     if not d.host.ready:
@@ -75,6 +83,19 @@ def cost_model(d: StatusParts) -> dict[str, Any]:
     """The step-cost model's estimate, how it started, and how that start fits the steps served since."""
     check = d.fit_check.report(d.cost.model.coefficients)
     return {**d.cost.current().as_dict(), "warm_start": d.cost.warm_start, "fit_check": check}
+
+
+def loop_progress(d: StatusParts) -> dict[str, Any]:
+    """How the control loop's ticks go, for /state."""
+    loop, now = d.loop, d.loop.clock()
+    last, started = loop.last_tick_mono, loop.tick_started_mono
+    return {
+        "ticks_total": loop.ticks_total,
+        "skipped_total": loop.skipped_total,
+        "last_tick_age_s": None if last is None else round(now - last, 3),
+        "running_s": None if started is None else round(now - started, 3),
+        "stalled": loop_stall(d),
+    }
 
 
 def state(d: StatusParts) -> dict[str, Any]:
@@ -119,6 +140,7 @@ def state(d: StatusParts) -> dict[str, Any]:
         },
         "engine_stats": dataclasses.asdict(d.window.snapshot()),
         "decisions": d.loop.recent(),
+        "loop": loop_progress(d),
         "diagnosis": dataclasses.asdict(d.diagnosis) if d.diagnosis else None,
         "slo": describe_slo(d.config.slo, d.config.admission.classes),
         "cost_model": cost_model(d),

@@ -8,6 +8,12 @@ it has one), so a step-cost model fed by it is up to date in the observation. Af
 subscriber sees the tick's observation and changes: the daemon's are the
 diagnosis, the memory guard (which may start an engine restart from what it sees) and the decisions
 metric, so everything a tick sets off is listed where the loop is built.
+
+A tick awaits the engine only through its host (the pull, the batch cap, the token budget), whose
+every call has a deadline, so a tick ends; the loop keeps when its ticks end, and says it is stalled
+(``stalled``: /healthz and the systemd watchdog read it) when none ended for longer than a tick can
+take. The daemon then reports it rather than serve on with its knobs, its memory guard and its
+saturation frozen.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from typing import Any
 
 import structlog
 
+from controller.clock import Clock, monotonic
 from controller.control.actuator import Knobs
 from controller.control.normalize import Move, Normalizer
 from controller.control.steps import StepFeed
@@ -45,6 +52,9 @@ class Change:
 Subscriber = Callable[[Observation, list[Change]], None]
 """Called after each tick's apply stage with its observation and the changes it made (maybe none)."""
 
+ENGINE_CALLS_PER_TICK = 3
+"""The most times a tick awaits the engine: the step pull, the batch cap, the token budget."""
+
 
 class ControlLoop:
     """Runs one tick at a time; the scheduler calls ``tick`` every ``[control] tick_s``."""
@@ -58,6 +68,7 @@ class ControlLoop:
         subscribers: Sequence[Subscriber] = (),
         history: int = 50,
         steps: StepFeed | None = None,
+        clock: Clock = monotonic,
     ) -> None:
         self.policy = policy
         self.normalizer = normalizer
@@ -70,6 +81,16 @@ class ControlLoop:
         self.history: deque[Change] = deque(maxlen=history)
         self.last_reason = "not_started"
         self._lock = asyncio.Lock()
+        self.clock = clock
+        """Times the ticks (not the observation's ``now_mono``: the twin's engine may own that)."""
+        self.ticks_total = 0
+        """Ticks that ran to their subscribers."""
+        self.skipped_total = 0
+        """Ticks not run because the one before had not ended."""
+        self.last_tick_mono: float | None = None
+        """When the latest tick ended (``clock``); None before the first."""
+        self.tick_started_mono: float | None = None
+        """When the running tick began; None between ticks."""
 
     def subscribe(self, subscriber: Subscriber) -> None:
         """Called after each tick, after those subscribed before it."""
@@ -77,20 +98,55 @@ class ControlLoop:
 
     async def tick(self) -> list[Change]:
         if self._lock.locked():  # never overlap the previous tick
+            self._skipped()
             return []
         async with self._lock:
-            if self.steps is not None:
-                await self.steps.pull()
-            obs = self._observe()
-            decision = self.policy.decide(obs, obs.now_mono)
-            self.last_reason = decision.reason
-            changes = await self._apply(self.normalizer.normalize(decision, obs, obs.now_mono), obs)
-            in_force = {"admission_limit": obs.admission_limit, "batch_cap": obs.batch_cap}
-            in_force.update({c.knob: c.new for c in changes})
-            self.policy.applied(in_force["admission_limit"], in_force["batch_cap"], obs.now_mono)
-            for notify in self._subscribers:
-                notify(obs, changes)
+            self.tick_started_mono = self.clock()
+            try:
+                changes = await self._tick()
+            finally:
+                self.tick_started_mono = None
+            self.ticks_total += 1
+            self.last_tick_mono = self.clock()
             return changes
+
+    async def _tick(self) -> list[Change]:
+        if self.steps is not None:
+            await self.steps.pull()
+        obs = self._observe()
+        decision = self.policy.decide(obs, obs.now_mono)
+        self.last_reason = decision.reason
+        changes = await self._apply(self.normalizer.normalize(decision, obs, obs.now_mono), obs)
+        in_force = {"admission_limit": obs.admission_limit, "batch_cap": obs.batch_cap}
+        in_force.update({c.knob: c.new for c in changes})
+        self.policy.applied(in_force["admission_limit"], in_force["batch_cap"], obs.now_mono)
+        for notify in self._subscribers:
+            notify(obs, changes)
+        return changes
+
+    def _skipped(self) -> None:
+        self.skipped_total += 1
+        started = self.tick_started_mono
+        running_s = None if started is None else round(self.clock() - started, 1)
+        log.warning("tick_skipped", reason="previous_tick_running", running_s=running_s)
+
+    def stalled(self, now_mono: float, tick_s: float, call_deadline_s: float) -> str | None:
+        """Why the loop counts as stalled at ``now_mono``, or None: a tick ticks every ``tick_s`` and
+        waits on the engine at most ``ENGINE_CALLS_PER_TICK`` times ``call_deadline_s``, so a tick
+        that ran longer, or no tick ended for a period and that, is a loop that no longer ticks.
+        Never before the first tick ended (the daemon starts)."""
+        if self.last_tick_mono is None:
+            return None
+        can_take_s = ENGINE_CALLS_PER_TICK * call_deadline_s
+        started = self.tick_started_mono
+        if started is not None and now_mono - started > can_take_s:
+            return (
+                f"a control tick has run for {now_mono - started:.0f}s (a tick takes {can_take_s:g}s at most)"
+            )
+        quiet_s = now_mono - self.last_tick_mono
+        if quiet_s > tick_s + can_take_s:
+            return f"no control tick ended for {quiet_s:.0f}s (tick_s = {tick_s:g})"
+        return None
 
     async def _apply(self, moves: list[Move], obs: Observation) -> list[Change]:
         changes = []

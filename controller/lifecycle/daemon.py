@@ -5,7 +5,7 @@ Signal handlers only record the signal; the daemon acts on it. SIGHUP reloads th
 new requests, in-flight and queued ones finish up to ``[server] shutdown_timeout_s``, then the engine
 shuts down and the process exits 0. A second signal forces the exit. systemd hears READY=1 once the
 engine serves, RELOADING=1/READY=1 around a reload, STOPPING=1 on drain, and WATCHDOG=1 from this
-event loop. What runs is built in ``controller.lifecycle.parts``.
+event loop while the control loop ticks. What runs is built in ``controller.lifecycle.parts``.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ class Daemon:
         p.scheduler.start()
         p.tasks.spawn(self._reload_on_hup())
         p.tasks.spawn(p.guard.watch())
-        watchdog = start_watchdog(p.notifier)
+        watchdog = start_watchdog(p.notifier, lambda: status.loop_stall(p))  # pings while the loop ticks
         if watchdog is not None:
             p.tasks.add(watchdog)
 

@@ -5,8 +5,10 @@ an abstract socket). Without ``NOTIFY_SOCKET`` (not under systemd, tests) every 
 the daemon calls the notifier unconditionally.
 
 The watchdog is pinged by a coroutine on the daemon's own event loop (``watchdog_loop``), never by
-a thread: when the loop is stuck the pings stop and systemd kills and restarts the service, which
-is exactly what ``WatchdogSec=`` is for.
+a thread, and only while the control loop's ticks end (``stalled`` says why not): when the event loop
+is stuck, or the control loop no longer ticks (its knobs, the memory guard and the saturation frozen
+while requests are still served), the pings stop and systemd kills and restarts the service, which is
+exactly what ``WatchdogSec=`` is for.
 """
 
 from __future__ import annotations
@@ -121,22 +123,43 @@ def watchdog_interval_s(environ: Mapping[str, str] | None = None) -> float | Non
     return usec / 2_000_000
 
 
+Stalled = Callable[[], str | None]
+"""Why the daemon must not be counted alive now (the control loop no longer ticks), or None."""
+
+
+def never_stalled() -> str | None:
+    return None
+
+
 async def watchdog_loop(
     notifier: Notifier,
     interval_s: float,
+    stalled: Stalled = never_stalled,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
 ) -> None:
-    """Ping ``WATCHDOG=1`` every ``interval_s`` until cancelled. Run it as a task on the daemon's
-    loop; cancel and await it at shutdown (after ``stopping()``)."""
+    """Ping ``WATCHDOG=1`` every ``interval_s`` while ``stalled()`` is None, until cancelled; while it
+    says why not, withhold the ping (systemd restarts the service after ``WatchdogSec=``), say why in
+    the log and in ``systemctl status``. Run it as a task on the daemon's loop; cancel and await it at
+    shutdown (after ``stopping()``)."""
+    withheld: str | None = None
     while True:
-        notifier.watchdog()
+        why = stalled()
+        if why is None:
+            if withheld is not None:
+                log.warning("watchdog_resumed", reason="control_loop_ticks", was=withheld)
+                notifier.status("serving")
+            notifier.watchdog()
+        elif withheld is None:
+            log.error("watchdog_withheld", reason="control_loop_stalled", detail=why)
+            notifier.status(f"control loop stalled: {why}")
+        withheld = why
         await sleep(interval_s)
 
 
-def start_watchdog(notifier: Notifier) -> asyncio.Task[None] | None:
+def start_watchdog(notifier: Notifier, stalled: Stalled = never_stalled) -> asyncio.Task[None] | None:
     """The watchdog task when systemd asked for one (``WatchdogSec=``), else None."""
     interval = watchdog_interval_s()
     if interval is None or not notifier.enabled:
         return None
     log.info("watchdog_enabled", interval_s=interval)
-    return asyncio.create_task(watchdog_loop(notifier, interval), name="sd_watchdog")
+    return asyncio.create_task(watchdog_loop(notifier, interval, stalled), name="sd_watchdog")

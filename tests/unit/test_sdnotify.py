@@ -156,7 +156,7 @@ async def test_watchdog_loop_pings_at_once_then_once_per_interval_until_cancelle
     systemd: socket.socket,
 ) -> None:
     ticks = Ticks()
-    task = asyncio.create_task(watchdog_loop(Notifier(), 0.02, ticks.sleep))
+    task = asyncio.create_task(watchdog_loop(Notifier(), 0.02, sleep=ticks.sleep))
     await settle()
     assert drain(systemd) == ["WATCHDOG=1"] and ticks.asked == [0.02]  # one at once
     ticks.tick(5)
@@ -183,7 +183,7 @@ async def test_every_ping_is_sent_by_the_task_on_the_event_loop_so_a_stuck_loop_
             return super().watchdog()
 
     ticks = Ticks()
-    task = asyncio.create_task(watchdog_loop(Recording(), 0.02, ticks.sleep))
+    task = asyncio.create_task(watchdog_loop(Recording(), 0.02, sleep=ticks.sleep))
     await settle()
     ticks.tick(2)
     await settle()
@@ -194,12 +194,36 @@ async def test_every_ping_is_sent_by_the_task_on_the_event_loop_so_a_stuck_loop_
     assert drain(systemd) == ["WATCHDOG=1"] * 3
 
 
+async def test_the_watchdog_withholds_its_ping_while_the_control_loop_is_stalled(
+    systemd: socket.socket,
+) -> None:
+    """A daemon whose control loop no longer ticks is not alive to systemd: the ping stops (systemd
+    restarts the service after WatchdogSec), the status says why, and the pings come back with the
+    ticks."""
+    why: list[str | None] = [None]
+    ticks = Ticks()
+    task = asyncio.create_task(watchdog_loop(Notifier(), 0.02, lambda: why[0], sleep=ticks.sleep))
+    await settle()
+    assert drain(systemd) == ["WATCHDOG=1"]
+    why[0] = "no control tick ended for 40s (tick_s = 1)"
+    ticks.tick(3)
+    await settle()
+    assert drain(systemd) == ["STATUS=control loop stalled: no control tick ended for 40s (tick_s = 1)"]
+    why[0] = None
+    ticks.tick()
+    await settle()
+    assert drain(systemd) == ["STATUS=serving", "WATCHDOG=1"]
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
 async def test_start_watchdog_pings_every_half_of_watchdog_usec(
     systemd: socket.socket, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     started: list[float] = []
 
-    async def loop(_notifier: Notifier, interval_s: float) -> None:
+    async def loop(_notifier: Notifier, interval_s: float, _stalled: Any) -> None:
         started.append(interval_s)
 
     monkeypatch.setattr(notify_module, "watchdog_loop", loop)

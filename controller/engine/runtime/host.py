@@ -13,6 +13,10 @@ the new engine would measure the old one's memory as taken) and for every memory
 point is to free memory), the old engine goes first; a new build that fails is then followed by a
 build with the last settings that worked, so an engine serves again.
 
+Every utility call into the EngineCore has a deadline (calls.py): a tick that asked an engine that
+hangs or died waits at most that long, and no longer than the engine serves: retiring it, or the
+guard counting it failed, ends every wait on it.
+
 A retired engine's renderer lives on for ``RENDERER_GRACE_S``; when it is let go, the heap it freed is
 given back to the operating system (heap.py: else the daemon's RSS rises at each rebuild)."""
 
@@ -28,10 +32,12 @@ import structlog
 from vllm.utils import func_utils
 from vllm.v1.engine.async_llm import AsyncLLM
 
+from controller.clock import Clock, monotonic
 from controller.control.actuator import TOKEN_BUDGET_MIN, token_budget_bounds
 from controller.control.steps import EngineStep, StepCost, StepFeed
 from controller.engine.runtime.args import engine_args
 from controller.engine.runtime.builds import build_in_thread
+from controller.engine.runtime.calls import CALL_DEADLINE_MIN_S, EngineCalls
 from controller.engine.runtime.dtype import dtype_settings
 from controller.engine.runtime.heap import HeapTrim, trim_heap
 from controller.engine.runtime.ipc import plugin_problem, set_poll_sleep
@@ -80,6 +86,8 @@ class EngineHost:
         builder: Callable[[argparse.Namespace], AsyncLLM] | None = None,
         two_engines_fit: bool | None = None,
         heap_trim: Callable[[], HeapTrim] = trim_heap,
+        clock: Clock = monotonic,
+        call_timer: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.args = args
         """The settings of the engine in force (the last that built)."""
@@ -93,6 +101,10 @@ class EngineHost:
         self.poll_sleep_s = poll_sleep_s
         """[server] engine_poll_sleep_s, handed to the engine's processes (engine/runtime/ipc.py)."""
         self._llm: AsyncLLM | None = None
+        self._calls: EngineCalls | None = None
+        """The utility calls into ``_llm``, each with a deadline (calls.py)."""
+        self._clock = clock
+        self._call_timer = call_timer
         self._llm_retired = False
         """``_llm`` was retired and no new engine built yet (it stays readable, it serves nothing)."""
         self._restarting = False
@@ -142,6 +154,8 @@ class EngineHost:
     def mark_failed(self, reason: str) -> None:
         """The guard saw the engine stall: count it dead, so recovery retires it and builds anew."""
         self._failed = reason
+        if self._calls is not None:  # a tick waiting on it must not wait for the back-off and the retire
+            self._calls.close("the engine was counted failed")
         log.error("engine_marked_failed", reason=reason, generation=self.generation)
 
     # -- build / stop ---------------------------------------------------------------------------
@@ -175,10 +189,13 @@ class EngineHost:
         self.max_num_seqs = int(args.max_num_seqs)
         self.batch_cap = min(self.batch_cap, self.max_num_seqs)
         self.generation += 1
+        if self._calls is not None:  # a tick still waiting on the engine before gets no answer now
+            self._calls.close("a new engine serves")
+        self._calls = EngineCalls(llm.engine_core, self.generation, self._clock, self._call_timer)
         self._steps.engine_started()
         # straight to the new engine: set_batch_cap only stores the cap while a restart runs
-        self.batch_cap = int(await llm.engine_core.call_utility_async(UTILITY_SET, self.batch_cap))
-        await self._adopt_budget(llm)
+        self.batch_cap = await self._calls.put(UTILITY_SET, self.batch_cap)
+        await self._adopt_budget(llm, self._calls)
         log.info("engine_started", generation=self.generation, **self.memory_settings())
 
     def _two_engines_fit(self) -> bool:
@@ -238,6 +255,8 @@ class EngineHost:
         handler = getattr(llm, "output_handler", None)
         if handler is not None:
             handler.cancel()  # first, so it does not report the shutdown as an engine failure
+        if llm is self._llm and self._calls is not None:  # its core is going: no answer will come
+            self._calls.close("the engine was retired")
         loop = asyncio.get_running_loop()
         timeout = llm.vllm_config.shutdown_timeout or 5.0
         await loop.run_in_executor(None, lambda: llm.engine_core.shutdown(timeout=timeout))
@@ -277,6 +296,8 @@ class EngineHost:
         """Shut the engine down and reap its EngineCore process (a build still running shuts its
         engine down itself when it ends)."""
         self._stopped = True
+        if self._calls is not None:
+            self._calls.close("the daemon stops")
         for llm in [*self._retired, *([self._llm] if self._llm else [])]:
             llm.shutdown(timeout=timeout_s)
         self._retired.clear()
@@ -291,7 +312,7 @@ class EngineHost:
         if self.dead or self._restarting:
             self.batch_cap = cap  # applied to the next engine when it starts
             return cap
-        self.batch_cap = int(await self.llm.engine_core.call_utility_async(UTILITY_SET, cap))
+        self.batch_cap = await self.calls.put(UTILITY_SET, cap)
         return self.batch_cap
 
     async def set_token_budget(self, budget: int) -> int:
@@ -302,10 +323,10 @@ class EngineHost:
         if self.dead or self._restarting:
             self.token_budget = budget  # applied to the next engine when it starts
             return budget
-        self.token_budget = int(await self.llm.engine_core.call_utility_async(UTILITY_BUDGET, budget))
+        self.token_budget = await self.calls.put(UTILITY_BUDGET, budget)
         return self.token_budget
 
-    async def _adopt_budget(self, llm: AsyncLLM) -> None:
+    async def _adopt_budget(self, llm: AsyncLLM, calls: EngineCalls) -> None:
         """A new engine's budget bounds, and the budget in force (module docstring)."""
         cfg = llm.vllm_config
         sched = getattr(cfg, "scheduler_config", None)
@@ -321,7 +342,7 @@ class EngineHost:
         initial = int(sched.max_num_scheduled_tokens or self.max_num_batched_tokens)
         want = self.token_budget if self._budget_moved else initial
         self.token_budget = max(self.token_budget_min, min(want, self.max_num_batched_tokens))
-        self.token_budget = int(await llm.engine_core.call_utility_async(UTILITY_BUDGET, self.token_budget))
+        self.token_budget = await calls.put(UTILITY_BUDGET, self.token_budget)
 
     async def drain_steps(self) -> list[EngineStep]:
         """The engine's steps since the last drain, measured inside the EngineCore (scheduler.py);
@@ -330,14 +351,16 @@ class EngineHost:
             return []
         # Every engine's: with data parallelism each EngineCore meters its own steps, and
         # call_utility_async answers with the first engine's result alone (the others' drained rows
-        # would be lost). Merged in time order, as the step feed hands them on.
-        core = self.llm.engine_core
-        per_engine = await core.call_utility_all_async(UTILITY_DRAIN)
-        ranks = engine_ranks(core, len(per_engine))
+        # would be lost). Merged in time order, as the step feed hands them on. Past the deadline
+        # EngineUnanswered is raised: the step feed logs the steps lost and the tick goes on.
+        calls = self.calls
+        per_engine = await calls.ask(UTILITY_DRAIN, every_engine=True)
+        ranks = engine_ranks(calls.core, len(per_engine))
         rows = sorted(
             ((rank, row) for rank, engine_rows in zip(ranks, per_engine, strict=True) for row in engine_rows),
             key=lambda ranked: ranked[1][0],
         )
+        calls.saw_step(max((float(row[4]) for _, row in rows), default=0.0))  # it sizes the deadline
         return [
             EngineStep(float(t), StepCost(int(p), int(d), int(kv), float(s), float(gap)), engine_idx=rank)
             for rank, (t, p, d, kv, s, gap) in rows
@@ -348,7 +371,11 @@ class EngineHost:
         for key in keys:
             self.aborted[key] = reason
         if keys and not self.dead:
-            await self.llm.abort(sorted({request_id for request_id, _ in self.in_flight.values()}))
+            ids = sorted({request_id for request_id, _ in self.in_flight.values()})
+            try:  # a message to the EngineCore, no answer awaited; still bounded, like every call
+                await asyncio.wait_for(self.llm.abort(ids), self.call_deadline_s)
+            except TimeoutError:
+                log.error("engine_abort_unsent", reason="engine_call_timeout", requests=len(ids))
         return len(keys)
 
     def _end_held(self, llm: AsyncLLM, reason: str) -> None:
@@ -361,6 +388,18 @@ class EngineHost:
         held = list(llm.output_processor.request_states)
         if held:
             llm.output_processor.abort_requests(held, internal=True)
+
+    @property
+    def calls(self) -> EngineCalls:
+        """The utility calls into the engine in force."""
+        if self._calls is None:
+            raise RuntimeError("the engine is not running")
+        return self._calls
+
+    @property
+    def call_deadline_s(self) -> float:
+        """The longest a call into the engine waits for its answer (calls.py)."""
+        return self._calls.deadline_s if self._calls is not None else CALL_DEADLINE_MIN_S
 
     # -- settings -------------------------------------------------------------------------------
     @property
@@ -388,6 +427,7 @@ class EngineHost:
             "model": self.args.model,
             "generation": self.generation,
             "restarting": self._restarting,
+            "unanswered_call": self._calls.silence() if self._calls is not None else None,
             "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": getattr(sched, "max_num_batched_tokens", None),
             "token_budget": self.token_budget,
