@@ -188,10 +188,12 @@ class AdmissionGate:
         class's (``TtftBounds.bound_s``).
         ``early``: vLLM's preflight, before the prompt is rendered (``calls`` 0): refuse what is sure
         to be refused, but shed no waiter for room, since the check with the prompt's length may still
-        refuse the request; that check sheds."""
+        refuse the request; that check sheds. Nor does it count the arrival: the first call's check
+        does, or ``refused(arrival=True)`` where this one refuses, so that a request vLLM refuses
+        after its preflight (a prompt past ``max_model_len``) is no demand."""
         q = self._queue_of(priority)
         self._check_fits(q, n)
-        self.arrivals_total += not later_call
+        self.arrivals_total += not later_call and not early
         if self._refuse_new is not None:
             self._events.rejected(q.spec.name, self._refuse_new.reason)
             raise self._refuse_new.fresh()
@@ -209,11 +211,16 @@ class AdmissionGate:
         client keeps the answer with the request and hands it to ``refused``."""
         return request_id is not None and self.refused_ids.take(request_id)
 
-    def refused(self, request_id: str | None, retry: bool = False) -> None:
+    def refused(self, request_id: str | None, retry: bool = False, arrival: bool = False) -> None:
         """A refusal of the gate's (early or in the queue) was answered to a request, once per
         request. ``retry``: its arrival took an excused try (``take_retry``) and it was never admitted
         to a slot: it counts in ``retries_total``, not as new demand, and excuses nothing more; any
-        other refused request with an id excuses the next tries of its id (``RefusedIds.refused``)."""
+        other refused request with an id excuses the next tries of its id (``RefusedIds.refused``).
+        ``arrival``: the refusal of vLLM's preflight (``check_admission(early=True)``), which counted
+        no arrival: it is counted here, and it takes an excused try as any arrival does."""
+        if arrival:
+            self.arrivals_total += 1
+            retry = self.take_retry(request_id)
         if retry:
             self.retries_total += 1
         elif request_id is not None:

@@ -101,6 +101,8 @@ class FakeServing:
             return error
         n = int(request.get("n", 1))
         self._preflight(n)
+        if request.get("fail_after_preflight"):  # vLLM's render refuses it (a prompt past max_model_len)
+            return JSONResponse({"error": "too long"}, status_code=400)
         if request.get("beam_steps"):
             return await self._beam_search(int(request["beam_steps"]))
         prompts = request.get("prompts", ["p"])
@@ -298,7 +300,8 @@ def test_refusals_of_a_generate_call_are_the_gates_http_errors() -> None:
 
 async def test_check_admission_refuses_before_vllm_renders_and_counts_nothing() -> None:
     """vLLM calls ``check_admission`` before it tokenizes: a request the gate would refuse now is
-    refused there; one it admits is counted as one arrival and holds no place until its calls."""
+    refused there, and counted as an arrival; one it admits is counted by its first call and holds
+    no place until its calls."""
     gate, events = make_gate(limit=1, max_queue=0)
     client = GovernedEngineClient(FakeHost(CountingLLM()), gate, lambda: None)  # type: ignore[arg-type]
     held = await gate.acquire(0, from_pending=False)
@@ -317,12 +320,31 @@ async def test_check_admission_refuses_before_vllm_renders_and_counts_nothing() 
     token = context.current.set(admitted)
     try:
         client.check_admission()
-        assert gate.stats().pending == 0 and admitted.admitted
+        assert (gate.stats().pending, gate.stats().arrivals_total) == (0, 1)  # the refused one
         outputs = [x async for x in client.generate("p", SimpleNamespace(n=1), "r")]
     finally:
         context.current.reset(token)
     assert len(outputs) == 4 and gate.stats().arrivals_total == 2  # the refused one and this one
     assert [cls for cls, _ in events.rejected] == ["interactive"]
+
+
+async def test_a_request_vllm_refuses_after_its_preflight_is_no_demand() -> None:
+    """vLLM answers 400 after the preflight admitted the request (its prompt past ``max_model_len``,
+    found when it renders): no ``generate()`` call follows, and it counts as no arrival; a request
+    the preflight refuses and one that runs count one each."""
+    gate = AdmissionGate(1, 0, (PriorityClass("all", max_queue=0, queue_deadline_s=1e6),), clock=FakeClock())
+    async with make_app(gate, CountingLLM()) as http:
+        for _ in range(3):
+            r = await http.post("/v1/completions", json={"fail_after_preflight": True})
+            assert r.status_code == 400, r.text
+        assert gate.stats().arrivals_total == 0
+        held = await gate.acquire(from_pending=False)
+        r = await http.post("/v1/completions", json={})
+        assert r.status_code == 429, r.text
+        gate.release(held)
+        r = await http.post("/v1/completions", json={})
+        assert r.status_code == 200, r.text
+    assert (gate.stats().arrivals_total, gate.stats().pending) == (2, 0)
 
 
 async def test_a_refused_request_tried_again_by_its_id_is_a_retry_not_an_arrival() -> None:

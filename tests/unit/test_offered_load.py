@@ -46,7 +46,8 @@ def test_one_request_refused_for_its_n_is_one_arrival() -> None:
     gate = AdmissionGate(1, 4, ONE_CLASS, clock=clock)
     meter = meter_of(gate, clock)
     meter._offered_rps(clock())
+    gate.check_admission(0, 1)  # the free slot's place
     with pytest.raises(GateRejected):
-        gate.check_admission(0, 64)
+        gate.check_admission(0, 5)  # 5 sequences behind it: past the queue limit of 4
     clock.advance(1.0)
-    assert meter._offered_rps(clock()) == 1.0
+    assert meter._offered_rps(clock()) == 2.0

@@ -123,14 +123,15 @@ class GovernedEngineClient(EngineClient):
         bounds, a full gate with no less urgent waiter to shed, the expected wait without its
         prefill) is refused before any tokenizing, and before a route that generates lazily
         (``/v1/responses``) has sent its 200. It sheds nobody: the call's own check, with the
-        prompt's length, may still refuse the request, and sheds where it admits. Nothing is
-        counted here: each ``generate()`` call passes admission itself, with its own ``n`` and
-        prompt length (vLLM calls this once per request, whatever calls follow)."""
+        prompt's length, may still refuse the request, and sheds where it admits. Each
+        ``generate()`` call passes admission itself, with its own ``n`` and prompt length (vLLM calls
+        this once per request, whatever calls follow); the first counts the request's arrival, so a
+        request vLLM refuses after this check (a prompt past ``max_model_len``), which makes no
+        call, is no demand. A request refused here arrived: its refusal counts it."""
         self._host.llm.check_admission(n, request_id)
         request = context.current.get()
         if request is None or request.admitted:
             return
-        request.retry = self._gate.take_retry(request.request_id)
         try:
             self._gate.check_admission(
                 request.priority,
@@ -141,8 +142,7 @@ class GovernedEngineClient(EngineClient):
                 ttft_bound_s=request.objectives.ttft_s,
             )
         except GateRejected as exc:
-            raise self._refused(request, exc) from None
-        request.admitted = True  # its arrival is counted: its calls are not new arrivals
+            raise self._refused(request, exc, arrival=True) from None
 
     def generate(  # type: ignore[override]
         self,
@@ -209,14 +209,18 @@ class GovernedEngineClient(EngineClient):
         except Exception:  # a shape without token ids (embeddings, a raw text): no prefill term
             return None
 
-    def _refused(self, request: context.RequestContext | None, exc: GateRejected) -> GateRefusal:
+    def _refused(
+        self, request: context.RequestContext | None, exc: GateRejected, arrival: bool = False
+    ) -> GateRefusal:
         """The gate's refusal as the request's answer. The gate hears of a request's first refusal
         of those a client tries again (429, 503; not a 400): a retry where its arrival took an
         excused try and it never held a slot (an admitted arrival is demand), else a refusal whose id
-        excuses the next tries of a router or a client (``AdmissionGate.refused``)."""
+        excuses the next tries of a router or a client (``AdmissionGate.refused``). ``arrival``: the
+        preflight's refusal, whose arrival the gate has not counted yet."""
         if request is not None:
             if request.refusal is None and exc.status != HTTPStatus.BAD_REQUEST:
-                self._gate.refused(request.request_id, retry=request.retry and not request.served)
+                retry = request.retry and not request.served
+                self._gate.refused(request.request_id, retry=retry, arrival=arrival)
             request.refusal, request.retry_after_s = (exc.status, exc.message), exc.retry_after_s
             request.refusal_reason = exc.reason
         return _http_error(exc)
