@@ -64,6 +64,26 @@ class PriorityRefused(ValueError):
     """A request's priority is not one this server accepts (answered 400, before the gate)."""
 
 
+SHOWN_CHARS = 40
+"""The most of a client's value an error message shows (``shown``)."""
+
+
+def shown(value: object) -> str:
+    """A client's value as an answer names it (a string quoted): cut to ``SHOWN_CHARS`` with its
+    length, so a 400 never echoes a header or a number whole, however long the client made it."""
+    if isinstance(value, str):
+        return (
+            repr(value)
+            if len(value) <= SHOWN_CHARS
+            else f"{value[:SHOWN_CHARS]!r}... ({len(value)} characters)"
+        )
+    try:
+        text = str(value)
+    except ValueError:  # an int past Python's digit limit for str()
+        return "a number of more than 4300 digits"
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}... ({len(text)} digits)"
+
+
 @dataclass(frozen=True)
 class PriorityBounds:
     """What a client may ask for: ``[admission] most_urgent_priority`` and ``default_priority``."""
@@ -80,11 +100,11 @@ class PriorityBounds:
         try:
             value = int(asked)  # the header's text as vLLM reads it; the body's value is an int already
         except ValueError:
-            raise PriorityRefused(f"priority {asked!r} is not an integer") from None
+            raise PriorityRefused(f"priority {shown(asked)} is not an integer") from None
         if not self.most_urgent <= value <= PRIORITY_MAX:
             raise PriorityRefused(
-                f"priority {value} is out of range: this server accepts {self.most_urgent} (most urgent) "
-                f"to {PRIORITY_MAX}"
+                f"priority {shown(value)} is out of range: this server accepts {self.most_urgent} "
+                f"(most urgent) to {PRIORITY_MAX}"
             )
         return value
 

@@ -122,6 +122,23 @@ async def test_priority_out_of_bounds_is_refused_with_400_before_the_gate(
 
 
 @pytest.mark.parametrize(
+    ("header", "value"),
+    [
+        ("X-Vllm-Priority", "9" * 5000),  # past int()'s digit limit: not an integer
+        ("X-Vllm-Priority", "9" * 4000),  # an integer, out of range
+        ("X-Autopilot-Ttft-Ms", "9" * 5000),
+        ("X-Autopilot-Class", "c" * 5000),
+    ],
+)
+async def test_a_refused_header_is_named_in_the_400_never_echoed_whole(header: str, value: str) -> None:
+    http, _, _ = make_app(BOUNDS)
+    async with http:
+        r = await http.post("/v1/completions", json={}, headers={header: value})
+    assert r.status_code == 400 and len(r.text) < 500 and value[:100] not in r.text, r.text[:200]
+    assert f"({len(value)} " in r.json()["error"]  # its length named instead
+
+
+@pytest.mark.parametrize(
     ("body", "headers", "priority", "cls"),
     [
         ({}, {}, 5, "batch"),  # names none: the default

@@ -59,7 +59,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from controller.admission.classes import PRIORITY_MAX, PRIORITY_MIN, PriorityClass
+from controller.admission.classes import PRIORITY_MAX, PRIORITY_MIN, PriorityClass, shown
 
 TTFT_HEADERS = ("x-autopilot-ttft-ms", "x-llm-d-slo-ttft-ms", "x-slo-ttft-ms")
 """Headers naming a request's TTFT bound in milliseconds: ours, llm-d's, llm-d's older name."""
@@ -102,7 +102,7 @@ class ObjectiveRefused(ValueError):
 def _not_milliseconds(header: str, value: str) -> ObjectiveRefused:
     return ObjectiveRefused(
         header,
-        f"{value!r} is not a number of milliseconds; send a decimal number at least 0 (for example "
+        f"{shown(value)} is not a number of milliseconds; send a decimal number at least 0 (for example "
         "500), or 0 for no objective",
     )
 
@@ -188,7 +188,7 @@ def _named_class(
         if name not in by_name:
             known = ", ".join(by_name) or "none"
             raise ObjectiveRefused(
-                CLASS_HEADER, f"{name!r} is not a class of this server; send one of: {known}"
+                CLASS_HEADER, f"{shown(name)} is not a class of this server; send one of: {known}"
             )
         return by_name[name], CLASS_HEADER
     for header in LLMD_CLASS_HEADERS:
