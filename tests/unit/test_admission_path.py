@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from vllm.exceptions import GracefulHTTPError
 
 from controller.admission.classes import PriorityBounds, PriorityClass
-from controller.admission.gate import AdmissionGate
+from controller.admission.gate import AdmissionGate, GateRejected
 from controller.admission.ttft import TtftBounds
 from controller.clock import FakeClock
 from controller.control.capacity import new_arrivals
@@ -46,6 +46,7 @@ class CountingLLM:
     def __init__(self) -> None:
         self.running = self.most_running = 0
         self.priorities: list[int] = []
+        self.encoded: list[tuple[str, int, Any]] = []
 
     def check_admission(self, n: int = 1, request_id: str | None = None) -> None:
         pass
@@ -64,6 +65,13 @@ class CountingLLM:
             yield SimpleNamespace(finished=True)
         finally:
             self.running -= n
+
+    async def encode(
+        self, prompt: Any, pooling_params: Any, request_id: str, *, priority: int = 0, **kwargs: Any
+    ) -> AsyncIterator[Any]:
+        self.encoded.append((request_id, priority, kwargs.get("lora_request")))
+        async for output in self.generate(prompt, SimpleNamespace(n=1), request_id, priority=priority):
+            yield output
 
 
 async def merged(streams: Sequence[AsyncIterator[Any]]) -> AsyncIterator[str]:
@@ -160,6 +168,19 @@ def make_app(
         if isinstance(result, (JSONResponse, dict)):
             return result
         return StreamingResponse(f"data: {x}\n\n" async for x in result)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(raw_request: Request) -> Any:
+        # as vLLM's pooling handlers: no preflight, one encode() per prompt, keywords only
+        body = await raw_request.json()
+        client = app.state.serving.engine_client
+        streams = [
+            client.encode(
+                request_id=f"embd-{i}", prompt=p, pooling_params=None, lora_request=None, priority=0
+            )
+            for i, p in enumerate(body["input"])
+        ]
+        return {"outputs": len([x async for x in merged(streams)])}
 
     @app.post("/v1/chat/completions/batch")
     async def batch(raw_request: Request) -> Any:
@@ -326,6 +347,29 @@ async def test_check_admission_refuses_before_vllm_renders_and_counts_nothing() 
         context.current.reset(token)
     assert len(outputs) == 4 and gate.stats().arrivals_total == 2  # the refused one and this one
     assert [cls for cls, _ in events.rejected] == ["interactive"]
+
+
+async def test_a_pooling_request_passes_the_gate_as_a_generating_one() -> None:
+    """``encode()`` (embeddings, classification, scoring) is gated: refused with 429 while the gate is
+    full and with 503 while it refuses everyone, counted as an arrival, and run under a slot."""
+    gate = AdmissionGate(1, 0, (PriorityClass("all", max_queue=0, queue_deadline_s=1e6),), clock=FakeClock())
+    llm = CountingLLM()
+    async with make_app(gate, llm) as http:
+        held = await gate.acquire(from_pending=False)
+        r = await http.post("/v1/embeddings", json={"input": ["a"]})
+        assert r.status_code == 429, r.text
+        gate.refuse_all(GateRejected("restart budget spent", 503, 60, "engine_unavailable"))
+        r = await http.post("/v1/embeddings", json={"input": ["a"]})
+        assert r.status_code == 503, r.text
+        gate.reopen()
+        gate.release(held)
+        gate.set_limit(2)  # room for its two prompts' calls, with no queue
+        assert llm.encoded == []
+        r = await http.post("/v1/embeddings", json={"input": ["a", "b"]})
+        assert r.status_code == 200, r.text
+    assert [request_id for request_id, _, _ in llm.encoded] == ["embd-0", "embd-1"]
+    stats = gate.stats()
+    assert (stats.arrivals_total, stats.admitted_total, stats.in_flight) == (3, 3, 0)  # the held one too
 
 
 async def test_a_request_vllm_refuses_after_its_preflight_is_no_demand() -> None:

@@ -1,5 +1,5 @@
 """The governed engine client: vLLM's ``EngineClient`` over the current AsyncLLM, with every
-``generate()`` passing through the admission gate.
+``generate()`` and ``encode()`` (a pooling model's requests) passing through the admission gate.
 
 The ABC is not satisfied by ``__getattr__`` and some of its concrete defaults are wrong for us
 (``check_admission`` silently admits, ``get_supported_tasks`` raises), so every method the OpenAI
@@ -67,7 +67,7 @@ class ClientHost(Protocol):
 
 
 class GovernedEngineClient(EngineClient):
-    """Delegates to ``host.llm``; ``generate`` waits for a gate slot first."""
+    """Delegates to ``host.llm``; ``generate`` and ``encode`` wait for a gate slot first."""
 
     def __init__(self, host: ClientHost, gate: AdmissionGate, on_engine_dead: Callable[[], None]) -> None:
         self._host = host
@@ -278,12 +278,14 @@ class GovernedEngineClient(EngineClient):
                 llm = self._host.llm
                 self._host.in_flight[key] = (request_id, llm)
                 self._outcome_started(request_id, slot, request, sampling_params)
-                stream = llm.generate(prompt, sampling_params, request_id, priority=call.priority, **kwargs)
+                submit = llm.encode if pooling else llm.generate  # ``encode``: a pooling request
+                stream = submit(prompt, sampling_params, request_id, priority=call.priority, **kwargs)
                 # aclosing: a disconnect closes us, and must close vLLM's generator now so it aborts
                 # the request in the engine, not whenever the garbage collector gets to it.
                 deltas = getattr(sampling_params, "output_kind", None) == RequestOutputKind.DELTA
                 pumped = EngineStream(stream, engine_done, aggregate=deltas)
                 async with contextlib.aclosing(pumped.outputs()) as outputs:
+        pooling: bool = False,
                     async for output in outputs:
                         if not produced:
                             self._first_token(output, slot, call, request_id)
@@ -346,8 +348,24 @@ class GovernedEngineClient(EngineClient):
             outcomes.first_token(request_id, seconds)
 
     # -- plain delegation -----------------------------------------------------------------------
-    def encode(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        return self._host.llm.encode(*args, **kwargs)
+    def encode(  # type: ignore[override]
+        self,
+        prompt: Any,
+        pooling_params: Any,
+        request_id: str,
+        lora_request: Any = None,
+        trace_headers: Any = None,
+        priority: int = 0,
+        **kwargs: Any,
+    ) -> AsyncGenerator[Any, None]:
+        """A pooling request's call (embeddings, classification, scoring, reranking: vLLM's pooling
+        handlers call it once per prompt, with no preflight) passes the gate as a ``generate()``
+        call does: admitted or refused (429/503) when the handler calls it, counted as demand, then
+        a slot, then the engine's own ``encode``. One sequence each: pooling samples none."""
+        request = context.current.get()
+        call = context.Call(priority) if request is None else self._admit(request, priority, 1, prompt)
+        kwargs.update(lora_request=lora_request, trace_headers=trace_headers)
+        return self._generate(prompt, pooling_params, request_id, call, request, kwargs, pooling=True)
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         await self._host.llm.abort(request_id)
