@@ -233,6 +233,7 @@ class GovernedEngineClient(EngineClient):
         call: context.Call,
         request: context.RequestContext | None,
         kwargs: dict[str, Any],
+        pooling: bool = False,
     ) -> AsyncGenerator[Any, None]:
         """Wait for a slot, then stream from the engine. A request the engine died under before its
         first output goes back to the gate and runs on the next engine (once: a second death under it
@@ -285,7 +286,6 @@ class GovernedEngineClient(EngineClient):
                 deltas = getattr(sampling_params, "output_kind", None) == RequestOutputKind.DELTA
                 pumped = EngineStream(stream, engine_done, aggregate=deltas)
                 async with contextlib.aclosing(pumped.outputs()) as outputs:
-        pooling: bool = False,
                     async for output in outputs:
                         if not produced:
                             self._first_token(output, slot, call, request_id)
