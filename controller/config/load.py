@@ -255,7 +255,7 @@ class GuardConfig:
     max_restarts_per_hour: int = _f(
         5,
         "Crash-recovery budget per hour (reload and memory restarts do not spend it); once spent the "
-        "daemon stays up and answers 503 until an engine builds again.",
+        "daemon exits non-zero, so that systemd's Restart=on-failure (or the pod's restart) applies.",
         0,
         1000,
     )

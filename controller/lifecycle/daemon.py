@@ -32,6 +32,10 @@ from controller.lifecycle.warm import warm_start
 
 log = structlog.get_logger(__name__)
 
+EXIT_ENGINE_UNRECOVERABLE = 3
+"""The exit status once the guard gave up on the engine (its restart budget spent): non-zero, so
+systemd's ``Restart=on-failure`` and start limit (or a pod's restart back-off) take over."""
+
 END_GRACE_S = 5.0
 """After the drain deadline, how long the answers to the requests ended then have to go out (uvicorn
 cuts what is left ``END_GRACE_S`` after ``shutdown_timeout_s``)."""
@@ -173,16 +177,25 @@ class Daemon:
 
     # -- run ----------------------------------------------------------------------------------------
     async def run(self) -> int:
-        """Serve until a signal asks for a drain (exit 0) or the data plane dies (exit 1)."""
+        """Serve until a signal asks for a drain (exit 0), the data plane dies (exit 1) or the guard
+        gives up on the engine (``EXIT_ENGINE_UNRECOVERABLE``)."""
         assert self._server_task is not None
         sig_wait = asyncio.create_task(self._signals.get())
-        done, _ = await asyncio.wait({sig_wait, self._server_task}, return_when=asyncio.FIRST_COMPLETED)
+        gave_up = asyncio.create_task(self.parts.guard.given_up.wait())
+        done, _ = await asyncio.wait(
+            {sig_wait, gave_up, self._server_task}, return_when=asyncio.FIRST_COMPLETED
+        )
         if sig_wait in done:
             log.info("drain_requested", signal=signal.Signals(sig_wait.result()).name)
+            gave_up.cancel()
             return 0
         sig_wait.cancel()
-        log.error("data_plane_stopped", engine_ready=self.parts.host.ready)
-        return 1
+        gave_up.cancel()
+        if self._server_task in done:
+            log.error("data_plane_stopped", engine_ready=self.parts.host.ready)
+            return 1
+        log.critical("exiting", reason="restart_budget_spent", exit_status=EXIT_ENGINE_UNRECOVERABLE)
+        return EXIT_ENGINE_UNRECOVERABLE
 
     # -- shutdown -----------------------------------------------------------------------------------
     async def shutdown(self) -> None:

