@@ -5,6 +5,8 @@ policy built with its parameters. Each returns its errors, naming the key, the v
 from __future__ import annotations
 
 import difflib
+import json
+from pathlib import Path
 from typing import Any
 
 from controller.config.secrets import is_loopback
@@ -69,3 +71,82 @@ def policy_errors(engine: dict[str, Any], tables: dict[str, Any], slo: SloTarget
     except PolicyError as exc:
         return [f"[control] policy = {control.policy!r}: {exc}"]
     return []
+
+
+def kv_floor_errors(engine: dict[str, Any], guard: Any, folder: Path) -> list[str]:
+    """[guard] min_kv_cache_memory_bytes must hold one ``max_model_len`` sequence of the model's KV
+    cache: vLLM refuses to build a smaller one, so a memory restart down to the floor would fail each
+    time. Checked where [engine] sets kv_cache_memory_bytes (the knob the guard moves then) and the
+    model's ``config.json`` is on this machine (a folder, or the Hugging Face cache: no download at
+    load); the bytes a token takes are a lower bound (2 a value, 1 for an fp8 KV cache, 4 in
+    float32), so a file that passes may still be short, never the other way round."""
+    if not engine.get("kv_cache_memory_bytes"):
+        return []
+    shape = kv_shape(engine, folder)
+    if shape is None:
+        return []
+    per_token, max_len = shape
+    need, floor = per_token * max_len, int(guard.min_kv_cache_memory_bytes)
+    if floor >= need:
+        return []
+    return [
+        f"[guard] min_kv_cache_memory_bytes = {floor}: below one max_model_len sequence of the model's KV "
+        f"cache ({max_len} tokens x {per_token} bytes = {need} bytes), which vLLM refuses to build, so a "
+        f"memory restart down to it would fail; raise it to at least {need}, or lower [engine] max_model_len"
+    ]
+
+
+_NOT_FULL_ATTENTION = (
+    "sliding_window",
+    "layer_types",
+    "kv_lora_rank",
+    "attention_chunk_size",
+    "layers_block_type",
+)
+"""config.json keys of models whose KV cache is not one full-attention entry per layer and token
+(windows, MLA, hybrid layers): they need less, and are not checked."""
+
+
+def kv_shape(engine: dict[str, Any], folder: Path) -> tuple[int, int] | None:
+    """(KV bytes a token takes at least, max_model_len) from the model's local ``config.json``; None
+    where it cannot be read or its attention is not plain full attention."""
+    cfg = _model_config(str(engine.get("model", "")), engine.get("revision"), folder)
+    if cfg is None:
+        return None
+    text = cfg.get("text_config") or cfg
+    if any(text.get(key) for key in _NOT_FULL_ATTENTION):
+        return None
+    try:
+        layers, heads = int(text["num_hidden_layers"]), int(text["num_attention_heads"])
+        kv_heads = int(text.get("num_key_value_heads") or heads)
+        head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
+        max_len = int(engine.get("max_model_len") or text["max_position_embeddings"])
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
+    if str(engine.get("kv_cache_dtype", "auto")).startswith("fp8"):
+        value_bytes = 1
+    elif str(engine.get("dtype", "auto")) in ("float32", "float"):
+        value_bytes = 4
+    else:
+        value_bytes = 2
+    return 2 * layers * kv_heads * head_dim * value_bytes, max_len  # a key and a value per head
+
+
+def _model_config(model: str, revision: Any, folder: Path) -> dict[str, Any] | None:
+    candidates = [Path(model), folder / model]
+    found = next((p / "config.json" for p in candidates if (p / "config.json").is_file()), None)
+    if found is None:
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(model, "config.json", revision=revision)
+        except Exception:  # not a repository id, no cache: nothing to check against
+            return None
+        found = Path(cached) if isinstance(cached, str) else None
+    if found is None:
+        return None
+    try:
+        data = json.loads(found.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None

@@ -22,7 +22,7 @@ from controller.admission.classes import (
     PriorityClass,
     parse_classes,
 )
-from controller.config.checks import cross_table_errors, policy_errors, server_option_errors
+from controller.config.checks import cross_table_errors, kv_floor_errors, policy_errors, server_option_errors
 from controller.config.fields import check_value as _check_value
 from controller.config.fields import doc_field as _f
 from controller.config.fields import non_finite_errors
@@ -245,7 +245,13 @@ class GuardConfig:
         0.9,
     )
     min_gpu_memory_utilization: float = _f(0.30, "Floor of gpu_memory_utilization.", 0.05, 1.0)
-    min_kv_cache_memory_bytes: int = _f(16 << 20, "Floor of kv_cache_memory_bytes.", 1 << 20, 1 << 50)
+    min_kv_cache_memory_bytes: int = _f(
+        16 << 20,
+        "Floor of kv_cache_memory_bytes; at least one max_model_len sequence of the model's KV cache "
+        "(checked at load), and a value that failed to build is the floor from then on.",
+        1 << 20,
+        1 << 50,
+    )
     drain_timeout_s: float = _f(
         30.0,
         "Before a memory restart, how long in-flight requests may finish; the rest are aborted.",
@@ -264,7 +270,13 @@ class GuardConfig:
     )
     backoff_max_s: float = _f(60.0, "Longest delay between crash restarts.", 0, 3600)
     check_interval_s: float = _f(0.5, "How often the guard checks that the engine is alive.", 0.05, 60)
-    cooldown_s: float = _f(30.0, "After a restart, memory readings are ignored this long.", 0, 3600)
+    cooldown_s: float = _f(
+        30.0,
+        "After a restart, memory readings are ignored this long; after a memory restart that failed to "
+        "build, twice as long at each failure in a row (at most an hour).",
+        0,
+        3600,
+    )
     stall_timeout_s: float = _f(
         60.0, "An engine with requests inside and no step for this long is restarted (0: never).", 0, 3600
     )
@@ -466,6 +478,7 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
     errors.extend(server_option_errors(tables["server"].vllm, own_server_keys))
     if not errors:
         errors.extend(cross_table_errors(engine, tables))
+        errors.extend(kv_floor_errors(engine, tables["guard"], path.parent))
     if not errors:
         errors.extend(policy_errors(engine, tables, slo))
     if errors:

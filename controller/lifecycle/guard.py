@@ -15,6 +15,12 @@ engine, so it moves only on out-of-memory risk and only downward; an operator ra
   requests get 503 with Retry-After and the daemon exits non-zero, so that its supervisor's own
   limits apply (systemd's ``Restart=on-failure`` and start limit, a pod's restart back-off), where a
   daemon that stayed up would answer 503 for good with nothing to restart it.
+* A memory restart whose smaller setting fails to build (vLLM refuses a KV cache that cannot hold
+  one ``max_model_len`` sequence; a GPU build that runs out) is not retried at each confirmed risk:
+  ``MemoryRestarts`` holds the decision, the cooldown, the floor and the back-off in one place, for
+  ``kv_cache_memory_bytes`` and ``gpu_memory_utilization`` alike. The failed value becomes the floor
+  (no later shrink goes to it or below), and memory readings are ignored for ``cooldown_s`` after
+  any restart, doubled at each failure in a row up to ``MEMORY_BACKOFF_MAX_S``.
 * Liveness (``liveness.py``): an engine with requests inside and no step for ``stall_timeout_s`` is
   recovered like a crash. While no engine can serve, new requests get 503 with Retry-After (queued
   ones keep their place, for at most ``max_restart_wait_s`` beyond their queue deadline).
@@ -177,6 +183,68 @@ def read_oom_kills(proc_cgroup: Path = PROC_SELF_CGROUP, root: Path = CGROUP_ROO
     return None
 
 
+MEMORY_BACKOFF_MAX_S = 3600.0
+"""The longest wait after memory restarts that failed in a row: an hour, so a risk that persists is
+tried again at most once an hour, and its logs say why."""
+
+
+class MemoryRestarts:
+    """When a memory restart may start and how low it may go: the decision, the cooldown, the floor
+    and the back-off, one mechanism for every memory knob (a GPU's failed smaller build is the same
+    event as a CPU's).
+
+    * ``hold(now)``: the reason memory readings are ignored now (``cooldown`` after a restart that
+      built, ``backoff`` after one that failed), else None.
+    * ``plan(...)``: the smaller setting (``shrink``), never at or below a value that failed to
+      build: a shrink that would go there stops halfway between it and the value in force; None when
+      no value is left between them (``at_floor``).
+    * ``built(now)`` / ``failed(now, knob, value)``: the outcome of a restart. After ``failed``, the
+      wait is ``cooldown_s * 2**failures`` (failures in a row), up to ``MEMORY_BACKOFF_MAX_S``.
+    """
+
+    def __init__(self, s: GuardSettings) -> None:
+        self.s = s
+        self.until_mono: float | None = None
+        """Memory readings are ignored until then."""
+        self.failures = 0
+        """Memory restarts that failed to build, in a row."""
+        self.failed_floor: dict[str, float] = {}
+        """Per knob, the largest value that failed to build: later shrinks stay above it."""
+
+    def hold(self, now_mono: float) -> str | None:
+        if self.until_mono is None or now_mono >= self.until_mono:
+            return None
+        return "backoff" if self.failures else "cooldown"
+
+    def plan(
+        self, settings: dict[str, Any], knob: str, deficit_bytes: int, total_bytes: int | None
+    ) -> dict[str, Any] | None:
+        overrides = shrink(settings, knob, deficit_bytes, self.s, total_bytes)
+        floor = self.failed_floor.get(knob)
+        if overrides is None or floor is None or overrides[knob] > floor:
+            return overrides
+        current = float(settings[knob])
+        halfway = (floor + current) / 2
+        new: float | int = round(halfway, 4) if knob == "gpu_memory_utilization" else int(halfway)
+        return {knob: new} if floor < new < current else None
+
+    def built(self, now_mono: float) -> None:
+        self.failures = 0
+        self.until_mono = now_mono + self.s.cooldown_s
+
+    def failed(self, now_mono: float, knob: str, value: float) -> float:
+        """Remember a setting that did not build; returns the wait before the next memory restart."""
+        self.failed_floor[knob] = max(float(value), self.failed_floor.get(knob, float("-inf")))
+        self.failures += 1
+        wait = float(min(MEMORY_BACKOFF_MAX_S, self.s.cooldown_s * 2**self.failures))
+        self.until_mono = now_mono + wait
+        return wait
+
+    def forget_floor(self) -> None:
+        """An [engine] change built (a reload): what failed before was measured on other settings."""
+        self.failed_floor.clear()
+
+
 class Guard:
     def __init__(
         self,
@@ -205,7 +273,7 @@ class Guard:
         self._sleep = sleep
         self._restarts: deque[float] = deque()
         """When each crash restart was tried (the budget's window)."""
-        self._last_restart_mono: float | None = None
+        self.memory_restarts = MemoryRestarts(settings)
         self._lock = asyncio.Lock()
         self._dead_noticed = asyncio.Event()
         self.given_up = asyncio.Event()
@@ -218,7 +286,7 @@ class Guard:
 
     def configure(self, settings: GuardSettings) -> None:
         """Apply a reloaded [guard] table (the risk streak so far is kept)."""
-        self.s = self.memory.s = settings
+        self.s = self.memory.s = self.memory_restarts.s = settings
         self.stall.timeout_s = settings.stall_timeout_s
         self.gate.set_restart_wait(settings.max_restart_wait_s)
 
@@ -232,18 +300,18 @@ class Guard:
         """Feed one observation; starts a restart task when the memory risk is confirmed."""
         if self.restarting or self.unavailable_reason:
             return None
-        if self._last_restart_mono is not None and obs.now_mono - self._last_restart_mono < self.s.cooldown_s:
+        if self.memory_restarts.hold(obs.now_mono) is not None:
             self.memory.streak = 0
             return None
         risk = self.memory.observe(obs)
         if risk is None:
             return None
         total = obs.gpu_memory_total_bytes
-        overrides = shrink(
-            self.engine.memory_settings(), self.engine.memory_knob, risk.deficit_bytes, self.s, total
-        )
+        knob = self.engine.memory_knob
+        overrides = self.memory_restarts.plan(self.engine.memory_settings(), knob, risk.deficit_bytes, total)
         if overrides is None:
-            log.warning("memory_risk_at_floor", reason=risk.reason, **risk.readings)
+            floor = self.memory_restarts.failed_floor.get(knob)
+            log.warning("memory_risk_at_floor", reason=risk.reason, failed_floor=floor, **risk.readings)
             return None
         log.warning(
             "memory_risk",
@@ -270,11 +338,13 @@ class Guard:
                 log.warning("drain_deadline_passed", aborted=aborted)
             await self.engine.restart(overrides, build_first=reason not in MEMORY_REASONS)
         except BaseException as exc:
-            self._after_failed_build(reason, exc)
+            self._after_failed_build(reason, overrides, exc)
             raise
         self.gate.resume()
         duration = self._clock() - t0
-        self._last_restart_mono = self._clock()
+        self.memory_restarts.built(self._clock())
+        if reason == "config_reload":
+            self.memory_restarts.forget_floor()
         self._oom_baseline = self._oom_kills()
         shown = redact(overrides)  # /state and the log show it: an [engine] hf_token never
         self.last_restart = {
@@ -292,13 +362,20 @@ class Guard:
         self._on_restart(reason, duration)
         log.info("engine_restarted", reason=reason, duration_s=round(duration, 3), **shown)
 
-    def _after_failed_build(self, reason: str, exc: BaseException) -> None:
+    def _after_failed_build(self, reason: str, overrides: dict[str, Any], exc: BaseException) -> None:
         """Resume on the engine that still serves; with none left, keep requests waiting and wake
-        the watcher to recover (with the last settings that built)."""
+        the watcher to recover (with the last settings that built). A memory setting that failed
+        becomes the floor, and memory restarts back off (``MemoryRestarts``)."""
         if isinstance(exc, asyncio.CancelledError):
             log.warning("engine_restart_cancelled", reason=reason)  # shutdown
         else:
             log.error("engine_restart_failed", reason=reason, error=f"{type(exc).__name__}: {exc}")
+            knob = self.engine.memory_knob
+            if reason in MEMORY_REASONS and knob in overrides:
+                wait = self.memory_restarts.failed(self._clock(), knob, overrides[knob])
+                log.warning(
+                    "memory_restart_backoff", reason="build_failed", floor=overrides[knob], wait_s=wait
+                )
         if not self.engine.dead or self.unavailable_reason is not None:
             self.gate.resume()
         else:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -503,3 +504,45 @@ async def test_a_spent_restart_budget_ends_the_daemons_run_with_a_non_zero_statu
     assert d.parts.guard.given_up.is_set()
     assert await asyncio.wait_for(run, 2.0) == EXIT_ENGINE_UNRECOVERABLE
     d._server_task.cancel()
+
+
+# -- a memory restart that cannot build backs off, and the value that failed is the floor -----------
+
+NEEDED = 16 << 20  # the smallest KV cache the fake engine builds (one max_model_len sequence)
+
+
+class FloorEngine(FakeEngine):
+    """Refuses a KV cache below ``NEEDED``, as vLLM refuses one that cannot hold a sequence; the
+    engine on the old setting serves on."""
+
+    async def restart(self, overrides: dict[str, Any], build_first: bool = False) -> None:
+        self.restarts.append((overrides, build_first))
+        if overrides["kv_cache_memory_bytes"] < NEEDED:
+            raise ValueError("insufficient KV cache for max_model_len")
+        self.kv = int(overrides["kv_cache_memory_bytes"])
+
+
+async def test_a_memory_restart_that_fails_to_build_backs_off_and_never_retries_the_failed_value() -> None:
+    from tests.helpers import obs
+
+    engine, clock = FloorEngine(), FakeClock()
+    guard = guard_with(
+        engine, clock, consecutive_samples=1, cooldown_s=10.0, min_kv_cache_memory_bytes=1 << 20
+    )
+    tried: list[tuple[float, int]] = []
+    for _ in range(60):  # a minute of 1 s ticks, host memory far below the margin throughout
+        clock.advance(1.0)
+        task = guard.on_observation(obs(now_mono=clock(), host_memory_available_bytes=0))
+        if task is not None:
+            tried.append((clock(), engine.restarts[-1][0]["kv_cache_memory_bytes"] if engine.restarts else 0))
+            with contextlib.suppress(ValueError):
+                await task
+            tried[-1] = (tried[-1][0], engine.restarts[-1][0]["kv_cache_memory_bytes"])
+    values = [kv for _, kv in tried]
+    failed = [kv for kv in values if kv < NEEDED]
+    assert values[0] == 1 << 20 and len(tried) <= 4  # was: every tick, at the 1 MiB floor
+    assert tried[1][0] - tried[0][0] >= 20.0  # cooldown_s doubled after the failure
+    for i, kv in enumerate(values):
+        assert all(kv > earlier for earlier in values[:i] if earlier < NEEDED)  # above what failed
+    assert len(failed) <= 2 and engine.kv >= NEEDED and not guard.gate.paused
+    assert guard.memory_restarts.failed_floor["kv_cache_memory_bytes"] == max(failed)
