@@ -74,6 +74,10 @@ class Parts:
     the metrics."""
     fit_check: FitCheck
     """The step-cost model's starting fit against its live one over the steps served since (/state)."""
+    file_engine: dict[str, Any] = field(default_factory=dict)
+    """[engine] as the files asked for it, of the file whose values the engine runs (the first, then
+    each reloaded file an engine built on): what a reload's [engine] is compared with, never the
+    config in force, which holds the memory guard's shrink (``reload.py``)."""
     pending_changes: dict[str, list[str]] = field(default_factory=dict)
     """Changed keys per table that wait for a restart (set by the last reload)."""
     starting: bool = False
@@ -163,6 +167,7 @@ def build_parts(
         cost=core.cost,
         capacity=core.capacity,
         fit_check=fit_check,
+        file_engine=dict(config.engine),
     )
     guard.on_engine_args = parts.adopt_engine
     return parts

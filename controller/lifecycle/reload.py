@@ -15,7 +15,7 @@ arrives while a restart or a recovery runs is answered ``deferred`` and applied 
 runs one at a time). The config in force follows the engine only when the new engine built (the
 guard reports it, ``Parts.adopt_engine``): a bad value leaves both as they were.
 
-[engine] is compared with the file values the engine runs (``_engine_file``: the first file's, then
+[engine] is compared with the file values the engine runs (``Parts.file_engine``: the first file's, then
 each reloaded file's whose [engine] an engine built), never with the config in force: that holds the
 memory guard's shrink, and a reload of a file that did not touch the key would restart the engine at
 the value that was at risk. An operator raises the setting by changing it in the file."""
@@ -49,12 +49,9 @@ class Reloader:
         self._wanted: Config | None = None
         """The newest reloaded file: the engine restart task brings the engine to its [engine]."""
         self._restarter: asyncio.Task[None] | None = None
-        self._engine_file: dict[str, Any] = dict(parts.config.engine)
-        """[engine] as the files asked for it, of the file whose values the engine runs: what a reload's
-        [engine] is compared with (module docstring)."""
 
     def _diff(self, new: Config) -> ConfigDiff:
-        return diff_config(self.parts.config, new, engine_from=self._engine_file)
+        return diff_config(self.parts.config, new, engine_from=self.parts.file_engine)
 
     async def reload(self) -> dict[str, Any]:
         """Re-read the config file; apply what can change live. On any error the old config stays."""
@@ -177,7 +174,7 @@ class Reloader:
                 if self._wanted is wanted:
                     return
                 continue  # a newer file came meanwhile: try its values
-            self._engine_file = dict(wanted.engine)  # the engine runs this file's [engine] now
+            p.file_engine = dict(wanted.engine)  # the engine runs this file's [engine] now
             p.pending_changes = self._diff(wanted).pending
             if self._wanted is wanted:
                 break

@@ -380,11 +380,10 @@ async def test_a_reload_of_an_unchanged_engine_table_keeps_the_guards_memory_shr
     p = parts_for(tmp_path, restart_on_reload=True)
     engine = FakeEngine()
     p.guard.engine = engine
-    reloader = Reloader(p)
     await p.guard.restart("host_memory_low", {"kv_cache_memory_bytes": KV // 2}, drain=False)
     assert p.config.engine["kv_cache_memory_bytes"] == KV // 2
     rewrite(p, engine={"restart_on_reload": True}, admission={"limit": 3})  # a live change only
-    result = await reloader.reload()
+    result = await Reloader(p).reload()
     await drain_tasks(p)
     assert result["changed"] == {"admission": ["limit"]}
     assert result["engine_restart"] is None and not result["pending"]
