@@ -62,10 +62,6 @@ class SendStalled(Exception):
     """The client read nothing for ``send_timeout_s``: the response is abandoned."""
 
 
-BODY_TIMED_OUT = {"type": "http.disconnect"}
-"""What the app reads once the body's bytes stopped for ``body_timeout_s``: the client is gone to it."""
-
-
 class Timer(Protocol):
     def cancel(self) -> None: ...
 
@@ -204,7 +200,7 @@ class _Exchange:
         self._loop = asyncio.get_running_loop()
         self.watch = StallWatch(limits.send_timeout_s, self._loop)
         self.body_watch: StallWatch | None = None
-        """The body's reads, watched from the first until the body ends (then None again)."""
+        """The body's reads, watched from the first read until the body ends."""
         self.body_done = False
         self.counted = 0
         self.started = False
@@ -229,8 +225,8 @@ class _Exchange:
         return message
 
     async def _read_body(self) -> dict[str, Any]:
-        """The next message of the body, or ``BODY_TIMED_OUT`` (and a 408) after ``body_timeout_s``
-        with nothing read."""
+        """The next message of the body; after ``body_timeout_s`` with nothing read, a 408 and a
+        disconnect (the client is gone, to the app)."""
         if self.body_watch is None:
             self.body_watch = StallWatch(self.limits.body_timeout_s, self._loop)
         task = asyncio.current_task(self._loop)
@@ -245,7 +241,7 @@ class _Exchange:
         finally:
             self.body_watch.end()
         await self._body_timed_out()
-        return BODY_TIMED_OUT
+        return {"type": "http.disconnect"}
 
     async def _body_timed_out(self) -> None:
         timeout = self.limits.body_timeout_s
