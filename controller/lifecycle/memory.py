@@ -1,0 +1,135 @@
+"""What the memory guard decides, pure: when memory is at risk (``MemoryWatch``), the smaller
+setting that covers the deficit (``shrink``), and when a memory restart may start and how low it may
+go (``MemoryRestarts``). The guard (``guard.py``) acts on it; one mechanism for every memory knob,
+``kv_cache_memory_bytes`` on the CPU and ``gpu_memory_utilization`` on a GPU alike."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from controller.config.load import GuardConfig
+from policies.base import Observation
+
+GuardSettings = GuardConfig
+"""The guard reads its [guard] table as it is."""
+
+
+@dataclass(frozen=True)
+class MemoryRisk:
+    reason: str
+    """"gpu_memory_low" or "host_memory_low"."""
+    deficit_bytes: int
+    readings: dict[str, Any] = field(default_factory=dict)
+
+
+class MemoryWatch:
+    """Counts consecutive risky samples; pure apart from its counter."""
+
+    def __init__(self, s: GuardSettings) -> None:
+        self.s = s
+        self.streak = 0
+
+    def _risk(self, obs: Observation) -> MemoryRisk | None:
+        s = self.s
+        if obs.gpu_memory_free_bytes is not None and obs.gpu_memory_total_bytes:
+            need = max(s.gpu_free_margin_bytes, int(s.gpu_free_margin_fraction * obs.gpu_memory_total_bytes))
+            if obs.gpu_memory_free_bytes < need:
+                readings = {
+                    "gpu_free_bytes": obs.gpu_memory_free_bytes,
+                    "gpu_total_bytes": obs.gpu_memory_total_bytes,
+                    "margin_bytes": need,
+                }
+                return MemoryRisk("gpu_memory_low", need - obs.gpu_memory_free_bytes, readings)
+            return None
+        avail = obs.host_memory_available_bytes
+        if avail is not None and avail < s.host_available_margin_bytes:
+            readings = {"host_available_bytes": avail, "margin_bytes": s.host_available_margin_bytes}
+            return MemoryRisk("host_memory_low", s.host_available_margin_bytes - avail, readings)
+        return None
+
+    def observe(self, obs: Observation) -> MemoryRisk | None:
+        """A risk once ``consecutive_samples`` risky samples in a row were seen, else None."""
+        risk = self._risk(obs)
+        self.streak = self.streak + 1 if risk else 0
+        if risk and self.streak >= self.s.consecutive_samples:
+            self.streak = 0
+            return risk
+        return None
+
+
+def shrink(
+    settings: dict[str, Any], knob: str, deficit_bytes: int, s: GuardSettings, total_bytes: int | None = None
+) -> dict[str, Any] | None:
+    """The smaller memory setting that covers ``deficit_bytes``; None when already at the floor."""
+    if knob == "gpu_memory_utilization":
+        util = float(settings[knob])
+        by_deficit = deficit_bytes / total_bytes if total_bytes else 0.0
+        step = max(s.memory_step_fraction * util, by_deficit)
+        new = round(max(s.min_gpu_memory_utilization, util - step), 4)
+        return {knob: new} if new < util else None
+    kv = int(settings[knob])
+    new_kv = max(s.min_kv_cache_memory_bytes, kv - max(int(s.memory_step_fraction * kv), deficit_bytes))
+    return {knob: new_kv} if new_kv < kv else None
+
+
+MEMORY_BACKOFF_MAX_S = 3600.0
+"""The longest wait after memory restarts that failed in a row: an hour, so a risk that persists is
+tried again at most once an hour, and its logs say why."""
+
+
+class MemoryRestarts:
+    """When a memory restart may start and how low it may go: the decision, the cooldown, the floor
+    and the back-off, one mechanism for every memory knob (a GPU's failed smaller build is the same
+    event as a CPU's).
+
+    * ``hold(now)``: the reason memory readings are ignored now (``cooldown`` after a restart that
+      built, ``backoff`` after one that failed), else None.
+    * ``plan(...)``: the smaller setting (``shrink``), never at or below a value that failed to
+      build: a shrink that would go there stops halfway between it and the value in force; None when
+      no value is left between them (``at_floor``).
+    * ``built(now)`` / ``failed(now, knob, value)``: the outcome of a restart. After ``failed``, the
+      wait is ``cooldown_s * 2**failures`` (failures in a row), up to ``MEMORY_BACKOFF_MAX_S``.
+    """
+
+    def __init__(self, s: GuardSettings) -> None:
+        self.s = s
+        self.until_mono: float | None = None
+        """Memory readings are ignored until then."""
+        self.failures = 0
+        """Memory restarts that failed to build, in a row."""
+        self.failed_floor: dict[str, float] = {}
+        """Per knob, the largest value that failed to build: later shrinks stay above it."""
+
+    def hold(self, now_mono: float) -> str | None:
+        if self.until_mono is None or now_mono >= self.until_mono:
+            return None
+        return "backoff" if self.failures else "cooldown"
+
+    def plan(
+        self, settings: dict[str, Any], knob: str, deficit_bytes: int, total_bytes: int | None
+    ) -> dict[str, Any] | None:
+        overrides = shrink(settings, knob, deficit_bytes, self.s, total_bytes)
+        floor = self.failed_floor.get(knob)
+        if overrides is None or floor is None or overrides[knob] > floor:
+            return overrides
+        current = float(settings[knob])
+        halfway = (floor + current) / 2
+        new: float | int = round(halfway, 4) if knob == "gpu_memory_utilization" else int(halfway)
+        return {knob: new} if floor < new < current else None
+
+    def built(self, now_mono: float) -> None:
+        self.failures = 0
+        self.until_mono = now_mono + self.s.cooldown_s
+
+    def failed(self, now_mono: float, knob: str, value: float) -> float:
+        """Remember a setting that did not build; returns the wait before the next memory restart."""
+        self.failed_floor[knob] = max(float(value), self.failed_floor.get(knob, float("-inf")))
+        self.failures += 1
+        wait = float(min(MEMORY_BACKOFF_MAX_S, self.s.cooldown_s * 2**self.failures))
+        self.until_mono = now_mono + wait
+        return wait
+
+    def forget_floor(self) -> None:
+        """An [engine] change built (a reload): what failed before was measured on other settings."""
+        self.failed_floor.clear()
