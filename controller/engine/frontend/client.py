@@ -299,7 +299,7 @@ class GovernedEngineClient(EngineClient):
         # a later call of a request that has held a slot (a beam search's step) from when it queues.
         arrived = request.arrived_mono if request is not None and not request.served else None
         bound = request.objectives.ttft_s if request is not None and not request.served else None
-        deaths = 0  # engines that died under this call before its first output
+        deaths = 0  # engines that died under this call
         while True:
             try:
                 slot = await self._gate.acquire(
