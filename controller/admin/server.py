@@ -131,9 +131,11 @@ async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"ok": ok, "reason": reason}, status=200 if ok else 503)
 
 
-BEYOND_RECOVERY = frozenset({"restart_budget_spent"})
+BEYOND_RECOVERY = frozenset({"restart_budget_spent", "control_loop_stalled"})
 """/healthz reasons after which the daemon no longer recovers by itself (``lifecycle.guard`` gives
-up restarting the engine): only a new process helps, so /livez fails on them."""
+up restarting the engine; the control loop no longer ticks, whose every wait on the engine has a
+deadline, so only a fault of the process itself stalls it): only a new process helps, so /livez
+fails on them, as systemd's watchdog does on a stalled loop."""
 
 
 async def livez(request: web.Request) -> web.Response:

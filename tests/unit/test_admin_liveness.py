@@ -74,6 +74,17 @@ async def test_livez_needs_no_token(client: TestClient[Any, Any]) -> None:
     assert (await client.get("/state")).status == 401
 
 
+async def test_livez_is_503_when_the_control_loop_stalled(
+    client: TestClient[Any, Any], health: Health
+) -> None:
+    """A loop that no longer ticks serves on with its knobs and memory guard frozen: a new process
+    helps, as systemd's watchdog decides on the same signal."""
+    health.now = (False, "control_loop_stalled")
+    response = await client.get("/livez")
+    assert response.status == 503
+    assert await response.json() == {"ok": False, "reason": "control_loop_stalled"}
+
+
 async def test_the_guard_gives_up_with_a_reason_livez_fails_on() -> None:
     """The reason string is the contract between the guard and /livez: the guard's own give-up reason,
     after max_restarts_per_hour crashes, is one /livez treats as beyond recovery."""
