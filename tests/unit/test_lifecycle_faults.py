@@ -22,7 +22,7 @@ from controller.lifecycle import tasks as tasks_module
 from controller.lifecycle.guard import Guard, read_oom_kills
 from controller.lifecycle.parts import Parts
 from controller.lifecycle.tasks import BackgroundTasks
-from tests.helpers import settle, write_config
+from tests.helpers import settle, until, write_config
 
 KV = 64 << 20
 
@@ -475,19 +475,13 @@ async def test_a_pause_left_by_a_late_death_notice_ends_when_no_restart_runs() -
     """A death noticed after the engine was replaced (a slow stream's) paused the gate; the guard's
     watch finds the engine alive and no restart running, and resumes it."""
     engine = FakeEngine()
-    guard = guard_with(engine, check_interval_s=0.05)
-    guard.notice_dead()
+    guard = guard_with(engine)
+    guard.notice_dead()  # also wakes the watch at once
     assert guard.gate.paused
     watcher = asyncio.create_task(guard.watch())
-    await until_true(lambda: not guard.gate.paused)
+    await until(lambda: not guard.gate.paused)
     watcher.cancel()
     assert engine.restarts == []  # the engine in force was not restarted for it
-
-
-async def until_true(predicate: Any, timeout_s: float = 2.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not predicate():
-            await asyncio.sleep(0.01)
 
 
 async def test_a_spent_restart_budget_ends_the_daemons_run_with_a_non_zero_status(tmp_path: Path) -> None:
@@ -496,7 +490,7 @@ async def test_a_spent_restart_budget_ends_the_daemons_run_with_a_non_zero_statu
     d = Daemon(load_config(write_config(tmp_path / "config.toml", guard={"max_restarts_per_hour": 0})))
     engine = FakeEngine()
     d.parts.guard.engine = engine
-    d._server_task = asyncio.create_task(asyncio.sleep(3600))  # the data plane serving
+    d._server_task = asyncio.create_task(asyncio.Event().wait())  # the data plane serving
     run = asyncio.create_task(d.run())
     engine.dead = True
     await d.parts.guard.recover()
