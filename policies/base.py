@@ -88,6 +88,14 @@ class Observation:
     """Of ``missed_total``, TTFT misses whose time went mostly to the gate's queue, not the engine."""
     refused_total: int = 0
     """Requests refused with a 429 since the start (the same ledger): each one a request lost."""
+    answer_tokens: float | None = None
+    """Output tokens of a short answer among those served lately (their first quartile,
+    ``control/outcomes.OutcomeLedger.answer_tokens``): what one prefill chunk's step is shared over in
+    vLLM's TPOT, a request's mean time per output token. None before enough were served."""
+    asked_prefill_per_decode: float | None = None
+    """Prompt tokens per output token the requests started lately asked for (``max_tokens``): the
+    load's prefill mix before the engine's steps measure it, every prompt token counted (an upper
+    bound: the prefix cache's hits are not known here). None before any request said both."""
     cost: CostEstimate | None = None
     """The online step-cost model's fit (``controller/control/stepcost.py``); None where none runs.
     A policy steering by it holds its knobs while ``cost.ready`` is False and says ``cost.reason``."""

@@ -195,13 +195,15 @@ class SloPolicy(Policy):
         budget_tau = self.budget_margin * self.slo.tightest.tpot_s
         budget, budget_why = self._budget(obs, cost, budget_tau, k, cap, reserve)
         margin_why = self._learn_margin(obs)
-        runs, runs_why = self._concurrency(cost, k, cap)
-        if runs < cap and self._ever_bound is False:
+        runs, runs_why = self._concurrency(cost, k, cap, obs.asked_prefill_per_decode)
+        # with no prefill mix known (a start) one runs: the margin bounds nothing yet
+        binds = runs < cap and (cost.prefill_per_decode or obs.asked_prefill_per_decode) is not None
+        if binds and self._ever_bound is False:
             # the margin binds for the first time: those admitted before ran under the cap alone (at
             # a start, before the load's prefill mix is measured), so they do not judge the margin
             self._settle_until = obs.served_total + obs.in_flight
-        self._ever_bound = bool(self._ever_bound) or runs < cap
-        self._margin_bound = self._margin_bound or runs < cap
+        self._ever_bound = bool(self._ever_bound) or binds
+        self._margin_bound = self._margin_bound or binds
         limit, limit_why = self._limit(obs, runs)
         self._terms = {"tau_s": tau, "kv_tokens_per_seq": k, "cap": cap, "budget": budget, "limit": limit}
         self._terms["mean_margin"] = self.margin_live
@@ -312,35 +314,66 @@ class SloPolicy(Policy):
             return self.min_prefill_tokens
         return max(1, min(self.min_prefill_tokens, math.floor(0.5 * (tau - cost.a_s) / b)))
 
-    def _concurrency(self, cost: CostEstimate, k: float, cap: int) -> tuple[int, str]:
+    def _concurrency(
+        self, cost: CostEstimate, k: float, cap: int, asked_mix: float | None = None
+    ) -> tuple[int, str]:
         """What the engine runs within the SLO: the cap, or fewer where the mean step (its decodes
-        and their share of the load's prefill) would pass ``mean_margin`` of the TPOT bound."""
-        r = cost.prefill_per_decode
+        and their share of the load's prefill) would pass ``mean_margin`` of the TPOT bound. Until
+        the steps measure the load's prefill mix, ``asked_mix`` stands in (what the requests ask,
+        every prompt token counted: the careful side; at a start the cap alone let a first burst in
+        that then missed its TTFT)."""
+        r, asked = cost.prefill_per_decode, ""
+        if r is None and asked_mix is not None:  # before the steps measure it: what requests ask
+            r, asked = asked_mix, " asked"
         assert self.slo is not None
         bound = self.margin_live * self.slo.tightest.tpot_s
         decode = cost.c_s_per_decode_seq + cost.d_s_per_kv_token * k
         per_seq = decode + cost.b_s_per_prefill_token * (r or 0.0)
-        if r is None or per_seq <= 0:
-            return cap, f"runs {cap}: the cap (no prefill mix measured yet)"
+        if r is None:  # no request has asked yet (a start): one runs until the first ones say
+            return 1, "runs 1: no prefill mix asked or measured yet"
+        if per_seq <= 0:
+            return cap, f"runs {cap}: the cap (no per-sequence cost measured)"
         n = max(1, math.floor((bound - cost.a_s) / per_seq))
         if n >= cap:
             return cap, f"runs {cap}: the cap"
         mean = _ms(cost.a_s + per_seq * n)
-        return n, f"runs {n}: mean step {mean} at {r:.1f} prefill/decode <= {_ms(bound)}"
+        return n, f"runs {n}: mean step {mean} at {r:.1f} prefill/decode{asked} <= {_ms(bound)}"
 
     def _budget(
         self, obs: Observation, cost: CostEstimate, tau: float, k: float, cap: int, reserve: int
     ) -> tuple[int, str]:
-        """The largest budget whose step, with the decoding batch it joins, is within ``tau``; at
-        least the batch (or the cap) plus the cap's prefill ``reserve``."""
+        """The largest budget whose prefill chunks, shared over the tokens of a short answer, keep
+        that answer's mean time per output token within ``tau``; at least the batch (or the cap)
+        plus the cap's prefill ``reserve``.
+
+        vLLM's TPOT (the one ``--goodput`` judges) is a request's mean, ``(e2e - TTFT) / (tokens -
+        1)``: a step that carries a chunk of ``C`` prefill tokens is paid once and shared over the
+        answer. Over an answer of ``L`` tokens (``obs.answer_tokens``: a short one) about one request
+        joins per running one, ``J = min(D, L - 1)`` chunks, so each may take ``(tau - decode step) *
+        (L - 1) / J``: ``D`` times the per-step chunk where answers are long and the batch small (a CPU,
+        where a per-step budget of 30 tokens prefilled a 500-token prompt over 17 steps and its TTFT
+        missed), the per-step bound where every step of the answer carries one. Before answers are
+        known ``L`` is 2: the per-step bound. How much prefill the engine runs over a request's life,
+        its mean step, is the concurrency's to bound (``_concurrency``)."""
         d = obs.running
         decode_s = cost.a_s + (cost.c_s_per_decode_seq + cost.d_s_per_kv_token * k) * d
         b = cost.b_s_per_prefill_token
-        chunk = obs.max_num_batched_tokens if b <= 0 else math.floor((tau - decode_s) / b)
+        answer = max(2.0, obs.answer_tokens or 2.0)
+        # in steady state one request joins per running one over an answer: its steps carry that
+        # many chunks, at most one each
+        joins = max(1, min(d, math.floor(answer - 1)))
+        slack = (tau - decode_s) * (answer - 1)  # what the chunks of an answer's life may add to it
+        chunk = obs.max_num_batched_tokens if b <= 0 else math.floor(slack / (b * joins))
         floor = max(d, min(cap, self.max_num_seqs)) + reserve
-        budget = max(floor, d + chunk)
-        predicted = decode_s + b * (budget - d)
-        return budget, f"budget {budget}: step {_ms(predicted)} at {d} decodes, bound {_ms(tau)}"
+        budget = min(max(floor, d + chunk), max(floor, obs.max_num_batched_tokens))
+        step = decode_s + b * (budget - d)
+        if answer <= 2:
+            return budget, f"budget {budget}: step {_ms(step)} at {d} decodes, bound {_ms(tau)}"
+        mean = (joins * step + (answer - 1 - joins) * decode_s) / (answer - 1)
+        return budget, (
+            f"budget {budget}: step {_ms(step)} at {d} decodes, {joins} in a {answer:.0f}-token "
+            f"answer, mean {_ms(mean)}, bound {_ms(tau)}"
+        )
 
     def _limit(self, obs: Observation, runs: int, cut: bool = True) -> tuple[int, str]:
         """Just above what the engine runs: the queue forms in the gate. ``cut``: requests waiting

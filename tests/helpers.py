@@ -27,6 +27,7 @@ import aiohttp
 import psutil
 
 from controller.admission.queues import GateStats
+from controller.admission.ttft import TtftCheck
 from controller.bench.servers import serving, to_toml
 from controller.load.client import pooled_connector, post
 from policies.base import Observation, Policy
@@ -330,6 +331,7 @@ class GateTotals:
 
     def __init__(self, admitted: int = 0, rejected: int = 0, queued: int = 0) -> None:
         self.admitted, self.rejected, self.queued = admitted, rejected, queued
+        self.ttft_check = TtftCheck()  # no TTFT measured: the gauges show no class
 
     def arrive(self, n: int, refused: int = 0) -> None:
         self.admitted += n - refused

@@ -14,6 +14,7 @@ from typing import Protocol
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from controller.admission.ttft import TtftCheck
 from controller.control.capacity import Capacity
 from controller.control.loop import Change
 from controller.control.observe import EngineKnobs, GateReadings
@@ -87,16 +88,22 @@ class LivePolicy(Protocol):
     def policy(self) -> Policy: ...
 
 
+class GateGauges(GateReadings, Protocol):
+    """What the gauges read from the gate: an observation's readings and the TTFT check."""
+
+    ttft_check: TtftCheck
+
+
 class LiveGauges:
     """A Collector: the gauges, read from the gate, the engine host and the policy at each scrape.
     Until ``read_from`` the families have no samples (their names are still exposed)."""
 
     def __init__(self) -> None:
-        self._parts: tuple[GateReadings, LiveEngine, LivePolicy] | None = None
+        self._parts: tuple[GateGauges, LiveEngine, LivePolicy] | None = None
         self._cost: LiveCost | None = None
         self._capacity: LiveCapacity | None = None
 
-    def read_from(self, gate: GateReadings, engine: LiveEngine, policy: LivePolicy) -> None:
+    def read_from(self, gate: GateGauges, engine: LiveEngine, policy: LivePolicy) -> None:
         self._parts = (gate, engine, policy)
 
     def read_cost(self, cost: LiveCost) -> None:
@@ -127,6 +134,7 @@ class LiveGauges:
         yield from (GaugeMetricFamily(name, doc) for name, doc in GAUGES.items())
         yield from (GaugeMetricFamily(old, _renamed_doc(new)) for old, new in RENAMED_GAUGES.items())
         yield GaugeMetricFamily("autopilot_queue_depth", QUEUE_DEPTH, labels=["priority_class"])
+        yield from _ttft_check_families({})
         yield GaugeMetricFamily("autopilot_policy_term", POLICY_TERM, labels=["policy", "term"])
         yield GaugeMetricFamily("autopilot_cost_model_coefficient", COST_TERM, labels=["term"])
         yield from (GaugeMetricFamily(name, doc) for name, doc in COST_GAUGES.items())
@@ -155,6 +163,7 @@ class LiveGauges:
         for cls, n in gate.queued_by_class().items():  # a class removed by a reload disappears
             depth.add_metric([cls], n)
         yield depth
+        yield from _ttft_check_families(gate.ttft_check.state())
         policy = holder.policy
         terms = GaugeMetricFamily("autopilot_policy_term", POLICY_TERM, labels=["policy", "term"])
         for term, term_value in policy.terms().items():
@@ -162,6 +171,33 @@ class LiveGauges:
         yield terms
         yield from self._cost_families()
         yield from self._capacity_families()
+
+
+TTFT_CHECK = {
+    "autopilot_ttft_predicted_seconds": (
+        "predicted_p50_s",
+        "Median TTFT the gate predicted for the last admitted requests of a class (ttft.TtftCheck).",
+    ),
+    "autopilot_ttft_measured_seconds": (
+        "measured_p50_s",
+        "Median TTFT the same requests measured, from their arrival at the server to their first token.",
+    ),
+    "autopilot_ttft_correction_seconds": (
+        "correction_s",
+        "What the gate adds to a class's predicted TTFT: the p90 of measured minus predicted.",
+    ),
+}
+
+
+def _ttft_check_families(state: dict[str, dict[str, float | int | None]]) -> Iterator[Metric]:
+    """Predicted against measured TTFT per class (``/state``'s ``gate.ttft_check``)."""
+    for name, (key, doc) in TTFT_CHECK.items():
+        family = GaugeMetricFamily(name, doc, labels=["priority_class"])
+        for cls, figures in state.items():
+            value = figures.get(key)
+            if value is not None:
+                family.add_metric([cls], float(value))
+        yield family
 
 
 class Metrics:

@@ -137,6 +137,7 @@ def state(d: StatusParts) -> dict[str, Any]:
             "completion_rate_per_s": d.gate.completion_rate(),
             "service_rate_per_s": d.gate.service_rate(),
             "after_slot_s": d.gate.after_slot.seconds(),
+            "ttft_check": d.gate.ttft_check.state(),
         },
         "engine_stats": dataclasses.asdict(d.window.snapshot()),
         "decisions": d.loop.recent(),

@@ -3,6 +3,10 @@ the gate, its shedding and deadlines, and by the guard and liveness watch when n
 
 from __future__ import annotations
 
+OWN_BOUND = "own_ttft_bound"
+"""The reason of a refusal that only the request's own TTFT bound (a gateway's header) made: a 429
+for that request, which the outcome ledger does not set against the loop's margins."""
+
 
 class GateRejected(Exception):
     """The request is refused before it starts (HTTP 429 or 503); ``reason`` is the metric label."""

@@ -31,12 +31,12 @@ from contextlib import asynccontextmanager
 
 from controller.admission.classes import DEFAULT_CLASSES, CompletionRate, GateEvents, NoEvents, PriorityClass
 from controller.admission.deadlines import Deadlines
-from controller.admission.errors import GateRejected, shutting_down
+from controller.admission.errors import OWN_BOUND, GateRejected, shutting_down
 from controller.admission.order import capped, next_queue
 from controller.admission.queues import ClassQueue, GateStats, Slot, Waiter
 from controller.admission.retries import RefusedIds
 from controller.admission.shedding import shed_order
-from controller.admission.ttft import NO_BOUNDS, AfterSlot, TtftBounds
+from controller.admission.ttft import NO_BOUNDS, AfterSlot, TtftBounds, TtftCheck
 from controller.clock import Clock, monotonic
 
 __all__ = ["AdmissionGate", "GateRejected", "GateStats", "Slot"]
@@ -78,6 +78,7 @@ class AdmissionGate:
         self._seq = itertools.count()
         self._rate = CompletionRate(clock)
         self.after_slot = AfterSlot(clock, lambda: self.ttft)  # the client tells it each first token
+        self.ttft_check = TtftCheck()  # and each admitted request's measured TTFT against its prediction
         self._deadlines = Deadlines(clock, self._expire, max_restart_wait_s, self.after_slot.queue_deadline_s)
         self.admitted_total = self.rejected_total = self.completed_total = self.timed_out_total = 0
         self.arrivals_total = self.retries_total = 0
@@ -176,7 +177,7 @@ class AdmissionGate:
         ttft_done: bool = False,
         ttft_bound_s: float | None = None,
         early: bool = False,
-    ) -> None:
+    ) -> float | None:
         """Refuse now (raise ``GateRejected``) or count the request as pending in its class: ``n``
         is what it will generate (prompts x sequences each), ``calls`` the pending places it holds
         until ``acquire`` takes them (the engine client: one per sequence of its call);
@@ -190,7 +191,11 @@ class AdmissionGate:
         to be refused, but shed no waiter for room, since the check with the prompt's length may still
         refuse the request; that check sheds. Nor does it count the arrival: the first call's check
         does, or ``refused(arrival=True)`` where this one refuses, so that a request vLLM refuses
-        after its preflight (a prompt past ``max_model_len``) is no demand."""
+        after its preflight (a prompt past ``max_model_len``) is no demand.
+
+        Returns its predicted TTFT, counted from ``arrived_mono``, where a TTFT bound holds it (None
+        otherwise): the engine client tells ``ttft_check`` what it measured against it, and the
+        expected-wait check adds the class's correction (``ttft.TtftCheck``)."""
         q = self._queue_of(priority)
         self._check_fits(q, n)
         self.arrivals_total += not later_call and not early
@@ -199,11 +204,29 @@ class AdmissionGate:
             raise self._refuse_new.fresh()
         self._expire_pending()
         position, own = self._position(q, n, priority, prompt_tokens)
+        bounded = ttft_bound_s is not None
+        own_s = None if ttft_done else self.after_slot.own_s(prompt_tokens, arrived_mono, bounded)
+        bound = self.ttft.bound_s(q.spec.name, ttft_bound_s)
+        correction = 0.0 if bound is None else self.ttft_check.correction_s(q.spec.name, bound)
         if position > 0:
-            bounded = ttft_bound_s is not None
-            prefill_s = None if ttft_done else self.after_slot.own_s(prompt_tokens, arrived_mono, bounded)
-            self._check_wait(q, position, own, n, prefill_s, ttft_bound_s, early)
+            self._check_wait(q, position, own, n, own_s, ttft_bound_s, early, correction)
+        elif ttft_bound_s is not None and own_s is not None:
+            self._check_own_bound(q, n, ttft_bound_s, own_s)
         q.pending.extend([self._clock()] * calls)
+        if bound is None or own_s is None or later_call:
+            return None
+        rate = self.service_rate()
+        return own_s + (position / rate if position > 0 and rate else 0.0)
+
+    def _check_own_bound(self, q: ClassQueue, n: int, asked_s: float, own_s: float) -> None:
+        """A request that names its own TTFT bound ``asked_s`` and finds a free slot is refused
+        where what it needs besides a wait (``own_s``: its prefill, the after-slot lag, the time
+        since it arrived) passes the bound it is held to: served, it would miss it for certain,
+        and the engine's time goes to no good request."""
+        bound = self.ttft.bound_s(q.spec.name, asked_s)
+        if bound is not None and own_s > bound and bound < (self.ttft.bound_s(q.spec.name) or math.inf):
+            why = f"its first token needs {own_s:.2f}s, past its own TTFT bound of {bound:g}s"
+            self._refuse(q, n, OWN_BOUND, 0, why)
 
     def take_retry(self, request_id: str | None) -> bool:
         """A request with the client's id ``request_id`` (``X-Request-Id``) arrives: True when it
@@ -273,6 +296,7 @@ class AdmissionGate:
         prefill_s: float | None,
         asked_s: float | None,
         early: bool = False,
+        correction_s: float = 0.0,
     ) -> None:
         """``position`` requests (this one included) would wait ahead of a slot for it, ``own`` of
         them of its class; ``prefill_s`` what it needs after the wait (``AfterSlot.own_s``; None:
@@ -285,14 +309,23 @@ class AdmissionGate:
             why = f"{own - n} {spec.name} requests already wait (queue limit {spec.max_queue})"
             self._refuse(q, n, "queue_full", own - spec.max_queue, why)
         rate = self.service_rate()  # under SLO steering the deadline is a share of the TTFT bound
-        if rate is not None and prefill_s is not None and position / rate + prefill_s > deadline:
+        late = (
+            rate is not None
+            and prefill_s is not None
+            and position / rate + prefill_s + correction_s > deadline
+        )
+        if late and rate is not None and prefill_s is not None:
             wait = f"{position / rate:.1f}s" + (
                 f" + {prefill_s:.2f}s to its first token" if prefill_s else ""
             )
+            if correction_s:  # what the class's admitted requests measured beyond their prediction
+                wait += f" {'+' if correction_s > 0 else '-'} {abs(correction_s):.2f}s measured beyond"
             why = f"expected wait {wait} exceeds the {spec.name} queue deadline of {deadline:g}s"
-            if asked_s is not None and deadline < spec.queue_deadline_s:
+            reason = "expected_wait"
+            if asked_s is not None and deadline < self.ttft.queue_deadline_s(spec):
                 why += f" (its own TTFT bound of {asked_s:g}s)"
-            self._refuse(q, n, "expected_wait", position - rate * deadline, why)
+                reason = OWN_BOUND
+            self._refuse(q, n, reason, position - rate * deadline, why)
         waiting = sum(o.queued + len(o.pending) for o in self._order)
         free_any = max(0, self._limit - self._in_flight_total)
         excess = waiting + n - free_any - self.max_queue

@@ -39,6 +39,10 @@ class OutcomeTotals(Protocol):
     queued_missed_total: int
     refused_total: int
 
+    def answer_tokens(self) -> float | None: ...
+
+    def asked_prefill_per_decode(self) -> float | None: ...
+
 
 class StatsWindow(Protocol):
     def snapshot(self) -> EngineStats: ...
@@ -121,6 +125,8 @@ def build_observation(
         missed_total=outcomes.missed_total if outcomes else 0,
         queued_missed_total=outcomes.queued_missed_total if outcomes else 0,
         refused_total=outcomes.refused_total if outcomes else 0,
+        answer_tokens=outcomes.answer_tokens() if outcomes else None,
+        asked_prefill_per_decode=outcomes.asked_prefill_per_decode() if outcomes else None,
     )
 
 

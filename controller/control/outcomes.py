@@ -15,7 +15,8 @@ miss. Without ``[slo]`` its own TTFT bound is its only bound (no TPOT bound), an
 one is good (there is no bound to miss). A header's TPOT objective is not judged: nothing in the
 daemon steers one request's pace (the batch cap and token budget serve every class's bound at once),
 and a miss the daemon could not avoid would cut the slo policy's margin (``missed_total``), the
-limit of every request, for one request's objective.
+limit of every request, for one request's objective. Its own TTFT decides its outcome but not
+``missed_total``, which counts by the class's bounds alone, for the same reason.
 
 The TTFT a request is judged by is the client's: its time before the engine (from its arrival at the
 server to its slot: the front end and the gate's queue wait, which the governed client knows and
@@ -39,12 +40,21 @@ from dataclasses import dataclass
 from typing import Any
 
 from controller.admission.classes import GateEvents, NoEvents
+from controller.admission.errors import OWN_BOUND
+from controller.admission.ttft import MIN_OWN_TTFT_S
 from controller.clock import Clock, monotonic
+from controller.percentile import percentile
 from policies.slo_targets import SloBound, SloTargets
 
 OUTCOMES = ("good", "ttft_missed", "tpot_missed", "refused", "failed")
 FAILED_REFUSALS = frozenset({"shutting_down", "engine_unavailable", "restart_wait"})
 """The gate's refusal reasons that answer 503 (the server could not serve); the others are 429s."""
+ANSWER_SAMPLES = 256
+"""Served requests whose output lengths ``answer_tokens`` reads: the last few minutes of a busy
+engine, so a change of load shows within them."""
+ANSWER_QUANTILE = 25.0
+"""The output length ``answer_tokens`` reports: a short answer shares a prefill chunk's step over
+fewer tokens, so the budget is sized for the shorter answers, not the mean."""
 MAX_STARTED = 65_536
 """Requests remembered between ``started`` and their end; past it the oldest are forgotten (a request
 vLLM never reports finished must not grow the ledger without bound)."""
@@ -61,6 +71,7 @@ def judged_bound(cls_bound: SloBound | None, own_ttft_s: float | None) -> SloBou
     alone, with no TPOT bound, where its class has none."""
     if own_ttft_s is None:
         return cls_bound
+    own_ttft_s = max(own_ttft_s, MIN_OWN_TTFT_S)  # as the gate held it (``TtftBounds.bound_s``)
     if cls_bound is None:
         return SloBound(own_ttft_s, math.inf)
     return SloBound(min(cls_bound.ttft_s, own_ttft_s), cls_bound.tpot_s)
@@ -103,11 +114,19 @@ class OutcomeLedger:
         self.served_total = 0
         """Requests served to the end (good or a bound missed; not failed) since the ledger started."""
         self.missed_total = 0
-        """Of ``served_total``, those that missed their TTFT or TPOT bound (``judged_bound``): what
-        the slo policy's ``mean_margin`` is steered by (the share of admitted requests that miss)."""
+        """Of ``served_total``, those that missed their class's TTFT or TPOT bound: what the slo
+        policy's ``mean_margin`` is steered by (the share of admitted requests that miss). A request's
+        own tighter TTFT (``judged_bound``) decides its outcome, not this count: one client's header
+        must not steer every client's margin."""
         self.queued_missed_total = 0
         """Of ``missed_total``, TTFT misses that spent most of their TTFT before the engine (in the
         gate's queue): a shortfall of capacity, as a refusal is, not of the engine's pace."""
+        self._answers: deque[int] = deque(maxlen=ANSWER_SAMPLES)
+        """Output tokens of the last requests served (``answer_tokens``)."""
+        self._asked: deque[int] = deque(maxlen=ANSWER_SAMPLES)
+        """``max_tokens`` of the last requests started: the answer lengths until enough are served."""
+        self._asked_mix: deque[tuple[int, int]] = deque(maxlen=ANSWER_SAMPLES)
+        """(prompt tokens, ``max_tokens``) of the last requests started that said both."""
         self.refused_total = 0
         """Requests refused with a 429 (a full queue, an expected wait past the bound, a deadline)
         since the ledger started: set against ``missed_total``, whether a careful margin costs more
@@ -118,11 +137,24 @@ class OutcomeLedger:
         self.slo = slo
 
     def started(
-        self, request_id: str, cls: str, before_engine_s: float, n: int = 1, ttft_s: float | None = None
+        self,
+        request_id: str,
+        cls: str,
+        before_engine_s: float,
+        n: int = 1,
+        ttft_s: float | None = None,
+        max_tokens: int | None = None,
+        prompt_tokens: int | None = None,
     ) -> None:
         """A request of class ``cls`` enters the engine as vLLM's ``request_id``, ``before_engine_s``
-        after it reached the server, with ``n`` sequences and its own TTFT bound ``ttft_s`` (a
-        gateway's header, seconds; None: its class's alone)."""
+        after it reached the server, with ``n`` sequences, its own TTFT bound ``ttft_s`` (a
+        gateway's header, seconds; None: its class's alone) and the ``max_tokens`` it asked for
+        (None: not said), what ``answer_tokens`` reads until enough answers are served, and its
+        ``prompt_tokens`` (None: not known), what ``asked_prefill_per_decode`` reads."""
+        if max_tokens is not None and max_tokens > 0:
+            self._asked.append(max_tokens)
+            if prompt_tokens is not None and prompt_tokens > 0:
+                self._asked_mix.append((prompt_tokens, max_tokens))
         self._started.pop(request_id, None)  # a reused id: the latest attempt is the one that ends
         self._started[request_id] = _Started(cls, max(0.0, before_engine_s), max(1, n), own_ttft_s=ttft_s)
         while len(self._started) > MAX_STARTED:
@@ -139,10 +171,18 @@ class OutcomeLedger:
             entry.first_token_s = max(0.0, engine_ttft_s)
 
     def served(
-        self, request_id: str, engine_ttft_s: float, tpot_s: float | None, error: bool = False
+        self,
+        request_id: str,
+        engine_ttft_s: float,
+        tpot_s: float | None,
+        error: bool = False,
+        output_tokens: int | None = None,
     ) -> str | None:
         """vLLM reported ``request_id`` finished: its outcome, counted; None when not ``started``.
-        ``engine_ttft_s`` counts where the engine client saw no first token (``first_token``)."""
+        ``engine_ttft_s`` counts where the engine client saw no first token (``first_token``);
+        ``output_tokens`` (where told) joins the answer lengths ``answer_tokens`` reads."""
+        if output_tokens is not None and output_tokens > 0 and not error:
+            self._answers.append(output_tokens)
         entry = self._started.get(request_id)
         if entry is None:
             self.unmatched += 1
@@ -157,17 +197,41 @@ class OutcomeLedger:
             bound = judged_bound(cls_bound, entry.own_ttft_s)
             if entry.first_token_s is not None:
                 engine_ttft_s = entry.first_token_s
-            outcome = served_outcome(entry.before_engine_s + engine_ttft_s, tpot_s, bound)
+            ttft_s = entry.before_engine_s + engine_ttft_s
+            outcome = served_outcome(ttft_s, tpot_s, bound)
+            # the loop's margins are every client's: a request is judged for them by its class's
+            # bounds alone, so a client's own tighter TTFT (a header: 1 ms) misses for that request,
+            # never cutting the margin, the limit of all the others (the third review's finding 4)
+            steering = outcome if entry.own_ttft_s is None else served_outcome(ttft_s, tpot_s, cls_bound)
             self.served_total += 1
-            self.missed_total += outcome != "good"
-            self.queued_missed_total += outcome == "ttft_missed" and entry.before_engine_s > engine_ttft_s
+            self.missed_total += steering != "good"
+            self.queued_missed_total += steering == "ttft_missed" and entry.before_engine_s > engine_ttft_s
         self.ended(entry.cls, outcome)
         return outcome
 
-    def ended(self, cls: str, outcome: str) -> None:
-        """Count one request of ``cls`` that ended with ``outcome`` (one of ``OUTCOMES``)."""
+    def answer_tokens(self, min_samples: int = 10) -> float | None:
+        """The ``ANSWER_QUANTILE`` of the output tokens of the last ``ANSWER_SAMPLES`` requests
+        served: what the slo policy shares a prefill chunk's step over (vLLM's TPOT is a request's
+        mean over its answer). Until ``min_samples`` are served, that of the ``max_tokens`` the
+        requests started lately asked for (an answer is at most that long: at a start, a budget sized
+        for a one-token answer would prefill each prompt over many steps, and the first requests
+        would miss their TTFT); None before either."""
+        lengths = self._answers if len(self._answers) >= min_samples else self._asked
+        return percentile(list(lengths), ANSWER_QUANTILE, "nearest_rank") if lengths else None
+
+    def asked_prefill_per_decode(self) -> float | None:
+        """Prompt tokens per output token the last requests started asked for (their sums): the
+        load's prefill mix as an upper bound, every prompt token counted as prefilled (the prefix
+        cache's hits are known only from the engine's steps). None before any said both."""
+        if not self._asked_mix:
+            return None
+        return sum(p for p, _ in self._asked_mix) / sum(m for _, m in self._asked_mix)
+
+    def ended(self, cls: str, outcome: str, steers: bool = True) -> None:
+        """Count one request of ``cls`` that ended with ``outcome`` (one of ``OUTCOMES``); a refusal
+        counts in ``refused_total`` where it ``steers`` (not one by the request's own bound)."""
         self._count(cls, outcome)
-        self.refused_total += outcome == "refused"
+        self.refused_total += outcome == "refused" and steers
         now = self._clock()
         self._ended.append((now, cls, outcome))
         self._trim(now)
@@ -210,7 +274,9 @@ class GateOutcomes:
         self.then.admitted(cls, wait_s)
 
     def rejected(self, cls: str, reason: str) -> None:
-        self.ledger.ended(cls, refusal_outcome(reason))
+        # a refusal by the request's own header bound steers nothing: a client cannot push every
+        # other client's margin up by asking the impossible either
+        self.ledger.ended(cls, refusal_outcome(reason), steers=reason != OWN_BOUND)
         self.then.rejected(cls, reason)
 
     def timed_out(self, cls: str, wait_s: float) -> None:

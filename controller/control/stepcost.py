@@ -27,7 +27,7 @@ The numerics, and why:
   that goes negative is projected onto the non-negative coefficients nearest in the covariance's
   metric (fixing a term at 0 and conditioning the others on it).
 
-``ready`` needs ``min_samples`` steps taken in (one, with a seed: a profile fitted on this hardware is
+``ready`` needs ``min_samples`` steps taken in (none, with a seed: a profile fitted on this hardware is
 trusted from the start, and a slow engine, 5 steps a second on a CPU, would hold every knob for ten
 seconds otherwise) and the last within ``max_age_s``: a policy holds its knobs otherwise, and says the
 estimate's ``reason``.
@@ -53,6 +53,14 @@ coefficients times these, seconds each term adds to such a step."""
 NO_PRIOR_VAR = 100.0
 """Covariance without a seed: a term may add up to about ten seconds to a typical step (knows nothing:
 a 1024-token prefill of a 135M model takes 8 s on a 2-core CPU, 0.1 s for an 8B model on an H200)."""
+
+
+MIX_STEPS = 20
+"""Steps (a sum with the forgetting factor) before the prefill mix is read. The first steps of a load
+are its prompts alone, so an early mix over-counts prefill: the slo policy then runs fewer requests
+for a few seconds, the careful side. Until it is read the policy runs the whole cap, the bold side:
+at a tenth of the fit's memory (100 steps, 7 s on a CPU) the twin's shared-prefix start admitted
+twelve requests that then missed their TTFT."""
 
 
 @dataclass(frozen=True)
@@ -264,8 +272,10 @@ class StepCostModel:
     # -- reading ----------------------------------------------------------------------------------
     @property
     def min_samples(self) -> int:
-        """Steps taken in before the fit is trusted: ``min_samples``, one with a seed."""
-        return 1 if self.prior is not None else self.settings.min_samples
+        """Steps taken in before the fit is trusted: ``min_samples``, none with a seed (a fit of this
+        box's own warm-up steps, or a profile of it: the policy sizes the knobs before the first
+        request, not after a first burst went in at the initial limit)."""
+        return 0 if self.prior is not None else self.settings.min_samples
 
     @property
     def coefficients(self) -> tuple[float, float, float, float]:
@@ -304,10 +314,10 @@ class StepCostModel:
         )
 
     def _prefill_per_decode(self) -> float | None:
-        """Prefill tokens per decoded token over the fit's memory; None until it holds a tenth of its
-        memory in steps (the first steps of a load are its prompts alone) or any decode."""
+        """Prefill tokens per decoded token over the fit's memory; None until it holds ``MIX_STEPS``
+        steps or any decode."""
         p, d, n = self._mix
-        return p / d if self._holds_a_tenth(n) and d > 0 else None
+        return p / d if n >= MIX_STEPS and d > 0 else None
 
     def _pace_ratio(self) -> float | None:
         """Wall clock per decoding step over the fit's prediction of it; None until a tenth of the

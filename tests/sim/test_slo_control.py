@@ -41,9 +41,11 @@ def reversals_per_minute(changes: Sequence[Change], knob: str, t_from: float, t_
 
 def test_at_a_steady_load_each_knob_reverses_at_most_twice_a_minute() -> None:
     for rate in (10.0, 30.0):  # light, and past what the engine serves within the TPOT bound
-        result = run(uniform(rate, 240.0))
+        result = run(uniform(rate, 245.0))
         for knob in KNOBS:
-            per_minute = reversals_per_minute(result.changes, knob, 0.0, 240.0)
+            # from 5 s: the start runs one request until the first ones say what they ask, then
+            # opens (a slow start, ``SloPolicy._concurrency``), a reversal that is no oscillation
+            per_minute = reversals_per_minute(result.changes, knob, 5.0, 245.0)
             moves = sum(1 for c in result.changes if c.knob == knob and c.t_mono >= 60.0)
             print(f"slo at {rate:g}/s {knob}: reversals per minute {per_minute}, moves after 60 s {moves}")
             assert max(per_minute) <= 2

@@ -118,7 +118,8 @@ def test_the_ledger_counts_a_miss_of_the_requests_own_ttft_bound() -> None:
     assert ledger.served("c", engine_ttft_s=1.2, tpot_s=0.04) == "ttft_missed"  # 1.3 s: the class's 1 s holds
     assert ledger.served("d", engine_ttft_s=0.3, tpot_s=0.06) == "tpot_missed"  # the class's TPOT still holds
     assert counted == [("interactive", o) for o in ("ttft_missed", "good", "ttft_missed", "tpot_missed")]
-    assert (ledger.served_total, ledger.missed_total, ledger.queued_missed_total) == (4, 3, 0)
+    # "a" missed its own bound only: its outcome, not the loop's count (``test_own_bounds_steer_...``)
+    assert (ledger.served_total, ledger.missed_total, ledger.queued_missed_total) == (4, 2, 0)
     ledger.configure(None)  # without [slo], a request's own TTFT bound is its only one
     ledger.started("e", "batch", before_engine_s=0.0, ttft_s=0.2)
     ledger.started("f", "batch", before_engine_s=0.0, ttft_s=0.2)
@@ -261,3 +262,48 @@ def test_the_daemons_gate_counts_its_refusals_in_the_ledger_and_the_metrics(tmp_
         parts.gate.check_admission(0)
     assert parts.metrics.outcomes.state()["by_class"]["interactive"]["failed"] == 1
     assert _outcome(parts.registry, "interactive", "failed") == 1
+
+
+def test_own_bounds_steer_no_margin_misses_and_refusals_by_them_count_for_that_request_only() -> None:
+    """The third review's finding 4: one client's ``x-autopilot-ttft-ms: 1`` judged its requests
+    misses in ``missed_total``, and the slo policy cut every client's margin for them."""
+    ledger, counted = _ledger(FakeClock())
+    for i in range(10):
+        ledger.started(f"h{i}", "interactive", before_engine_s=0.0, ttft_s=0.001)
+        assert ledger.served(f"h{i}", engine_ttft_s=0.3, tpot_s=0.04) == "ttft_missed"  # its own 0.1 s floor
+    ledger.started("late", "interactive", before_engine_s=0.0, ttft_s=0.001)
+    assert ledger.served("late", engine_ttft_s=1.5, tpot_s=0.04) == "ttft_missed"  # the class's 1 s too
+    ledger.started("fast", "interactive", before_engine_s=0.0, ttft_s=0.001)
+    assert ledger.served("fast", engine_ttft_s=0.05, tpot_s=0.04) == "good"  # within the 0.1 s floor
+    assert (ledger.served_total, ledger.missed_total) == (12, 1)
+    events = GateOutcomes(ledger)
+    events.rejected("interactive", "own_ttft_bound")
+    events.rejected("interactive", "expected_wait")
+    assert ledger.refused_total == 1
+    assert counted[-2:] == [("interactive", "refused"), ("interactive", "refused")]
+
+
+def test_the_answer_lengths_are_a_short_answers_served_else_the_max_tokens_asked() -> None:
+    ledger, _ = _ledger(FakeClock())
+    assert ledger.answer_tokens() is None
+    for i, asked in enumerate((100, 200, 300, 400)):
+        ledger.started(f"r{i}", "batch", before_engine_s=0.0, max_tokens=asked)
+    assert ledger.answer_tokens() == 100  # the first quartile of what was asked, nothing served yet
+    for i in range(4):
+        ledger.served(f"r{i}", engine_ttft_s=0.1, tpot_s=0.01, output_tokens=10 * (i + 1))
+    assert ledger.answer_tokens() == 100  # 4 served < 10
+    for i in range(8):
+        ledger.started(f"s{i}", "batch", before_engine_s=0.0, max_tokens=500)
+        ledger.served(f"s{i}", engine_ttft_s=0.1, tpot_s=0.01, output_tokens=50 + i)
+    ledger.served("failed", engine_ttft_s=0.1, tpot_s=None, error=True, output_tokens=1)  # not an answer
+    # served: 10, 20, 30, 40, 50..57: nearest rank of the 25th percentile of 12 is the 3rd
+    assert ledger.answer_tokens() == 30
+
+
+def test_the_asked_mix_counts_every_prompt_token_over_max_tokens() -> None:
+    ledger, _ = _ledger(FakeClock())
+    assert ledger.asked_prefill_per_decode() is None
+    ledger.started("a", "batch", before_engine_s=0.0, max_tokens=50, prompt_tokens=500)
+    ledger.started("b", "batch", before_engine_s=0.0, max_tokens=150, prompt_tokens=100)
+    ledger.started("c", "batch", before_engine_s=0.0, prompt_tokens=9000)  # no max_tokens: not counted
+    assert ledger.asked_prefill_per_decode() == 3.0  # 600 / 200

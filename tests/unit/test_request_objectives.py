@@ -95,7 +95,10 @@ async def test_a_tighter_header_refuses_a_request_its_class_would_queue() -> Non
         gate.check_admission(0, ttft_bound_s=0.35)
     with pytest.raises(GateRejected) as exc:
         gate.check_admission(0, ttft_bound_s=0.35)  # position 4: 0.4 s
-    assert (exc.value.status, exc.value.reason) == (429, "expected_wait")
+    assert (exc.value.status, exc.value.reason) == (
+        429,
+        "own_ttft_bound",
+    )  # its own bound refused it, not its class's
     assert "queue deadline of 0.35s (its own TTFT bound of 0.35s)" in exc.value.message
     gate.check_admission(0)  # the class's own 5 s deadline queues it
     assert gate.stats().pending == 4

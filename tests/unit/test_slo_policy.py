@@ -66,7 +66,12 @@ def test_without_kv_pressure_the_decode_step_sizes_the_cap() -> None:
     d = policy().decide(loaded(kv_usage=0.01, cost=no_mix), 100.0)
     # KV: floor(0.9 * 20 / 0.01) = 1800; decode step: 271, at most max_num_seqs
     assert d.batch_cap == 256
-    assert d.admission_limit == 256 + 26  # no prefill mix measured yet: the engine runs its cap
+    # no prefill mix measured or asked (a start): one runs, two above it, until requests say
+    assert d.admission_limit == 1 + 2 and "runs 1: no prefill mix asked or measured yet" in d.reason
+    asked = policy().decide(loaded(kv_usage=0.01, cost=no_mix, asked_prefill_per_decode=50.0), 100.0)
+    # what requests ask stands in: mean step floor((25 - 5.1) ms / (0.14 + 50 * 0.03) ms) = 12
+    assert asked.admission_limit == 12 + 2
+    assert "runs 12: mean step 25 ms at 50.0 prefill/decode asked <= 25 ms" in asked.reason
     wide = SloPolicy(max_num_seqs=512, initial_limit=50, slo=SLO).decide(
         loaded(kv_usage=0.01, batch_cap=128), 1.0
     )
@@ -307,3 +312,25 @@ def test_the_mean_margin_parameters_are_checked() -> None:
         policy(miss_low=0.05, miss_high=0.01)
     with pytest.raises(PolicyError, match="margin_down"):
         policy(margin_down=1.5)
+
+
+def test_the_budget_shares_a_chunk_over_a_short_answer_as_vllms_mean_tpot_does() -> None:
+    """vLLM's TPOT is a request's mean over its answer: a step carrying a chunk is paid once and
+    shared over the answer's tokens; about one request joins per running one over an answer."""
+    few = loaded(running=2, in_flight=2, answer_tokens=5.0)
+    d = policy().decide(few, 100.0)
+    # tau 45 ms, decodes 5.1 + 2 * 0.14 = 5.38 ms; 2 chunks in a 5-token answer:
+    # floor((45 - 5.38) ms * 4 / (30 us * 2)) = 2641 -> 2 + 2641; the per-step bound gave 1322
+    assert d.token_budget == 2643
+    # mean (2 * (5.38 + 79.23) + 2 * 5.38) / 4 ms = 45 ms
+    assert "budget 2643: step 85 ms at 2 decodes, 2 in a 5-token answer, mean 45 ms, bound 45 ms" in d.reason
+    d = policy().decide(loaded(answer_tokens=11.0), 100.0)
+    # 20 running: each of the answer's 10 steps may carry a chunk, so the per-step bound holds
+    assert d.token_budget == 1256
+    long = policy().decide(loaded(running=2, in_flight=2, answer_tokens=200.0), 100.0)
+    assert long.token_budget == 8192  # past the engine's max_num_batched_tokens: that
+
+
+def test_before_any_answer_is_known_the_budget_holds_the_step_alone_within_the_bound() -> None:
+    assert policy().decide(loaded(answer_tokens=None), 100.0).token_budget == 1256
+    assert policy().decide(loaded(answer_tokens=1.0), 100.0).token_budget == 1256  # one token: no TPOT

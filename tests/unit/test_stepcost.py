@@ -127,7 +127,8 @@ def test_a_seed_is_a_prior_that_data_overrides() -> None:
     wrong = tuple(1.5 * c for c in TRUE)
     model = StepCostModel(prior=CostPrior(wrong, name="cpu-tiny"))
     est = model.estimate(now_mono=0.0)
-    assert est.seed == "cpu-tiny" and est.samples == 0 and not est.ready
+    # a seed is trusted before any step (the knobs are sized before the first request)
+    assert est.seed == "cpu-tiny" and est.samples == 0 and est.ready
     assert est.coefficients() == pytest.approx(dict(zip(est.coefficients(), wrong, strict=True)))
     model.update(make_steps(1))
     assert 0 < max(rel_errors(model)) < 0.5  # one step moves the seed, does not replace it
@@ -261,3 +262,13 @@ def test_the_pace_is_the_wall_clock_of_the_decoding_steps_over_the_fit() -> None
     predicted = sum(w * c.step_s for w, c in zip(weights, costs, strict=True))
     assert model.estimate(10.0).pace == pytest.approx(wall / predicted, rel=0.01)
     assert model.estimate(10.0).pace > 1.0
+
+
+def test_the_prefill_mix_is_read_after_twenty_steps_not_a_tenth_of_the_memory() -> None:
+    """Until the mix is read the slo policy plans with what requests ask or, with nothing asked,
+    one running: at 100 steps (7 s on a CPU) the twin's start admitted a burst that then missed."""
+    model = StepCostModel()
+    model.update([EngineStep.measured(0.01 * i, 32, 4, 400, 0.01) for i in range(20)])
+    assert model.estimate(now_mono=0.2).prefill_per_decode is None  # 19.8 steps with forgetting
+    model.update([EngineStep.measured(0.2, 32, 4, 400, 0.01)])
+    assert model.estimate(now_mono=0.2).prefill_per_decode == pytest.approx(8.0)  # 32 tokens / 4 decodes

@@ -28,12 +28,12 @@ async def test_the_daemon_seeds_the_cost_model_and_shows_it(tmp_path: Path) -> N
     parts = build_parts(load_config(path))
     assert parts.cost is not None
     shown = state(parts)["cost_model"]
-    assert shown["seed"] == "cpu-tiny" and shown["samples"] == 0 and shown["ready"] is False
+    assert shown["seed"] == "cpu-tiny" and shown["samples"] == 0 and shown["ready"] is True
     assert shown["a_s"] == pytest.approx(0.003305747546144464)  # cpu-tiny's [cost] a_s
     coefficient = parts.registry.get_sample_value("autopilot_cost_model_coefficient", {"term": "a_s"})
     assert coefficient == pytest.approx(0.003305747546144464)
     assert parts.registry.get_sample_value("autopilot_cost_model_samples") == 0
-    assert parts.registry.get_sample_value("autopilot_cost_model_ready") == 0
+    assert parts.registry.get_sample_value("autopilot_cost_model_ready") == 1
     assert parts.registry.get_sample_value("autopilot_cost_model_rel_error") is None
     assert parts.observer.observe().cost == parts.cost.model.estimate(parts.observer.observe().now_mono)
     ports = {"server": {"port": parts.config.server.port}, "admin": {"port": parts.config.admin.port}}

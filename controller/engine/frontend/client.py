@@ -234,7 +234,7 @@ class GovernedEngineClient(EngineClient):
         if not request.admitted:  # its arrival
             request.retry = self._gate.take_retry(request.request_id)
         try:
-            self._gate.check_admission(
+            predicted = self._gate.check_admission(
                 priority,
                 weight,
                 calls=weight,  # a pending place per sequence: n > 1 counts n against the queue
@@ -248,6 +248,8 @@ class GovernedEngineClient(EngineClient):
             raise self._refused(request, exc) from None
         request.admitted = True
         call = context.Call(priority, weight, holds_place=True, prompt_tokens=prompt_tokens)
+        if predicted is not None:  # measured against it at its first token (``_first_token``)
+            call.predicted_ttft_s, call.arrived_mono = predicted, request.arrived_mono
         request.calls.append(call)
         return call
 
@@ -336,7 +338,7 @@ class GovernedEngineClient(EngineClient):
                 llm = self._host.llm
                 self._host.in_flight[key] = (request_id, llm)
                 self._attempts.started(key, llm)
-                self._outcome_started(request_id, slot, request, sampling_params)
+                self._outcome_started(request_id, slot, request, sampling_params, call.prompt_tokens)
                 submit = llm.encode if pooling else llm.generate  # ``encode``: a pooling request
                 stream = submit(prompt, sampling_params, request_id, priority=call.priority, **kwargs)
                 # aclosing: a disconnect closes us, and must close vLLM's generator now so it aborts
@@ -386,17 +388,27 @@ class GovernedEngineClient(EngineClient):
             return False
 
     def _outcome_started(
-        self, request_id: str, slot: Slot, request: context.RequestContext | None, sampling_params: Any
+        self,
+        request_id: str,
+        slot: Slot,
+        request: context.RequestContext | None,
+        sampling_params: Any,
+        prompt_tokens: int | None,
     ) -> None:
         """Tell the outcome ledger (``control/outcomes.py``) the request's class, the time it spent
-        before the engine (the front end and the gate's queue), which its judged TTFT includes, and
-        its own TTFT bound (a gateway's header), which tightens its class's there as in the gate."""
+        before the engine (the front end and the gate's queue), which its judged TTFT includes, its
+        own TTFT bound (a gateway's header), which tightens its class's there as in the gate, and
+        what it asks of the engine (its prompt's tokens, where known, and ``max_tokens``): the load's
+        mix before the engine's steps measure it."""
         outcomes: OutcomeSink | None = getattr(self._host, "outcomes", None)  # none: counts nothing
         if outcomes is not None:
             before = slot.granted_mono - (request.arrived_mono if request is not None else slot.granted_mono)
             n = int(getattr(sampling_params, "n", 1) or 1)
             own = request.objectives.ttft_s if request is not None else None
-            outcomes.started(request_id, slot.cls, before, n, ttft_s=own)
+            asked = getattr(sampling_params, "max_tokens", None)
+            outcomes.started(
+                request_id, slot.cls, before, n, ttft_s=own, max_tokens=asked, prompt_tokens=prompt_tokens
+            )
 
     def _first_token(self, output: Any, slot: Slot, call: context.Call, request_id: str) -> None:
         """Tell the gate how long the request took from its slot to its first token: vLLM's own
@@ -411,6 +423,9 @@ class GovernedEngineClient(EngineClient):
             return
         seconds = latency or monotonic() - slot.granted_mono
         self._gate.after_slot.first_token(seconds, call.prompt_tokens, engine_queue_s(metrics))
+        if call.predicted_ttft_s is not None and call.arrived_mono is not None:
+            measured = slot.granted_mono - call.arrived_mono + seconds
+            self._gate.ttft_check.record(slot.cls, call.predicted_ttft_s, measured)
         outcomes: OutcomeSink | None = getattr(self._host, "outcomes", None)
         if outcomes is not None:
             outcomes.first_token(request_id, seconds)

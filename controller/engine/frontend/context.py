@@ -35,6 +35,11 @@ class Call:
     holds_place: bool = False
     """It holds pending places in its class, one per sequence (counted at admission, taken when it
     queues); the middleware gives them back when the request ends without the call ever running."""
+    predicted_ttft_s: float | None = None
+    """The TTFT the gate predicted for it, from ``arrived_mono``, where a TTFT bound held it: its
+    first token is measured against it (``admission/ttft.TtftCheck``)."""
+    arrived_mono: float | None = None
+    """When its request reached the server (with ``predicted_ttft_s``)."""
 
 
 @dataclass

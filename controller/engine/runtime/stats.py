@@ -31,13 +31,25 @@ class OutcomeSink(Protocol):
     finished (``served``)."""
 
     def started(
-        self, request_id: str, cls: str, before_engine_s: float, n: int = 1, ttft_s: float | None = None
+        self,
+        request_id: str,
+        cls: str,
+        before_engine_s: float,
+        n: int = 1,
+        ttft_s: float | None = None,
+        max_tokens: int | None = None,
+        prompt_tokens: int | None = None,
     ) -> None: ...
 
     def first_token(self, request_id: str, engine_ttft_s: float) -> None: ...
 
     def served(
-        self, request_id: str, engine_ttft_s: float, tpot_s: float | None, error: bool = False
+        self,
+        request_id: str,
+        engine_ttft_s: float,
+        tpot_s: float | None,
+        error: bool = False,
+        output_tokens: int | None = None,
     ) -> str | None: ...
 
 
@@ -49,7 +61,8 @@ def report_finished(sink: OutcomeSink, done: list[Any]) -> None:
             continue
         tpot = r.mean_time_per_output_token if r.num_generation_tokens >= 2 else None
         error = r.finish_reason in (FinishReason.ERROR, FinishReason.ABORT)
-        sink.served(str(r.request_id), max(0.0, r.e2e_latency - r.decode_time), tpot, error)
+        ttft = max(0.0, r.e2e_latency - r.decode_time)
+        sink.served(str(r.request_id), ttft, tpot, error, output_tokens=int(r.num_generation_tokens))
 
 
 class _FeedLogger(StatLoggerBase):
