@@ -1,9 +1,12 @@
 """``bench chaos``: how a request's ending is classified (against a small aiohttp server that misbehaves
-on purpose) and the verdict over made-up runs."""
+on purpose), how a hostile client's connections end (against small servers that end them or not), and
+the verdict over made-up runs: each invariant holds on a clean run and fails on a record that breaks
+it."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from typing import Any
@@ -13,9 +16,16 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from controller.bench.chaos.faults import FaultRecord, inject_faults
-from controller.bench.chaos.load import ChaosOutcome, LoadShape, Sender
-from controller.bench.chaos.verdict import ChaosVerdictLimits, EndState, bad_ending, verdict
+from controller.bench.chaos.faults import FaultRecord, inject_faults, tick_count
+from controller.bench.chaos.hostile import CLIENTS, HostileRecord, HostileShape, hostile
+from controller.bench.chaos.load import TTFT_HEADERS, ChaosOutcome, LoadShape, Sender
+from controller.bench.chaos.verdict import (
+    ChaosVerdictLimits,
+    EndState,
+    bad_ending,
+    longest_tick_gap,
+    verdict,
+)
 from controller.load.client import Target
 
 
@@ -27,6 +37,11 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     """The behaviour is picked by the request id: how a server may end a request."""
     rid = request.headers["X-Request-Id"]
     body = await request.json()
+    if rid == "ttft" and any(request.headers.get(k) != v for k, v in TTFT_HEADERS.items()):
+        return web.Response(status=400, text="the TTFT headers are missing")
+    if rid == "probe":  # a short completion, not streamed
+        assert not body["stream"] and body["max_tokens"] == 4 and "min_tokens" not in body
+        return web.json_response({"choices": [{"text": "x"}]})
     if rid == "refused":
         return web.json_response(
             {"error": {"message": "queue full"}}, status=429, headers={"Retry-After": "2"}
@@ -96,6 +111,9 @@ async def _send(kind: Any, rid: str, deadline_s: float = 3.0, with_state: bool =
         ("n_choices", "n", "completed", True),
         ("n_over_limit", "n", "completed", True),
         ("n_choices", "n_short", "cut", False),
+        ("ttft_header", "ttft", "completed", True),
+        ("reused_id", "ok", "completed", True),
+        ("probe", "probe", "completed", True),
     ],
 )
 async def test_each_ending_is_told_apart(kind: Any, rid: str, end: str, clear: bool) -> None:
@@ -138,6 +156,14 @@ def _good_end(**changes: Any) -> EndState:
         gate={"in_flight": 0, "queue_depth": 0, "pending": 0},
         served_at_end=True,
         rss=[(t, 1000 << 20) for t in range(0, 600, 10)],
+        fds=[(t, 120) for t in range(0, 600, 10)],
+        threads=[(t, 40) for t in range(0, 600, 10)],
+        ticks=[(t, t) for t in range(0, 600, 2)],
+        fds_end=100,
+        threads_end=40,
+        engine_cores_end=1,
+        demand_start=10,
+        demand_end=30,
         exit_code=0,
     )
     for key, value in changes.items():
@@ -145,40 +171,107 @@ def _good_end(**changes: Any) -> EndState:
     return end
 
 
+def _probes(n: int = 10, end: Any = "completed", status: int | None = 200) -> list[ChaosOutcome]:
+    return [ChaosOutcome("probe", 0, 2.0 * i, 0.3, 100.0, end, status) for i in range(n)]
+
+
+def _run(
+    outcomes: list[ChaosOutcome] | None = None,
+    faults: list[FaultRecord] | None = None,
+    hostile_records: list[HostileRecord] | None = None,
+    **end: Any,
+) -> Any:
+    load = [_outcome("completed")] * 5 if outcomes is None else outcomes
+    return verdict(
+        load + _probes(), faults or [], _good_end(**end), ChaosVerdictLimits(), hostile_records or []
+    )
+
+
 def test_a_clean_run_passes() -> None:
-    faults = [FaultRecord(10.0, "kill_engine", "back", "back after 40 s", True)]
-    passed, reasons, figures = verdict([_outcome("completed")] * 5, faults, _good_end(), ChaosVerdictLimits())
-    assert passed, reasons
-    assert figures["endings"] == {"stream:completed": 5}
-    assert figures["rss_growth"] == pytest.approx(0.0)
+    faults = [FaultRecord(10.0, "kill_engine", "back", "back after 40 s", True, 50.0)]
+    result = _run(faults=faults)
+    assert result.passed, result.reasons
+    assert all(i.held for i in result.invariants)
+    assert len(result.table().splitlines()) == 2 + len(result.invariants)
+    assert result.figures["endings"] == {"probe:completed": 10, "stream:completed": 5}
+    assert result.figures["rss_growth"] == pytest.approx(0.0)
 
 
 @pytest.mark.parametrize(
-    ("changes", "says"),
+    ("changes", "invariant"),
     [
-        ({"gate": {"in_flight": 2, "queue_depth": 0, "pending": 0}}, "did not return to zero"),
-        ({"gate": {}}, "did not return to zero"),
-        ({"served_at_end": False}, "did not serve"),
-        ({"exit_code": -9}, "exited with -9"),
-        ({"killed_leftovers": True}, "were left"),
-        ({"engine_cores_alive": [123]}, "EngineCore"),
-        ({"shm_orphans": ["/dev/shm/psm_1"]}, "/dev/shm"),
-        ({"rss": [(t, (1000 + t) << 20) for t in range(0, 600, 10)]}, "resident memory grew"),
+        ({"gate": {"in_flight": 2, "queue_depth": 0, "pending": 0}}, "gate_zero"),
+        ({"gate": {}}, "gate_zero"),
+        ({"served_at_end": False}, "serves_at_end"),
+        ({"exit_code": -9}, "clean_exit"),
+        ({"killed_leftovers": True}, "clean_exit"),
+        ({"engine_cores_alive": [123]}, "clean_exit"),
+        ({"shm_orphans": ["/dev/shm/psm_1"]}, "clean_exit"),
+        ({"rss": [(t, (1000 + t) << 20) for t in range(0, 600, 10)]}, "rss_flat"),
+        ({"fds_end": 120 + 65}, "nothing_grows"),
+        ({"threads_end": 40 + 17}, "nothing_grows"),
+        ({"engine_cores_end": 2}, "nothing_grows"),  # a retired engine left beside the new one
+        ({"fds_end": None}, "nothing_grows"),
+        ({"ticks": [(t, min(t, 100)) for t in range(0, 600, 2)]}, "loop_ticks"),  # stuck at 100 s
+        ({"ticks": [(t, None) for t in range(0, 600, 2)]}, "loop_ticks"),
+        ({"demand_end": 12}, "demand_counted"),  # 16 served (with the last), 2 counted: retries hid them
+        ({"demand_start": None}, "demand_counted"),
     ],
 )
-def test_each_broken_invariant_is_named(changes: dict[str, Any], says: str) -> None:
-    passed, reasons, _ = verdict([_outcome("completed")], [], _good_end(**changes), ChaosVerdictLimits())
-    assert not passed
-    assert any(says in r for r in reasons), reasons
+def test_each_broken_invariant_fails_alone(changes: dict[str, Any], invariant: str) -> None:
+    result = _run(**changes)
+    assert not result.passed
+    assert [i.name for i in result.invariants if not i.held] == [invariant], result.reasons
+    assert result.reasons
 
 
 def test_a_failed_fault_and_a_hung_request_fail_the_run() -> None:
     faults = [FaultRecord(10.0, "reload_bad_engine", "refused", "NOT refused", False)]
     hung = ChaosOutcome("same_id", 1, 3.0, 100.0, 100.0, "hung", None, False, "no end within 100 s")
-    passed, reasons, figures = verdict([hung], faults, _good_end(), ChaosVerdictLimits())
-    assert not passed
-    assert figures["faults_failed"] == 1 and figures["bad_endings"] == 1
-    assert any("reload_bad_engine" in r for r in reasons) and any("same_id" in r for r in reasons)
+    result = _run([hung], faults)
+    assert not result.passed
+    assert result.figures["faults_failed"] == 1 and result.figures["bad_endings"] == 1
+    assert {i.name for i in result.invariants if not i.held} == {"faults", "requests_end"}
+    assert any("reload_bad_engine" in r for r in result.reasons) and any(
+        "same_id" in r for r in result.reasons
+    )
+
+
+def _probe_verdict(probes: list[ChaosOutcome], faults: list[FaultRecord] | None = None) -> Any:
+    result = verdict([_outcome("completed"), *probes], faults or [], _good_end(), ChaosVerdictLimits())
+    return next(i for i in result.invariants if i.name == "ordinary_answered")
+
+
+def test_the_probe_refused_outside_a_rebuild_fails_the_run() -> None:
+    refused = [ChaosOutcome("probe", 0, 2.0 * i, 0.1, 100.0, "http_error", 503) for i in range(10)]
+    assert not _probe_verdict(refused).held  # clear answers, none served: the data plane is taken
+    served = [ChaosOutcome("probe", 0, 30.0 + i, 0.3, 100.0, "completed", 200) for i in range(3)]
+    rebuild = [FaultRecord(0.0, "hang_engine", "back", "back", True, 20.0)]  # 0-25 s with the grace
+    assert _probe_verdict(refused + served, rebuild).held  # refused only while no engine served
+
+
+def test_a_probe_without_a_clear_answer_fails_the_run() -> None:
+    cut = ChaosOutcome("probe", 0, 5.0, 0.1, 100.0, "cut", None, False, "ServerDisconnectedError")
+    assert not _probe_verdict([*_probes(), cut]).held
+    assert not _probe_verdict([]).held  # no probe sent: nothing shows it was answered
+
+
+def test_the_tick_gap_leaves_out_the_rebuilds() -> None:
+    ticks = [(float(t), t if t < 100 or t >= 160 else 100) for t in range(0, 200, 2)]
+    assert longest_tick_gap(ticks, []) == pytest.approx(60.0)  # 100 -> 160
+    assert longest_tick_gap(ticks, [(90.0, 155.0)]) == pytest.approx(5.0)
+    stuck = [(float(t), 7) for t in range(0, 50, 2)]
+    assert longest_tick_gap(stuck, []) == pytest.approx(48.0)  # the stretch to the end counts
+    assert longest_tick_gap([(0.0, None)], []) is None
+    assert tick_count({"loop": {"ticks_total": 12}}) == 12 and tick_count({}) is None
+
+
+def test_a_hostile_client_the_daemon_did_not_end_fails_the_run() -> None:
+    held = HostileRecord(5.0, "idle_sockets", 10, 4, 0.5, {"closed": 4, "held": 6}, 0, False)
+    ended = HostileRecord(9.0, "stalled_body", 2, 2, 3.0, {"HTTP/1.1 408": 2}, 100, True)
+    result = _run(hostile_records=[ended, held])
+    assert [i.name for i in result.invariants if not i.held] == ["hostile"]
+    assert _run(hostile_records=[ended]).passed
 
 
 def _at(kind: Any, start_s: float, elapsed_s: float, end: Any, status: int | None = 200) -> ChaosOutcome:
@@ -190,14 +283,12 @@ def test_plain_streams_all_refused_beside_a_stream_over_the_limit_fail_the_run()
     refused = [_at("stream", 12.0 + i, 5.0, "http_error", 429) for i in range(3)]
     after = _at("stream", 40.0, 1.0, "completed")  # sent once the wide stream had ended
     rebuild = _at("stream", 14.0, 0.1, "http_error", 503)  # an engine kill's, not the gate's
-    passed, reasons, figures = verdict(
-        [wide, *refused, after, rebuild], [], _good_end(), ChaosVerdictLimits()
-    )
-    assert not passed and any("held the gate" in r for r in reasons), reasons
-    assert figures["beside_stream_over_limit"] == {"sent": 4, "served": 0, "refused_429": 3}
+    result = _run([wide, *refused, after, rebuild])
+    assert [i.name for i in result.invariants if not i.held] == ["gate_not_held"], result.reasons
+    assert result.figures["beside_stream_over_limit"] == {"sent": 4, "served": 0, "refused_429": 3}
     served = _at("stream", 13.0, 6.0, "completed")  # waited behind it, then served
-    passed, reasons, _ = verdict([wide, *refused, served, after], [], _good_end(), ChaosVerdictLimits())
-    assert passed, reasons
+    result = _run([wide, *refused, served, after])
+    assert result.passed, result.reasons
 
 
 async def test_no_fault_is_waited_for_past_the_duration() -> None:
@@ -208,3 +299,48 @@ async def test_no_fault_is_waited_for_past_the_duration() -> None:
             raise AssertionError(f"{fault} injected past the duration")
 
     await asyncio.wait_for(inject_faults(Never(), 0.5, 1000.0), 1.0)  # type: ignore[arg-type]
+
+
+async def _hostile_against(close_after_s: float | None, client: Any, **shape: Any) -> HostileRecord:
+    """One hostile client against a server that closes each connection after ``close_after_s``
+    (answering 408 first), or never (None)."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if close_after_s is None:
+            with contextlib.suppress(ConnectionError):
+                while await reader.read(65536):
+                    pass
+            return
+        await asyncio.sleep(close_after_s)
+        writer.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\n\r\n")
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        return await hostile(client, "127.0.0.1", port, HostileShape(**shape), time.monotonic(), 3)
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+async def test_a_hostile_client_sees_the_daemon_end_it(client: Any) -> None:
+    record = await _hostile_against(0.2, client, hold_s=5.0, trickle_s=0.05, endless_mib=1024)
+    assert record.ok, record
+    assert record.ended == record.connections
+    # a server that closes with bytes it has not read unread resets the connection (TCP's RST)
+    assert set(record.answers) <= {"HTTP/1.1 408", "reset"}, record.answers
+    if client in ("idle_sockets", "slow_headers"):
+        assert record.answers == {"HTTP/1.1 408": record.connections}
+    assert record.longest_s is not None and record.longest_s < 5.0
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+async def test_a_hostile_client_the_server_keeps_fails(client: Any) -> None:
+    record = await _hostile_against(None, client, hold_s=0.5, trickle_s=0.05, endless_mib=1)
+    assert not record.ok
+    assert record.ended == 0 and record.answers == {"held": record.connections}
+    if client == "idle_sockets":
+        assert record.connections == 3 + HostileShape().idle_over  # max_connections and more
+    if client == "endless_header":
+        assert record.sent_bytes >= 1 << 20  # the whole megabyte went in

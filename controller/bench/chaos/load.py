@@ -6,9 +6,14 @@ connection after the first chunks), ``stall`` (stops reading for a while, then r
 prompts, not streamed), ``stream_over_limit`` (a streamed completion with more prompts than the
 admission limit: it must not hold the gate), ``chat_batch`` (``/v1/chat/completions/batch``, several
 conversations in one body), ``beam_search`` (``use_beam_search`` with ``n`` beams), ``n_choices``
-(``n`` > 1) and ``n_over_limit`` (``n`` above the admission limit). Every request ends in an
-:class:`ChaosOutcome` that says how it ended; the verdict (``verdict``) decides which endings keep
-the rule "every request ends with a response or a clear error within its deadline".
+(``n`` > 1), ``n_over_limit`` (``n`` above the admission limit), ``ttft_header`` (a plain stream whose
+headers ask for a first token within 1 ms: ``x-autopilot-ttft-ms`` and llm-d's ``x-llm-d-slo-ttft-ms``)
+and ``reused_id`` (a plain stream that carries the one ``X-Request-Id`` every request of its kind
+carries, as a client with a fixed id in its config does). Besides them, ``probe`` is the ordinary
+client the verdict watches: a short completion, not streamed, sent at a steady pace by the run, never
+drawn. Every request ends in an :class:`ChaosOutcome` that says how it ended; the verdict
+(``verdict``) decides which endings keep the rule "every request ends with a response or a clear
+error within its deadline".
 """
 
 from __future__ import annotations
@@ -37,8 +42,16 @@ Kind = Literal[
     "beam_search",
     "n_choices",
     "n_over_limit",
+    "ttft_header",
+    "reused_id",
+    "probe",
 ]
-KINDS: tuple[Kind, ...] = get_args(Kind)
+KINDS: tuple[Kind, ...] = tuple(k for k in get_args(Kind) if k != "probe")
+"""The kinds the load draws (the probe is sent by the run at its own pace)."""
+REUSED_ID = "chaos-reused-id"
+"""The ``X-Request-Id`` of every ``reused_id`` request."""
+TTFT_HEADERS = {"x-autopilot-ttft-ms": "1", "x-llm-d-slo-ttft-ms": "1"}
+"""What a ``ttft_header`` request sends: a first token within 1 ms, which no engine meets."""
 OVER_LIMIT: tuple[Kind, ...] = ("stream_over_limit", "n_over_limit")
 """Kinds sized from the admission limit the daemon reports when they are sent."""
 End = Literal["completed", "error_event", "http_error", "client_disconnect", "cut", "hung"]
@@ -81,7 +94,7 @@ class LoadShape:
     output_tokens: int = 32
     priorities: tuple[int, ...] = (0, 1)
     """Drawn uniformly: one per priority class of the config."""
-    weights: tuple[float, ...] = (0.45, 0.06, 0.06, 0.06, 0.06, 0.06, 0.06, 0.06, 0.07, 0.06)
+    weights: tuple[float, ...] = (0.40, 0.05, 0.05, 0.06, 0.05, 0.06, 0.05, 0.05, 0.05, 0.06, 0.06, 0.06)
     """Share of each of :data:`KINDS`: plain streams the most, so that the gate-not-held check has
     ordinary requests to look at."""
     stall_s: float = 8.0
@@ -96,6 +109,8 @@ class LoadShape:
     """An over-limit kind asks for the admission limit plus this many prompts or sequences."""
     fallback_limit: int = 8
     """The admission limit assumed when the daemon's ``/state`` cannot be read."""
+    probe_tokens: int = 4
+    """Output tokens of a ``probe``."""
 
 
 def _clear_error(status: int, headers: Any, body: str) -> tuple[bool, str]:
@@ -149,6 +164,10 @@ class Sender:
         self, kind: Kind, priority: int, prompt: str
     ) -> tuple[str, dict[str, Any], int | None, str]:
         """(route, body, choices expected in a non-streamed answer or None for a stream, a note)."""
+        if kind == "probe":
+            body = self._body(priority, prompt, False, max_tokens=self.shape.probe_tokens)
+            body.pop("min_tokens")
+            return "/v1/completions", body, 1, ""
         over = await self._limit() + self.shape.over_limit_by if kind in OVER_LIMIT else 0
         note = f"{over} for a limit of {over - self.shape.over_limit_by}" if over else ""
         many = self.shape.prompts_per_request
@@ -191,11 +210,12 @@ class Sender:
 
     async def _exchange(self, kind: Kind, priority: int, prompt: str, rid: str) -> Ending:
         route, body, choices, note = await self._request(kind, priority, prompt)
-        end, status, clear, detail = await self._post(kind, route, body, choices, rid)
+        headers = {"X-Request-Id": rid, **(TTFT_HEADERS if kind == "ttft_header" else {})}
+        end, status, clear, detail = await self._post(kind, route, body, choices, headers)
         return end, status, clear, "; ".join(d for d in (note, detail) if d)
 
     async def _post(
-        self, kind: Kind, route: str, body: dict[str, Any], choices: int | None, rid: str
+        self, kind: Kind, route: str, body: dict[str, Any], choices: int | None, headers: dict[str, str]
     ) -> Ending:
         async def misbehave(answer: Answer) -> bool:
             """The rude readers: hang up after the second chunk, or stop reading after the first."""
@@ -205,9 +225,7 @@ class Sender:
                 await asyncio.sleep(self.shape.stall_s)
             return False
 
-        answer = await post(
-            self.session, self.base + route, body, headers={"X-Request-Id": rid}, on_chunk=misbehave
-        )
+        answer = await post(self.session, self.base + route, body, headers=headers, on_chunk=misbehave)
         if answer.failure is not None:
             return "cut", None, False, f"{type(answer.failure).__name__}: {answer.failure}"[:200]
         if answer.status != 200:
@@ -252,12 +270,14 @@ async def run_load(
     deadline_for: Callable[[int], float],
     seed: int = 0,
     state_url: str | None = None,
+    t0: float | None = None,
 ) -> list[ChaosOutcome]:
-    """Poisson arrivals for ``duration_s``; returns once every request has ended (each within its
-    deadline, or recorded as hung). The first arrivals take each kind once, in :data:`KINDS` order,
-    so that even a short run sends every kind; the rest are drawn by ``shape.weights``."""
+    """Poisson arrivals for ``duration_s`` from ``t0`` (now by default: the soak's start, which every
+    record counts from); returns once every request has ended (each within its deadline, or recorded
+    as hung). The first arrivals take each kind once, in :data:`KINDS` order, so that even a short run
+    sends every kind; the rest are drawn by ``shape.weights``."""
     rng = random.Random(seed)
-    t0 = time.monotonic()
+    t0 = time.monotonic() if t0 is None else t0
     outcomes: list[ChaosOutcome] = []
     tasks: set[asyncio.Task[None]] = set()
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0)
@@ -270,7 +290,7 @@ async def run_load(
             prompt = " ".join(
                 rng.choice(("alpha", "beta", "gamma", "delta")) for _ in range(shape.prompt_words)
             )
-            rid = f"chaos-{index}"
+            rid = REUSED_ID if kind == "reused_id" else f"chaos-{index}"
             copies = 2 if kind == "same_id" else 1  # two streams at once under one X-Request-Id
             ends = await asyncio.gather(
                 *(sender.send(kind, priority, prompt, deadline_for(priority), rid) for _ in range(copies))
@@ -291,4 +311,27 @@ async def run_load(
             index += 1
         if tasks:
             await asyncio.gather(*tasks)
+    return outcomes
+
+
+async def run_probe(
+    target: Target, shape: LoadShape, duration_s: float, every_s: float, deadline_s: float, t0: float
+) -> list[ChaosOutcome]:
+    """The ordinary client: one short ``probe`` completion at priority 0 every ``every_s`` seconds from
+    ``t0`` until ``duration_s``, each on a connection of its own (a new client, as a health check or
+    a user arriving is), whatever the others do; returns once each has ended."""
+    outcomes: list[ChaosOutcome] = []
+    tasks: list[asyncio.Task[ChaosOutcome]] = []
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=None)
+    ) as session:
+        sender = Sender(session, target, shape, t0)
+        index = 0
+        while (at := index * every_s) <= duration_s:
+            await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
+            prompt = f"probe {index}: say something short"
+            tasks.append(asyncio.create_task(sender.send("probe", 0, prompt, deadline_s, f"probe-{index}")))
+            index += 1
+        outcomes = list(await asyncio.gather(*tasks))
     return outcomes
