@@ -77,7 +77,8 @@ class SloPolicy(Policy):
     bounds and deadlines alone.
 
     The mean margin learns (under ``[slo]``): ``mean_margin`` is where it starts, and every
-    ``margin_samples`` requests served since its last look (``Observation.served_total``), the share
+    ``margin_samples`` requests served since its last look (``Observation.served_total``), or every
+    ``margin_look_s`` once ``margin_min_samples`` were (a slow engine's look), the share
     of them that missed a bound of their class in the engine (``missed_total`` less
     ``queued_missed_total``: a TTFT miss spent mostly in the gate's queue counts as a refusal) steers
     it: where the misses show a share above ``miss_high`` beyond chance (``MISS_TEST_P``, a one-sided
@@ -103,7 +104,8 @@ class SloPolicy(Policy):
     Parameters (defaults): ``margin`` 0.9; ``budget_margin`` 0.9 (``margin`` of the token budget's
     step); ``kv_target`` 0.9; ``kv_min_running`` 4; ``min_prefill_tokens`` 64; ``headroom`` 0.1;
     ``min_headroom`` 2; ``stale_after_s`` 5.0; ``knee_share`` 0.05; ``mean_margin`` 0.7,
-    ``mean_margin_min`` 0.2, ``mean_margin_max`` 1.0, ``margin_samples`` 50, ``miss_low`` 0.01,
+    ``mean_margin_min`` 0.2, ``mean_margin_max`` 1.0, ``margin_samples`` 50, ``margin_look_s`` 10.0,
+    ``margin_min_samples`` 10, ``miss_low`` 0.01,
     ``miss_high`` 0.03, ``margin_up`` 1.05, ``margin_down`` 0.8. ``slo`` is passed by the builder from
     ``[slo]`` (not a ``[control.params]`` key).
 
@@ -117,7 +119,8 @@ class SloPolicy(Policy):
     param_names = tuple(
         "margin mean_margin budget_margin kv_target kv_min_running min_prefill_tokens "
         "headroom min_headroom stale_after_s knee_share "
-        "mean_margin_min mean_margin_max margin_samples miss_low miss_high margin_up margin_down".split()
+        "mean_margin_min mean_margin_max margin_samples margin_look_s margin_min_samples "
+        "miss_low miss_high margin_up margin_down".split()
     )
 
     def __init__(
@@ -139,6 +142,8 @@ class SloPolicy(Policy):
         mean_margin_min: float = 0.2,
         mean_margin_max: float = 1.0,
         margin_samples: int = 50,
+        margin_look_s: float = 10.0,
+        margin_min_samples: int = 10,
         miss_low: float = 0.01,
         miss_high: float = 0.03,
         margin_up: float = 1.05,
@@ -163,6 +168,8 @@ class SloPolicy(Policy):
                 f"[{self.mean_margin_min:g}, {self.mean_margin_max:g}] (where it starts learning)"
             )
         self.margin_samples = check_int("margin_samples", margin_samples, 1)
+        self.margin_look_s = check_float("margin_look_s", margin_look_s, 0.0)
+        self.margin_min_samples = check_int("margin_min_samples", margin_min_samples, 1)
         self.miss_low = check_float("miss_low", miss_low, 0.0, 1.0)
         self.miss_high = check_float("miss_high", miss_high, self.miss_low, 1.0)
         self.margin_up = check_float("margin_up", margin_up, 1.0, 10.0)
@@ -170,6 +177,8 @@ class SloPolicy(Policy):
         self.margin_live = self.mean_margin
         """The learned mean margin, what ``_concurrency`` plans with."""
         self._mark: tuple[int, int, int] | None = None
+        self._mark_t = 0.0
+        """When the margin's count last started (a look, a move's settling, the first tick)."""
         """(served, missed, refused) totals at the margin's last look; None before the first tick."""
         self._margin_bound = False
         """The margin bounded the concurrency (runs below the cap) at a tick since its last look."""
@@ -268,19 +277,25 @@ class SloPolicy(Policy):
 
     def _learn_margin(self, obs: Observation) -> str:
         """Steer ``margin_live`` by the share of the requests served since its last look that missed
-        a bound; a look needs ``margin_samples`` of them (each look starts a fresh count)."""
+        a bound; a look needs ``margin_samples`` of them, or ``margin_min_samples`` and
+        ``margin_look_s`` since the last (each look starts a fresh count)."""
         # a TTFT miss spent waiting in the gate is a request the limit had no room for, as a refusal
         # is: it asks for a bolder margin, not a more careful one (cutting it lengthens the queue)
         queued = obs.queued_missed_total
         served, missed, refused = obs.served_total, obs.missed_total - queued, obs.refused_total + queued
         if self._mark is None or served < self._mark[0]:  # first tick, or another ledger's counts
             self._mark, self._margin_bound, self._settle_until = (served, missed, refused), False, served
+            self._mark_t = obs.now_mono
         m = self.margin_live
         if served < self._settle_until:  # those in flight at the last move ran under the old margin
             self._mark, self._margin_bound = (served, missed, refused), False
+            self._mark_t = obs.now_mono
             return f"margin {m:.2f}: {self._settle_until - served} admitted before its move to end"
         seen, miss, shed = served - self._mark[0], missed - self._mark[1], refused - self._mark[2]
-        if seen < self.margin_samples:
+        # a slow engine (a CPU: a request a second) serves margin_samples in a minute; the binomial
+        # test below judges a smaller count as fairly, so a look comes at least every margin_look_s
+        timely = seen >= self.margin_min_samples and obs.now_mono - self._mark_t >= self.margin_look_s
+        if seen < self.margin_samples and not timely:
             return f"margin {m:.2f}: {seen} of {self.margin_samples} served to judge it"
         share, said = miss / seen, f"{miss} of {seen} served missed"
         new, move = m, 0
@@ -300,7 +315,7 @@ class SloPolicy(Policy):
         elif move < 0:
             new = max(self.mean_margin_min, m * self.margin_down)
         self.margin_live = new
-        self._mark, self._margin_bound = (served, missed, refused), False
+        self._mark, self._margin_bound, self._mark_t = (served, missed, refused), False, obs.now_mono
         if new != m:
             self._settle_until = served + obs.in_flight
         return f"margin {m:.2f} -> {new:.2f}: {said}" if new != m else f"margin {m:.2f}: {said}"

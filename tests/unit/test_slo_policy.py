@@ -334,3 +334,18 @@ def test_the_budget_shares_a_chunk_over_a_short_answer_as_vllms_mean_tpot_does()
 def test_before_any_answer_is_known_the_budget_holds_the_step_alone_within_the_bound() -> None:
     assert policy().decide(loaded(answer_tokens=None), 100.0).token_budget == 1256
     assert policy().decide(loaded(answer_tokens=1.0), 100.0).token_budget == 1256  # one token: no TPOT
+
+
+def test_on_a_slow_engine_the_margin_is_judged_every_margin_look_s_from_ten_served() -> None:
+    """A CPU serves a request or two a second: 50 served took most of a one-minute run, and the
+    margin never moved in it. The binomial test judges ten as fairly, so a look comes every 10 s."""
+    p = policy(margin_samples=50)
+    p.decide(loaded(now_mono=0.0), 0.0)
+    d = p.decide(loaded(now_mono=9.0, served_total=12), 9.0)
+    assert "margin 0.50: 12 of 50 served to judge it" in d.reason  # 9 s: not yet
+    d = p.decide(loaded(now_mono=10.0, served_total=12), 10.0)
+    assert "margin 0.50 -> 0.53: 0 of 12 served missed < 1%, it bounded runs" in d.reason
+    p = policy(margin_samples=50)
+    p.decide(loaded(now_mono=0.0), 0.0)
+    d = p.decide(loaded(now_mono=30.0, served_total=9), 30.0)
+    assert "9 of 50 served to judge it" in d.reason  # fewer than margin_min_samples: no look
