@@ -331,7 +331,7 @@ class GateTotals:
 
     def __init__(self, admitted: int = 0, rejected: int = 0, queued: int = 0) -> None:
         self.admitted, self.rejected, self.queued = admitted, rejected, queued
-        self.ttft_check = TtftCheck()  # no TTFT measured: the gauges show no class
+        self.ttft_check = TtftCheck(time.monotonic)  # no TTFT measured: the gauges show no class
 
     def arrive(self, n: int, refused: int = 0) -> None:
         self.admitted += n - refused

@@ -78,7 +78,7 @@ class AdmissionGate:
         self._seq = itertools.count()
         self._rate = CompletionRate(clock)
         self.after_slot = AfterSlot(clock, lambda: self.ttft)  # the client tells it each first token
-        self.ttft_check = TtftCheck()  # and each admitted request's measured TTFT against its prediction
+        self.ttft_check = TtftCheck(clock)  # and each admitted request's measured TTFT against its prediction
         self._deadlines = Deadlines(clock, self._expire, max_restart_wait_s, self.after_slot.queue_deadline_s)
         self.admitted_total = self.rejected_total = self.completed_total = self.timed_out_total = 0
         self.arrivals_total = self.retries_total = 0

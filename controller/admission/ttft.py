@@ -206,36 +206,53 @@ class TtftCheck:
     """Each admitted request's predicted TTFT against its measured one, per class: the promise the
     gate admits under, checked. The prediction (``AdmissionGate.check_admission``: the time since it
     arrived, its expected wait in the queue, its prefill and the after-slot lag) is corrected by what
-    the last ``window`` requests of its class measured beyond it: the gate admits where the
-    prediction plus the ``quantile`` of those residuals is within the bound, so the prediction's bias
-    and spread, whatever their source (a front end slower than the twin's, a cold prefix cache, a
-    queue that drains slower than it filled), are paid for in refusals, not in misses of requests
-    it admitted. A negative correction (the prediction too careful: refusals the engine could have
-    served in time) loosens the check, by at most ``max_loosen`` of the bound.
-
-    Measured on the twin's SmolLM2 shared-prefix load past the knee and on the engine (docs/results/
-    knee.md): the raw prediction admitted requests of which up to 73 % then missed their TTFT."""
+    the class's last requests measured beyond it (at most ``window`` of them, none older than
+    ``window_s``): the gate admits where the prediction plus the ``quantile`` of those residuals is
+    within the bound, so the prediction's bias and spread, whatever their source (a front end slower
+    than the twin's, a cold prefix cache, a queue that drains slower than it filled), are paid for in
+    refusals, not in misses of requests it admitted. A negative correction (the prediction too
+    careful: refusals the engine could have served in time) loosens the check, by at most
+    ``max_loosen`` of the bound. The samples age out: a correction measured while the engine was
+    congested must not outlive the congestion (a check that refuses every request sees no new
+    samples). It joins the expected-wait check only: a request that finds a slot free was refused
+    by it, on the twin's H200 shared-prefix load at 40 req/s, for 25 s while the engine stood idle."""
 
     def __init__(
-        self, window: int = 100, quantile: float = 90.0, min_samples: int = 20, max_loosen: float = 0.25
+        self,
+        clock: Clock,
+        window: int = 100,
+        window_s: float = 20.0,
+        quantile: float = 90.0,
+        min_samples: int = 10,
+        max_loosen: float = 0.25,
     ) -> None:
-        self.window, self.quantile, self.min_samples = window, quantile, min_samples
-        self.max_loosen = max_loosen
-        self._by_class: dict[str, deque[tuple[float, float]]] = {}
-        """Per class, (predicted, measured) TTFT seconds of the last ``window`` admitted requests."""
+        self._clock, self.window, self.window_s = clock, window, window_s
+        self.quantile, self.min_samples, self.max_loosen = quantile, min_samples, max_loosen
+        self._by_class: dict[str, deque[tuple[float, float, float]]] = {}
+        """Per class, (when, predicted, measured TTFT seconds) of its last admitted requests."""
 
     def record(self, cls: str, predicted_s: float, measured_s: float) -> None:
         """A request of ``cls`` admitted with ``predicted_s`` got its first token ``measured_s`` after
         it reached the server."""
-        self._by_class.setdefault(cls, deque(maxlen=self.window)).append((predicted_s, measured_s))
+        seen = self._by_class.setdefault(cls, deque(maxlen=self.window))
+        seen.append((self._clock(), predicted_s, measured_s))
+
+    def _recent(self, cls: str) -> list[tuple[float, float]]:
+        seen = self._by_class.get(cls)
+        if not seen:
+            return []
+        horizon = self._clock() - self.window_s
+        while seen and seen[0][0] < horizon:
+            seen.popleft()
+        return [(p, m) for _, p, m in seen]
 
     def correction_s(self, cls: str, bound_s: float | None = None) -> float:
         """Seconds to add to a prediction in ``cls``: the ``quantile`` of measured - predicted; 0
         below ``min_samples``; at least ``-max_loosen * bound_s``."""
-        seen = self._by_class.get(cls)
-        if not seen or len(seen) < self.min_samples:
+        recent = self._recent(cls)
+        if len(recent) < self.min_samples:
             return 0.0
-        residual = percentile([m - p for p, m in seen], self.quantile, "nearest_rank") or 0.0
+        residual = percentile([m - p for p, m in recent], self.quantile, "nearest_rank") or 0.0
         floor = -self.max_loosen * bound_s if bound_s is not None else 0.0
         return max(floor, residual)
 
@@ -243,12 +260,13 @@ class TtftCheck:
         """/state's ``ttft_check``: per class, the samples, the median predicted and measured TTFT,
         the median residual (bias) and the correction in force (bias and spread)."""
         out: dict[str, dict[str, float | int | None]] = {}
-        for cls, seen in self._by_class.items():
+        for cls in list(self._by_class):
+            recent = self._recent(cls)
             out[cls] = {
-                "samples": len(seen),
-                "predicted_p50_s": percentile([p for p, _ in seen], 50.0, "nearest_rank"),
-                "measured_p50_s": percentile([m for _, m in seen], 50.0, "nearest_rank"),
-                "bias_s": percentile([m - p for p, m in seen], 50.0, "nearest_rank"),
+                "samples": len(recent),
+                "predicted_p50_s": percentile([p for p, _ in recent], 50.0, "nearest_rank"),
+                "measured_p50_s": percentile([m for _, m in recent], 50.0, "nearest_rank"),
+                "bias_s": percentile([m - p for p, m in recent], 50.0, "nearest_rank"),
                 "correction_s": self.correction_s(cls),
             }
         return out

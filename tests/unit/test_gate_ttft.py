@@ -339,10 +339,22 @@ async def test_the_predicted_ttft_is_corrected_by_what_admitted_requests_measure
 
 
 def test_a_too_careful_prediction_is_loosened_by_at_most_a_quarter_of_the_bound() -> None:
-    check = TtftCheck()
-    for _ in range(19):
+    clock = FakeClock()
+    check = TtftCheck(clock)
+    for _ in range(9):
         check.record("interactive", 1.5, 0.5)
-    assert check.correction_s("interactive", 2.0) == 0.0  # 19 < 20 samples: no correction yet
+    assert check.correction_s("interactive", 2.0) == 0.0  # 9 < 10 samples: no correction yet
     check.record("interactive", 1.5, 0.5)
     assert check.correction_s("interactive", 2.0) == -0.5  # measured 1 s sooner: -0.25 x 2 s at most
     assert check.correction_s("batch", 2.0) == 0.0
+
+
+def test_a_correction_ages_out_so_a_congestion_it_measured_cannot_outlive_itself() -> None:
+    clock = FakeClock()
+    check = TtftCheck(clock)
+    for _ in range(10):
+        check.record("interactive", 0.5, 2.0)  # a congested engine: 1.5 s beyond each prediction
+    assert check.correction_s("interactive") == 1.5
+    clock.advance(20.1)  # nothing admitted since (the check refused all): the samples age out
+    assert check.correction_s("interactive") == 0.0
+    assert check.state()["interactive"]["samples"] == 0
