@@ -61,8 +61,9 @@ def test_the_gates_refusals_are_counted_once_in_the_twins_ledger() -> None:
 
 def test_a_prompt_too_long_is_vllms_400_after_the_preflight() -> None:
     """vLLM renders the prompt (and answers 400 for one that does not fit ``max_model_len``) after its
-    preflight, the gate's early check, has counted the request's arrival."""
+    preflight, the gate's early check, has admitted it: no call follows, so it is no arrival (no
+    demand), as in the daemon."""
     sim = _twin(limit=4)
     (record,) = _records(sim, _at_once(1, prompt_tokens=PROFILE.engine.max_model_len))
     assert (record.status, record.http_status) == ("failed", 400)
-    assert sim.gate.stats().arrivals_total == 1 and sim.outcomes.served_total == 0
+    assert sim.gate.stats().arrivals_total == 0 and sim.outcomes.served_total == 0
