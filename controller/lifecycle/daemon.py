@@ -25,6 +25,7 @@ from controller.control.samplers import GpuSource, HostReadingSource
 from controller.engine.frontend.app import bind_data_plane, build_data_plane, make_server, refresh_app_state
 from controller.engine.frontend.client import GovernedEngineClient
 from controller.engine.frontend.limits import ServerLimits
+from controller.engine.runtime.procs import forget_daemon_signals_after_fork
 from controller.lifecycle.notify import start_watchdog
 from controller.lifecycle.parts import TICK_JOB, build_parts
 from controller.lifecycle.reload import Reloader
@@ -69,6 +70,9 @@ class Daemon:
 
     # -- signals ------------------------------------------------------------------------------------
     def _install_signal_handlers(self) -> None:
+        # A child forked from here would inherit these handlers and uvloop's wakeup fd: its own
+        # SIGTERM would reach this process's handler (engine/runtime/procs.py).
+        forget_daemon_signals_after_fork()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._signals.put_nowait, sig)

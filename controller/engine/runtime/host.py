@@ -41,6 +41,7 @@ from controller.engine.runtime.calls import CALL_DEADLINE_MIN_S, EngineCalls
 from controller.engine.runtime.dtype import dtype_settings
 from controller.engine.runtime.heap import HeapTrim, trim_heap
 from controller.engine.runtime.ipc import plugin_problem, set_poll_sleep
+from controller.engine.runtime.procs import spawn_engine_processes
 from controller.engine.runtime.scheduler import UTILITY_BUDGET, UTILITY_DRAIN, UTILITY_SET, scheduler_path
 from controller.engine.runtime.stats import OutcomeSink, stat_logger_factory
 
@@ -160,6 +161,7 @@ class EngineHost:
 
     # -- build / stop ---------------------------------------------------------------------------
     def _build(self, args: argparse.Namespace) -> AsyncLLM:
+        spawn_engine_processes()  # before vLLM reads it: a forked engine reaches the daemon's signals
         eargs = engine_args(args)
         vllm_config = eargs.create_engine_config()
         # Match vLLM's own choice (async scheduling or not) with our capped subclass of it.
