@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -52,6 +53,36 @@ class GpuSource(Protocol):
         """The current reading, or None where no GPU is present."""
 
 
+@dataclass(frozen=True)
+class EngineDevices:
+    """Which of the host's GPUs the engine runs on, as vLLM picks them for its local ranks: the first
+    ``count`` of ``device_ids`` (vLLM's ``--device-ids``) where given, else of the visible devices
+    (CUDA_VISIBLE_DEVICES' entries, or every device in index order when it is unset)."""
+
+    count: int
+    """The engine's GPUs on this host: tensor x pipeline x prefill-context parallel x local data
+    parallel ranks."""
+    device_ids: tuple[str, ...] | None = None
+    """vLLM's ``--device-ids``: indices into CUDA_VISIBLE_DEVICES where it is set (else physical
+    indices), or GPU UUIDs."""
+
+
+def engine_entries(visible: str | None, engine: EngineDevices | None, device_count: int) -> list[str] | None:
+    """The CUDA_VISIBLE_DEVICES-style entries of the engine's devices, in its rank order; None: every
+    visible device (no engine named)."""
+    entries = visible_devices(visible)
+    if engine is None:
+        return entries
+    if entries is None:
+        entries = [str(i) for i in range(device_count)]
+    if engine.device_ids is not None:
+        ids = list(engine.device_ids)
+        if visible_devices(visible) is not None and all(i.isdigit() for i in ids):
+            ids = [entries[int(i)] for i in ids if int(i) < len(entries)]
+        entries = ids
+    return entries[: engine.count]
+
+
 def visible_devices(visible: str | None) -> list[str] | None:
     """CUDA_VISIBLE_DEVICES as CUDA reads it: comma-separated indices, ``GPU-<uuid>`` or ``MIG-<uuid>``
     (also the older ``MIG-GPU-<uuid>/<gi>/<ci>``) entries, unique UUID prefixes allowed; CUDA stops at
@@ -80,10 +111,12 @@ def _uuid(nv: Any, handle: Any) -> str:
     return uuid.decode() if isinstance(uuid, bytes) else str(uuid)
 
 
-def resolve_devices(nv: Any, visible: str | None) -> list[tuple[str, Any]]:
-    """NVML handles of the devices CUDA_VISIBLE_DEVICES names, in its order, with their entries."""
+def resolve_devices(
+    nv: Any, visible: str | None, engine: EngineDevices | None = None
+) -> list[tuple[str, Any]]:
+    """NVML handles of the engine's devices (``engine_entries``), in its order, with their entries."""
     gpus = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(int(nv.nvmlDeviceGetCount()))]
-    entries = visible_devices(visible)
+    entries = engine_entries(visible, engine, len(gpus))
     if entries is None:
         return [(str(i), h) for i, h in enumerate(gpus)]
     by_uuid = {_uuid(nv, h): h for h in gpus}
@@ -110,16 +143,27 @@ def _lookup(entry: str, gpus: list[Any], by_uuid: dict[str, Any]) -> Any:
 
 class NvmlSource:
     """nvidia-ml-py (module ``pynvml``, or a fake with the same functions). Initialised on first
-    read; None for good once absent. The devices are those of CUDA_VISIBLE_DEVICES (the engine's)."""
+    read; None for good once absent. The devices are the engine's (``engine``, asked at each read, so
+    a restart with other parallel settings is followed) among those of CUDA_VISIBLE_DEVICES; with no
+    ``engine``, every visible device: a co-tenant's GPU the engine never uses would trip the guard."""
 
-    def __init__(self, nvml: Any = None, visible: str | None = None, use_env: bool = True) -> None:
+    def __init__(
+        self,
+        nvml: Any = None,
+        visible: str | None = None,
+        use_env: bool = True,
+        engine: Callable[[], EngineDevices] | None = None,
+    ) -> None:
         self._nvml: Any = nvml
         self._visible = os.environ.get("CUDA_VISIBLE_DEVICES") if use_env and visible is None else visible
+        self._engine = engine
         self._handles: list[tuple[str, Any]] | None = None
+        self._resolved_for: EngineDevices | None = None
         self.unavailable_reason: str | None = None
 
     def _init(self) -> bool:
-        if self._handles is not None:
+        engine = self._engine() if self._engine is not None else None
+        if self._handles is not None and engine == self._resolved_for:
             return True
         if self.unavailable_reason is not None:
             return False
@@ -128,8 +172,10 @@ class NvmlSource:
                 import pynvml
 
                 self._nvml = pynvml
-            self._nvml.nvmlInit()
-            self._handles = resolve_devices(self._nvml, self._visible)
+            if self._handles is None:
+                self._nvml.nvmlInit()
+            self._handles = resolve_devices(self._nvml, self._visible, engine)
+            self._resolved_for = engine
         except Exception as exc:  # NVMLError_LibraryNotFound on CPU hosts, ImportError without the package
             self.unavailable_reason = f"{type(exc).__name__}: {exc}"
             log.info("nvml_unavailable", reason=self.unavailable_reason)

@@ -35,6 +35,7 @@ from controller.control.stepcost import CostReader
 from controller.control.telemetry import TelemetryWindow
 from controller.engine.runtime.args import serve_namespace
 from controller.engine.runtime.host import EngineHost
+from controller.engine.runtime.parallel import engine_devices
 from controller.lifecycle.guard import Guard
 from controller.lifecycle.notify import Notifier
 from controller.lifecycle.tasks import BackgroundTasks
@@ -124,7 +125,9 @@ def build_parts(
     metrics = Metrics(registry)
     server = config.server
     args = serve_namespace(config.engine, {"host": server.host, "port": server.port, **server.vllm})
-    gpu, hostsrc = gpu_source or NvmlSource(), host_source or HostSource()
+    # NVML reads the GPUs of the engine in force (``host``, built just below), not every GPU here
+    gpu = gpu_source or NvmlSource(engine=lambda: engine_devices(host.args))
+    hostsrc = host_source or HostSource()
     core = build_core(
         config.control,
         config.admission,

@@ -5,14 +5,18 @@ NVML is a fake of several devices with the functions ``NvmlSource`` calls."""
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from controller.config.load import GuardConfig
-from controller.control.samplers import NvmlSource
-from controller.lifecycle.guard import MemoryWatch
-from tests.helpers import obs
+from controller.config.load import GuardConfig, load_config
+from controller.control.samplers import EngineDevices, NvmlSource
+from controller.engine.runtime.parallel import engine_devices
+from controller.lifecycle.memory import MemoryWatch
+from controller.lifecycle.parts import build_parts
+from tests.helpers import obs, write_config
 
 GIB = 1 << 30
 
@@ -129,3 +133,53 @@ def test_without_nvml_there_is_no_reading() -> None:
 
     source = NvmlSource(NoNvml([]), None, use_env=False)
     assert source.read() is None and source.unavailable_reason is not None
+
+
+def test_with_cuda_visible_devices_unset_a_co_tenants_busy_gpu_is_not_watched() -> None:
+    nv = four_gpus()
+    nv.gpus[3].free = GIB // 2  # a co-tenant's GPU: the engine (tensor parallel 2) runs on 0 and 1
+    tp2 = engine_devices(argparse.Namespace(tensor_parallel_size=2))
+    reading = NvmlSource(nv, None, use_env=False, engine=lambda: tp2).read()
+    assert reading is not None
+    assert [d.name for d in reading.per_device] == ["0", "1"] and reading.free_bytes == 40 * GIB
+    watch = MemoryWatch(GuardConfig(consecutive_samples=1))
+    free, total = reading.free_bytes, reading.total_bytes
+    assert watch.observe(obs(gpu_memory_free_bytes=free, gpu_memory_total_bytes=total)) is None
+
+
+def test_the_engines_gpus_are_the_first_of_the_visible_ones_or_its_device_ids() -> None:
+    def names(visible: str | None, **args: Any) -> list[str]:
+        engine = engine_devices(argparse.Namespace(**args))
+        reading = NvmlSource(four_gpus(), visible, use_env=False, engine=lambda: engine).read()
+        assert reading is not None
+        return [d.name for d in reading.per_device]
+
+    assert names(None) == ["0"]
+    assert names("3,2,1", tensor_parallel_size=2) == ["3", "2"]
+    assert names(None, tensor_parallel_size=2, pipeline_parallel_size=2) == ["0", "1", "2", "3"]
+    assert names(None, data_parallel_size=2) == ["0", "1"]
+    assert names(None, data_parallel_size=2, data_parallel_rank=1) == ["0"]  # one external rank
+    assert names(None, tensor_parallel_size=2, device_ids=[2, 3]) == ["2", "3"]
+    assert names("3,2,1", device_ids=[1]) == ["2"]  # an index into CUDA_VISIBLE_DEVICES
+    assert names(None, device_ids=["GPU-ddd-3"]) == ["GPU-ddd-3"]
+    assert names(None, tensor_parallel_size=2, device_ids=[2, 3], distributed_executor_backend="ray") == [
+        "0",
+        "1",
+    ]
+
+
+def test_the_source_follows_the_engine_in_force_across_a_restart() -> None:
+    engine = [EngineDevices(1)]
+    source = NvmlSource(four_gpus(), None, use_env=False, engine=lambda: engine[0])
+    first = source.read()
+    engine[0] = EngineDevices(2)  # rebuilt with tensor parallel 2
+    second = source.read()
+    assert first is not None and second is not None and (first.devices, second.devices) == (1, 2)
+
+
+def test_the_daemon_reads_the_gpus_of_its_engine(tmp_path: Path) -> None:
+    parts = build_parts(load_config(write_config(tmp_path / "config.toml")))
+    assert isinstance(parts.gpu_source, NvmlSource)
+    parts.gpu_source._nvml = four_gpus()
+    reading = parts.gpu_source.read()
+    assert reading is not None and [d.name for d in reading.per_device] == ["0"]

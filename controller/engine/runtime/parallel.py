@@ -17,6 +17,8 @@ import functools
 import types
 from typing import Any, get_args
 
+from controller.control.samplers import EngineDevices
+
 _SPMD_ONLY = (
     "'external_launcher' runs one engine per torchrun process for offline SPMD inference, not a server; "
     "use 'mp' (one node) or 'ray' (one or more nodes)"
@@ -88,3 +90,30 @@ def parallel_errors(engine: dict[str, Any]) -> list[str]:
     except (ValueError, TypeError) as exc:
         return [f"[engine] {shown}: vLLM's ParallelConfig refuses them ({_message(exc)}); change them"]
     return []
+
+
+def engine_devices(args: Any) -> EngineDevices:
+    """The GPUs of this host the engine built from ``args`` (vLLM's serve namespace) runs on, as vLLM
+    assigns its local ranks (``vllm/v1/engine/utils.get_physical_gpu_ids_for_local_dp_rank``): one
+    per rank of tensor x pipeline x prefill-context parallelism, for each data-parallel rank on this
+    node (``data_parallel_size_local``; else all of ``data_parallel_size``, one for an external rank),
+    from ``--device-ids`` where given (the Ray executor ignores them), else from the visible devices."""
+
+    def size(name: str) -> int:
+        value = getattr(args, name, None)
+        return int(value) if value else 1
+
+    world = size("tensor_parallel_size") * size("pipeline_parallel_size")
+    world *= size("prefill_context_parallel_size")
+    local = getattr(args, "data_parallel_size_local", None)
+    external = getattr(args, "data_parallel_rank", None) is not None or getattr(
+        args, "data_parallel_external_lb", False
+    )
+    if external:
+        local = 1
+    elif local is None:  # over nodes, each holds its share of the ranks
+        local = max(size("data_parallel_size") // size("nnodes"), 1)
+    ids = getattr(args, "device_ids", None)
+    if getattr(args, "distributed_executor_backend", None) == "ray":
+        ids = None
+    return EngineDevices(world * max(int(local), 1), tuple(str(i) for i in ids) if ids else None)
