@@ -233,7 +233,11 @@ class GuardConfig:
         1 << 30, "GPU: restart when NVML free memory falls below this.", 0, 1 << 50
     )
     gpu_free_margin_fraction: float = _f(
-        0.03, "GPU: ... or below this fraction of the GPU's total memory.", 0, 0.5
+        0.03,
+        "GPU: ... or below this fraction of the GPU's total memory; at a gpu_memory_utilization in "
+        "force, at most half of what vLLM leaves free (1 - utilization of the total, or less).",
+        0,
+        0.5,
     )
     host_available_margin_bytes: int = _f(
         512 << 20, "CPU: restart when the host's available memory falls below this.", 0, 1 << 50

@@ -4,9 +4,10 @@
 engine, so it moves only on out-of-memory risk and only downward; an operator raises it by reload.
 
 * Memory risk (``memory.py``: ``MemoryWatch``, pure): on a GPU, NVML free memory below
-  ``gpu_free_margin_bytes`` or ``gpu_free_margin_fraction`` of the total for ``consecutive_samples``
-  samples; on the CPU, host available memory below ``host_available_margin_bytes``. The new setting
-  subtracts the measured deficit, at least ``memory_step_fraction``, never below the floor.
+  ``gpu_free_margin_bytes`` or ``gpu_free_margin_fraction`` of the total (at most half of what vLLM
+  leaves free at the ``gpu_memory_utilization`` in force) for ``consecutive_samples`` samples; on
+  the CPU, host available memory below ``host_available_margin_bytes``. The new setting subtracts
+  the measured deficit, at least ``memory_step_fraction``, never below the floor.
 * Crash recovery (``Guard.watch``): an engine that dies is rebuilt with exponential backoff, at most
   ``max_restarts_per_hour`` times an hour. Only crashes spend that budget: an operator's reload or a
   memory restart is chosen, not a failure, and must not bring the next crash nearer to a permanent 503.
@@ -52,7 +53,13 @@ from controller.admission.gate import AdmissionGate, GateRejected
 from controller.clock import Clock, monotonic
 from controller.config.secrets import redact
 from controller.lifecycle.liveness import StallWatch, no_engine
-from controller.lifecycle.memory import GuardSettings, MemoryRestarts, MemoryWatch, shrink
+from controller.lifecycle.memory import (
+    GuardSettings,
+    MemoryRestarts,
+    MemoryWatch,
+    shrink,
+    sizing_utilization,
+)
 from policies.base import Observation
 
 log = structlog.get_logger(__name__)
@@ -178,12 +185,12 @@ class Guard:
         if self.memory_restarts.hold(obs.now_mono) is not None:
             self.memory.streak = 0
             return None
-        risk = self.memory.observe(obs)
+        knob, settings = self.engine.memory_knob, self.engine.memory_settings()
+        risk = self.memory.observe(obs, sizing_utilization(knob, settings))
         if risk is None:
             return None
         total = obs.gpu_memory_total_bytes
-        knob = self.engine.memory_knob
-        overrides = self.memory_restarts.plan(self.engine.memory_settings(), knob, risk.deficit_bytes, total)
+        overrides = self.memory_restarts.plan(settings, knob, risk.deficit_bytes, total)
         if overrides is None:
             floor = self.memory_restarts.failed_floor.get(knob)
             log.warning("memory_risk_at_floor", reason=risk.reason, failed_floor=floor, **risk.readings)

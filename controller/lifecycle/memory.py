@@ -23,22 +23,59 @@ class MemoryRisk:
     readings: dict[str, Any] = field(default_factory=dict)
 
 
+VLLM_FREE_SHARE = 0.5
+"""On a GPU the margin is at most this share of what vLLM leaves free (``gpu_margin_bytes``)."""
+
+
+def sizing_utilization(knob: str, settings: dict[str, Any]) -> float | None:
+    """The ``gpu_memory_utilization`` that sizes the engine, or None where another knob does (with
+    ``kv_cache_memory_bytes`` set, vLLM takes the weights, that cache and the activations only)."""
+    value = settings.get("gpu_memory_utilization") if knob == "gpu_memory_utilization" else None
+    return float(value) if value else None
+
+
+def gpu_margin_bytes(
+    s: GuardSettings, total_bytes: int, util: float | None = None, free_at_start: int | None = None
+) -> int:
+    """The free GPU memory below which the engine is at risk: ``gpu_free_margin_bytes`` or
+    ``gpu_free_margin_fraction`` of the total, and, at a ``util`` in force, at most
+    ``VLLM_FREE_SHARE`` of what vLLM leaves free. vLLM takes util x total at start (its CUDA-graph
+    estimate included) beside the CUDA contexts it made before it measured, so NVML's free memory is
+    then at most (1 - util) x total and at most ``free_at_start``, the first reading at that util:
+    at util 0.97 the fixed margin (3 % of the total) sat above it and the guard restarted the
+    engine seconds after its start. The margin trips when co-tenants took half of what was left."""
+    margin = max(s.gpu_free_margin_bytes, int(s.gpu_free_margin_fraction * total_bytes))
+    if util is None:
+        return margin
+    left = (1.0 - util) * total_bytes
+    if free_at_start is not None:
+        left = min(left, free_at_start)
+    return min(margin, int(VLLM_FREE_SHARE * max(left, 0.0)))
+
+
 class MemoryWatch:
-    """Counts consecutive risky samples; pure apart from its counter."""
+    """Counts consecutive risky samples, and keeps the first GPU reading at each utilization in
+    force; pure apart from those."""
 
     def __init__(self, s: GuardSettings) -> None:
         self.s = s
         self.streak = 0
+        self.free_at_start: tuple[float, int] | None = None
+        """The utilization in force and the free GPU memory first read at it."""
 
-    def _risk(self, obs: Observation) -> MemoryRisk | None:
+    def _risk(self, obs: Observation, util: float | None) -> MemoryRisk | None:
         s = self.s
         if obs.gpu_memory_free_bytes is not None and obs.gpu_memory_total_bytes:
-            need = max(s.gpu_free_margin_bytes, int(s.gpu_free_margin_fraction * obs.gpu_memory_total_bytes))
+            if util is not None and (self.free_at_start is None or self.free_at_start[0] != util):
+                self.free_at_start = (util, obs.gpu_memory_free_bytes)
+            start = self.free_at_start[1] if util is not None and self.free_at_start else None
+            need = gpu_margin_bytes(s, obs.gpu_memory_total_bytes, util, start)
             if obs.gpu_memory_free_bytes < need:
                 readings = {
                     "gpu_free_bytes": obs.gpu_memory_free_bytes,
                     "gpu_total_bytes": obs.gpu_memory_total_bytes,
                     "margin_bytes": need,
+                    "gpu_memory_utilization": util,
                 }
                 return MemoryRisk("gpu_memory_low", need - obs.gpu_memory_free_bytes, readings)
             return None
@@ -48,9 +85,10 @@ class MemoryWatch:
             return MemoryRisk("host_memory_low", s.host_available_margin_bytes - avail, readings)
         return None
 
-    def observe(self, obs: Observation) -> MemoryRisk | None:
-        """A risk once ``consecutive_samples`` risky samples in a row were seen, else None."""
-        risk = self._risk(obs)
+    def observe(self, obs: Observation, util: float | None = None) -> MemoryRisk | None:
+        """A risk once ``consecutive_samples`` risky samples in a row were seen, else None; ``util``:
+        the ``gpu_memory_utilization`` sizing the engine (``sizing_utilization``), if any."""
+        risk = self._risk(obs, util)
         self.streak = self.streak + 1 if risk else 0
         if risk and self.streak >= self.s.consecutive_samples:
             self.streak = 0
