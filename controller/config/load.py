@@ -461,7 +461,10 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
         local = path.parent / engine["model"]
         if local.exists() or engine["model"].startswith((".", "models/")):
             engine["model"] = str(local.resolve())
-    engine.setdefault("max_num_seqs", 256)
+    if "max_num_seqs" not in engine:  # vllm serve's default on this host (vLLM's own resolution)
+        from controller.engine.runtime.args import serve_max_num_seqs
+
+        engine["max_num_seqs"] = serve_max_num_seqs(engine)
     restart_on_reload = engine.pop("restart_on_reload", False)  # ours, not a vLLM argument
     if not isinstance(restart_on_reload, bool):
         errors.append(f"[engine] restart_on_reload = {restart_on_reload!r}: must be true or false")

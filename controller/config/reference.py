@@ -55,7 +55,7 @@ ENGINE_KEYS: tuple[tuple[str, str, str, str], ...] = (
     ("`model`", "required", "restart", "a model path or Hugging Face name"),
     (
         "`max_num_seqs`",
-        "`256` (vLLM's)",
+        "`vllm serve`'s: 1024 on an H100/H200-class GPU, 256 on a smaller one, 128 per CPU rank",
         "restart",
         "the hard ceiling of the batch cap; it sizes vLLM's buffers",
     ),

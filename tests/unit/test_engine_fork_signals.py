@@ -116,7 +116,7 @@ def test_each_engine_build_asks_for_spawn_before_vllm_reads_its_config(
     seen: list[str | None] = []
 
     class FakeEngineArgs:
-        def create_engine_config(self) -> None:
+        def create_engine_config(self, usage_context: Any = None) -> None:
             seen.append(os.environ.get(START_METHOD_ENV))
             raise BuildStarted
 

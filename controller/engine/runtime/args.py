@@ -11,10 +11,13 @@ import dataclasses
 import difflib
 import functools
 import json
+import types
 from typing import Annotated, Any, NoReturn
 
 import structlog
+from vllm.config import SchedulerConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.usage.usage_lib import UsageContext
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from controller.engine.runtime.dtype import platform_dtype
@@ -27,6 +30,11 @@ _RESERVED = {
     "scheduler_cls": "the daemon installs its own scheduler subclass for the runtime batch cap",
     "max_num_active_seqs": "the batch cap is the daemon's to move; set [control] and max_num_seqs",
 }
+SERVE_USAGE = UsageContext.OPENAI_API_SERVER
+"""The usage context ``vllm serve`` builds its engine in (``entrypoints/launchers/api_server``): it
+picks vLLM's defaults of ``max_num_batched_tokens`` and ``max_num_seqs`` for the platform (8192 and
+1024 on an H100/H200-class GPU, 16384 from 160 GB), where the default context takes 2048 and 128."""
+
 _SERVER_OWNED = {"host", "port", "model", "model_tag", "headless", "api_server_count", "config"}
 
 
@@ -233,3 +241,33 @@ def engine_args(args: argparse.Namespace) -> AsyncEngineArgs:
     eargs.dtype = choice.dtype
     log.info("engine_dtype", dtype=choice.dtype, reason=choice.reason)
     return eargs
+
+
+_BATCH_DEFAULT_KEYS = (
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "performance_mode",
+    "max_num_batched_tokens",
+    "enable_chunked_prefill",
+)
+"""The [engine] keys vLLM's default of ``max_num_seqs`` depends on."""
+
+
+def serve_max_num_seqs(engine: dict[str, Any]) -> int:
+    """The ``max_num_seqs`` ``vllm serve`` takes on this host when none is given, by vLLM's own
+    resolution (``EngineArgs._set_default_max_num_seqs_and_batched_tokens_args`` in ``SERVE_USAGE``):
+    1024 on an H100/H200-class GPU, 256 on a smaller one, 128 per rank on a CPU, doubled in the
+    throughput performance mode, never above the token budget. The daemon needs it at config load,
+    before any engine (the batch cap's ceiling); the model's length does not move it."""
+    eargs = AsyncEngineArgs()
+    for key in _BATCH_DEFAULT_KEYS:
+        if engine.get(key) is not None:
+            setattr(eargs, key, engine[key])
+    model = types.SimpleNamespace(max_model_len=1 << 30, is_multimodal_model=False, is_mm_prefix_lm=False)
+    try:
+        eargs._set_default_max_num_seqs_and_batched_tokens_args(
+            SERVE_USAGE, model, types.SimpleNamespace(use_batched_dp_moe=False)
+        )
+    except (TypeError, ValueError):  # a value of the wrong type: the table's checks name it
+        return int(SchedulerConfig.DEFAULT_MAX_NUM_SEQS)
+    return int(eargs.max_num_seqs)

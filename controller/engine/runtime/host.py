@@ -35,7 +35,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from controller.clock import Clock, monotonic
 from controller.control.actuator import TOKEN_BUDGET_MIN, token_budget_bounds
 from controller.control.steps import EngineStep, StepCost, StepFeed
-from controller.engine.runtime.args import engine_args
+from controller.engine.runtime.args import SERVE_USAGE, engine_args
 from controller.engine.runtime.builds import build_in_thread
 from controller.engine.runtime.calls import CALL_DEADLINE_MIN_S, EngineCalls
 from controller.engine.runtime.dtype import dtype_settings
@@ -163,7 +163,7 @@ class EngineHost:
     def _build(self, args: argparse.Namespace) -> AsyncLLM:
         spawn_engine_processes()  # before vLLM reads it: a forked engine reaches the daemon's signals
         eargs = engine_args(args)
-        vllm_config = eargs.create_engine_config()
+        vllm_config = eargs.create_engine_config(SERVE_USAGE)  # vllm serve's defaults for this platform
         # Match vLLM's own choice (async scheduling or not) with our capped subclass of it.
         got = bool(vllm_config.scheduler_config.async_scheduling)
         eargs.scheduler_cls = scheduler_path(got)
@@ -174,7 +174,7 @@ class EngineHost:
         if self.poll_sleep_s and (problem := plugin_problem()):
             log.warning("engine_poll_sleep_ignored", reason=problem)
         stat_logger = stat_logger_factory(self._steps, self.outcomes)
-        return AsyncLLM.from_engine_args(eargs, stat_loggers=[stat_logger])
+        return AsyncLLM.from_engine_args(eargs, usage_context=SERVE_USAGE, stat_loggers=[stat_logger])
 
     async def start(self) -> None:
         """Build the engine in a worker thread (~13 s on the CPU) so the event loop keeps serving."""
