@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import time
 import urllib.parse
 from collections.abc import Callable
@@ -274,7 +275,14 @@ def _shm_orphans(before: set[str]) -> list[str]:
     return sorted(new - _held_files()) if new else []
 
 
+def _interrupted(signum: int, _frame: object) -> None:
+    """SIGTERM (a ``timeout`` around the bench, a CI job's end) unwinds as Ctrl-C does, so the daemon
+    the run started is stopped with it rather than left serving on its own."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, _interrupted)
     base = base_config(args)
     base["guard"] = {**CHAOS_GUARD, **(base.get("guard") or {})}
     spec = ServerSpec("chaos", "daemon", base["engine"])
