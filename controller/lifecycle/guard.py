@@ -21,7 +21,11 @@ engine, so it moves only on out-of-memory risk and only downward; an operator ra
   ``MemoryRestarts`` (``memory.py``) holds the decision, the cooldown, the floor and the back-off
   in one place, for ``kv_cache_memory_bytes`` and ``gpu_memory_utilization`` alike. The failed
   value becomes the floor (no later shrink goes to it or below), and memory readings are ignored
-  for ``cooldown_s`` after any restart, doubled at each failure in a row up to an hour.
+  for ``cooldown_s`` after any restart, doubled at each failure in a row up to an hour. On a GPU a
+  value that failed with no engine left and less free memory than it asks (vLLM's start check: a
+  co-tenant took what the old engine freed) was too large, not too small: no floor, the same
+  back-off, and recovery builds at what the free memory holds (``MemoryRestarts.too_large``), where
+  the settings that built last would fail the same check until the crash budget was spent.
 * Liveness (``liveness.py``): an engine with requests inside and no step for ``stall_timeout_s`` is
   recovered like a crash. While no engine can serve, new requests get 503 with Retry-After (queued
   ones keep their place, for at most ``max_restart_wait_s`` beyond their queue deadline).
@@ -57,6 +61,7 @@ from controller.lifecycle.memory import (
     GuardSettings,
     MemoryRestarts,
     MemoryWatch,
+    fitting_utilization,
     shrink,
     sizing_utilization,
 )
@@ -138,6 +143,7 @@ class Guard:
         oom_kills: Callable[[], int | None] = read_oom_kills,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         last_step_age: Callable[[], float | None] = lambda: None,
+        gpu_free: Callable[[], tuple[int, int] | None] = lambda: None,
     ) -> None:
         self.s = settings
         self.gate = gate
@@ -145,6 +151,8 @@ class Guard:
         self.memory = MemoryWatch(settings)
         self.stall = StallWatch(settings.stall_timeout_s)
         self._last_step_age = last_step_age
+        self._gpu_free = gpu_free
+        """The free and total bytes of the engine's tightest GPU now (NVML), None without one."""
         """Seconds since the engine's last step (the stat logger's): the liveness signal."""
         self._failure_reason: str | None = None
         """Why a live engine was counted as failed (a stall), for recovery's reason label."""
@@ -254,14 +262,39 @@ class Guard:
             log.error("engine_restart_failed", reason=reason, error=f"{type(exc).__name__}: {exc}")
             knob = self.engine.memory_knob
             if reason in MEMORY_REASONS and knob in overrides:
-                wait = self.memory_restarts.failed(self._clock(), knob, overrides[knob])
-                log.warning(
-                    "memory_restart_backoff", reason="build_failed", floor=overrides[knob], wait_s=wait
-                )
+                self._memory_build_failed(knob, overrides[knob])
         if not self.engine.dead or self.unavailable_reason is not None:
             self.gate.resume()
         else:
             self._dead_noticed.set()
+
+    def _memory_build_failed(self, knob: str, value: Any) -> None:
+        """A smaller memory setting did not build. With no engine left on a GPU whose free memory is
+        below it (vLLM refuses to start below util x total free: a co-tenant holds the memory), it
+        was too large, not too small: recovery builds at what the free memory holds, where the
+        settings that built last would fail the same check. Else the value is the floor."""
+        reading = self._gpu_free() if knob == "gpu_memory_utilization" and self.engine.dead else None
+        if reading is not None and reading[0] < float(value) * reading[1]:
+            fit = fitting_utilization(self.s, *reading)
+            wait = self.memory_restarts.too_large(self._clock(), knob, value, fit)
+            log.warning("memory_restart_backoff", reason="free_memory_below_setting", retry=fit, wait_s=wait)
+            return
+        wait = self.memory_restarts.failed(self._clock(), knob, value)
+        log.warning("memory_restart_backoff", reason="build_failed", floor=value, wait_s=wait)
+
+    def _recovery_overrides(self, oom: bool) -> dict[str, Any]:
+        """What a rebuild changes: a smaller setting after the kernel's OOM killer; after a memory
+        restart the free GPU memory could not hold, what it holds now (``MemoryRestarts.retry``)."""
+        knob, settings = self.engine.memory_knob, self.engine.memory_settings()
+        if oom:
+            return shrink(settings, knob, 0, self.s) or {}
+        retry = self.memory_restarts.retry
+        if retry is None:
+            return {}
+        reading = self._gpu_free()
+        if reading is not None and knob in retry:
+            return {knob: min(retry[knob], fitting_utilization(self.s, *reading))}
+        return dict(retry)
 
     def _budget_left(self) -> int:
         horizon = self._clock() - 3600.0
@@ -287,8 +320,7 @@ class Guard:
                 return
             oom_now = self._oom_kills()
             oom = self._oom_baseline is not None and oom_now is not None and oom_now > self._oom_baseline
-            knob = self.engine.memory_knob
-            overrides = (shrink(self.engine.memory_settings(), knob, 0, self.s) or {}) if oom else {}
+            overrides = self._recovery_overrides(oom)
             reason = "oom_killed" if oom else (self._failure_reason or "engine_died")
             delay = self._backoff_s()
             build_s = self.last_restart["duration_s"] if self.last_restart else 0.0

@@ -5,6 +5,7 @@ go (``MemoryRestarts``). The guard (``guard.py``) acts on it; one mechanism for 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +52,14 @@ def gpu_margin_bytes(
     if free_at_start is not None:
         left = min(left, free_at_start)
     return min(margin, int(VLLM_FREE_SHARE * max(left, 0.0)))
+
+
+def fitting_utilization(s: GuardSettings, free_bytes: int, total_bytes: int) -> float:
+    """The largest ``gpu_memory_utilization`` vLLM's start check passes with ``free_bytes`` free (it
+    refuses to start below util x total free, ``vllm/v1/worker/utils.request_memory``), less the
+    guard's margin for the CUDA contexts made before vLLM measures; never below the floor."""
+    fit = (free_bytes - gpu_margin_bytes(s, total_bytes)) / total_bytes if total_bytes else 0.0
+    return max(s.min_gpu_memory_utilization, math.floor(fit * 10_000) / 10_000)
 
 
 class MemoryWatch:
@@ -128,6 +137,8 @@ class MemoryRestarts:
       no value is left between them (``at_floor``).
     * ``built(now)`` / ``failed(now, knob, value)``: the outcome of a restart. After ``failed``, the
       wait is ``cooldown_s * 2**failures`` (failures in a row), up to ``MEMORY_BACKOFF_MAX_S``.
+    * ``too_large(now, knob, value, fit)``: a GPU setting the free memory could not hold (too large,
+      not too small): no floor, the same back-off, and the next build takes ``fit`` (``retry``).
     """
 
     def __init__(self, s: GuardSettings) -> None:
@@ -138,6 +149,9 @@ class MemoryRestarts:
         """Memory restarts that failed to build, in a row."""
         self.failed_floor: dict[str, float] = {}
         """Per knob, the largest value that failed to build: later shrinks stay above it."""
+        self.retry: dict[str, float] | None = None
+        """The setting the next build takes after one the free GPU memory could not hold
+        (``too_large``); cleared by a build that succeeds."""
 
     def hold(self, now_mono: float) -> str | None:
         if self.until_mono is None or now_mono >= self.until_mono:
@@ -158,11 +172,22 @@ class MemoryRestarts:
 
     def built(self, now_mono: float) -> None:
         self.failures = 0
+        self.retry = None
         self.until_mono = now_mono + self.s.cooldown_s
 
     def failed(self, now_mono: float, knob: str, value: float) -> float:
         """Remember a setting that did not build; returns the wait before the next memory restart."""
         self.failed_floor[knob] = max(float(value), self.failed_floor.get(knob, float("-inf")))
+        return self._back_off(now_mono)
+
+    def too_large(self, now_mono: float, knob: str, value: float, fit: float) -> float:
+        """A GPU setting that did not build because the free memory could not hold it (a co-tenant
+        holds it): not a floor, as a smaller one may build; the next build takes ``fit``, after the
+        same back-off as ``failed``. Returns the wait."""
+        self.retry = {knob: min(fit, float(value))}
+        return self._back_off(now_mono)
+
+    def _back_off(self, now_mono: float) -> float:
         self.failures += 1
         wait = float(min(MEMORY_BACKOFF_MAX_S, self.s.cooldown_s * 2**self.failures))
         self.until_mono = now_mono + wait

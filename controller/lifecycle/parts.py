@@ -140,7 +140,14 @@ def build_parts(
     )
     host, gate, window, loop = core.engine, core.gate, core.window, core.loop
     host.outcomes = metrics.outcomes  # each finished request judged against [slo] (control/outcomes.py)
-    guard = Guard(config.guard, gate, host, metrics.count_restart, last_step_age=window.last_step_age_s)
+    guard = Guard(
+        config.guard,
+        gate,
+        host,
+        metrics.count_restart,
+        last_step_age=window.last_step_age_s,
+        gpu_free=lambda: (r.free_bytes, r.total_bytes) if (r := gpu.read()) is not None else None,
+    )
     diagnoser, tasks = Diagnoser(), BackgroundTasks()
     for subscriber in (diagnoser.on_tick, watch_memory(guard, tasks), metrics.count_decisions):
         loop.subscribe(subscriber)
