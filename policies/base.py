@@ -89,7 +89,7 @@ class Observation:
     refused_total: int = 0
     """Requests refused with a 429 since the start (the same ledger): each one a request lost."""
     answer_tokens: float | None = None
-    """Output tokens of a short answer among those served lately (their first quartile,
+    """Output tokens of a short answer among those served lately (their 10th percentile,
     ``control/outcomes.OutcomeLedger.answer_tokens``): what one prefill chunk's step is shared over in
     vLLM's TPOT, a request's mean time per output token. None before enough were served."""
     asked_prefill_per_decode: float | None = None

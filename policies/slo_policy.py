@@ -364,19 +364,22 @@ class SloPolicy(Policy):
         vLLM's TPOT (the one ``--goodput`` judges) is a request's mean, ``(e2e - TTFT) / (tokens -
         1)``: a step that carries a chunk of ``C`` prefill tokens is paid once and shared over the
         answer. Over an answer of ``L`` tokens (``obs.answer_tokens``: a short one) about one request
-        joins per running one, ``J = min(D, L - 1)`` chunks, so each may take ``(tau - decode step) *
-        (L - 1) / J``: ``D`` times the per-step chunk where answers are long and the batch small (a CPU,
-        where a per-step budget of 30 tokens prefilled a 500-token prompt over 17 steps and its TTFT
-        missed), the per-step bound where every step of the answer carries one. Before answers are
+        joins per running one, and every one waiting in the engine (``W``) joins too, ``J = min(D + W,
+        L - 1)`` chunks, so each may take ``(tau - decode step) * (L - 1) / J``: several times the
+        per-step chunk where answers are long and the batch small (a CPU, where a per-step budget of
+        30 tokens prefilled a 500-token prompt over 17 steps and its TTFT missed), the per-step bound
+        where every step of the answer carries one. Before answers are
         known ``L`` is 2: the per-step bound. How much prefill the engine runs over a request's life,
         its mean step, is the concurrency's to bound (``_concurrency``)."""
         d = obs.running
         decode_s = cost.a_s + (cost.c_s_per_decode_seq + cost.d_s_per_kv_token * k) * d
         b = cost.b_s_per_prefill_token
         answer = max(2.0, obs.answer_tokens or 2.0)
-        # in steady state one request joins per running one over an answer: its steps carry that
-        # many chunks, at most one each
-        joins = max(1, min(d, math.floor(answer - 1)))
+        # over an answer one request joins per running one (steady state) and each waiting in the
+        # engine joins too: its steps carry that many chunks, at most one each (a queue of long
+        # prompts, the code trace's, puts one in every step: the per-step bound)
+        waiting = max(0, obs.in_flight - d)
+        joins = max(1, min(d + waiting, math.floor(answer - 1)))
         slack = (tau - decode_s) * (answer - 1)  # what the chunks of an answer's life may add to it
         chunk = obs.max_num_batched_tokens if b <= 0 else math.floor(slack / (b * joins))
         floor = max(d, min(cap, self.max_num_seqs)) + reserve

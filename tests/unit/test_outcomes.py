@@ -288,7 +288,7 @@ def test_the_answer_lengths_are_a_short_answers_served_else_the_max_tokens_asked
     assert ledger.answer_tokens() is None
     for i, asked in enumerate((100, 200, 300, 400)):
         ledger.started(f"r{i}", "batch", before_engine_s=0.0, max_tokens=asked)
-    assert ledger.answer_tokens() == 100  # the first quartile of what was asked, nothing served yet
+    assert ledger.answer_tokens() == 100  # the 10th percentile of what was asked, nothing served yet
     for i in range(4):
         ledger.served(f"r{i}", engine_ttft_s=0.1, tpot_s=0.01, output_tokens=10 * (i + 1))
     assert ledger.answer_tokens() == 100  # 4 served < 10
@@ -296,8 +296,8 @@ def test_the_answer_lengths_are_a_short_answers_served_else_the_max_tokens_asked
         ledger.started(f"s{i}", "batch", before_engine_s=0.0, max_tokens=500)
         ledger.served(f"s{i}", engine_ttft_s=0.1, tpot_s=0.01, output_tokens=50 + i)
     ledger.served("failed", engine_ttft_s=0.1, tpot_s=None, error=True, output_tokens=1)  # not an answer
-    # served: 10, 20, 30, 40, 50..57: nearest rank of the 25th percentile of 12 is the 3rd
-    assert ledger.answer_tokens() == 30
+    # served: 10, 20, 30, 40, 50..57: nearest rank of the 10th percentile of 12 is the 2nd
+    assert ledger.answer_tokens() == 20
 
 
 def test_the_asked_mix_counts_every_prompt_token_over_max_tokens() -> None:

@@ -327,6 +327,9 @@ def test_the_budget_shares_a_chunk_over_a_short_answer_as_vllms_mean_tpot_does()
     d = policy().decide(loaded(answer_tokens=11.0), 100.0)
     # 20 running: each of the answer's 10 steps may carry a chunk, so the per-step bound holds
     assert d.token_budget == 1256
+    # 4 more wait inside the engine: each joins too, a chunk in each of the answer's 4 steps
+    queued = policy().decide(loaded(running=2, in_flight=6, answer_tokens=5.0), 100.0)
+    assert queued.token_budget == 2 + 1320  # floor(39.62 ms * 4 / (30 us * 4)): the per-step bound
     long = policy().decide(loaded(running=2, in_flight=2, answer_tokens=200.0), 100.0)
     assert long.token_budget == 8192  # past the engine's max_num_batched_tokens: that
 
