@@ -73,6 +73,15 @@ def policy_errors(engine: dict[str, Any], tables: dict[str, Any], slo: SloTarget
     return []
 
 
+def kv_floor_need(engine: dict[str, Any], folder: Path) -> int | None:
+    """Bytes of one ``max_model_len`` sequence of the model's KV cache, where [engine] sets
+    kv_cache_memory_bytes and the model's ``config.json`` is here (``kv_floor_errors``); else None."""
+    if not engine.get("kv_cache_memory_bytes"):
+        return None
+    shape = kv_shape(engine, folder)
+    return None if shape is None else shape[0] * shape[1]
+
+
 def kv_floor_errors(engine: dict[str, Any], guard: Any, folder: Path) -> list[str]:
     """[guard] min_kv_cache_memory_bytes must hold one ``max_model_len`` sequence of the model's KV
     cache: vLLM refuses to build a smaller one, so a memory restart down to the floor would fail each

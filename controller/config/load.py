@@ -22,7 +22,13 @@ from controller.admission.classes import (
     PriorityClass,
     parse_classes,
 )
-from controller.config.checks import cross_table_errors, kv_floor_errors, policy_errors, server_option_errors
+from controller.config.checks import (
+    cross_table_errors,
+    kv_floor_errors,
+    kv_floor_need,
+    policy_errors,
+    server_option_errors,
+)
 from controller.config.fields import check_value as _check_value
 from controller.config.fields import doc_field as _f
 from controller.config.fields import non_finite_errors
@@ -485,6 +491,13 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
     errors.extend(server_option_errors(tables["server"].vllm, own_server_keys))
     if not errors:
         errors.extend(cross_table_errors(engine, tables))
+        need = kv_floor_need(engine, path.parent)
+        floor = tables["guard"].min_kv_cache_memory_bytes
+        if need is not None and floor < need and "min_kv_cache_memory_bytes" not in _table(data, "guard"):
+            # the default floor, not the operator's: raised to what vLLM can build, so that `serve
+            # MODEL --kv-cache-memory-bytes N` starts with no [guard] table (only a value set below
+            # one sequence is an error)
+            tables["guard"] = dataclasses.replace(tables["guard"], min_kv_cache_memory_bytes=need)
         errors.extend(kv_floor_errors(engine, tables["guard"], path.parent))
     if not errors:
         errors.extend(policy_errors(engine, tables, slo))

@@ -66,3 +66,13 @@ def test_a_sliding_window_model_is_not_held_to_a_full_sequence(tmp_path: Path) -
 
 def test_the_shipped_config_holds_its_models_sequence() -> None:
     assert load_config(Path(__file__).parents[2] / "config.toml").guard.min_kv_cache_memory_bytes >= NEED_2048
+
+
+def test_without_a_guard_floor_set_the_default_is_raised_to_one_sequence(tmp_path: Path) -> None:
+    """`vllm-autopilot serve MODEL --kv-cache-memory-bytes N` has no [guard] table: the default
+    16 MiB floor, below SmolLM2's 45 MiB sequence, refused the drop-in at start. Only a floor the
+    operator set is an error; the default is raised to what vLLM can build."""
+    path = write_config(
+        tmp_path / "config.toml", engine={"model": str(model_folder(tmp_path)), "max_model_len": 2048}
+    )
+    assert load_config(path).guard.min_kv_cache_memory_bytes == NEED_2048
