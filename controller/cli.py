@@ -1,4 +1,4 @@
-"""``vllm-autopilot``: serve, check-config, make-model, simulate, bench.
+"""``vllm-autopilot``: serve, check-config, make-model, gpu-check, simulate, bench.
 
 Each subcommand's parser names its handler with ``set_defaults(func=...)``; ``main`` only calls it,
 except ``serve``, whose options ``main`` hands to vLLM's own serve parser (config/cli_layer.py).
@@ -15,6 +15,7 @@ from pathlib import Path
 import structlog
 
 from controller.bench.cli import add_bench_commands, bench_main
+from controller.bench.gpucheck import add_gpu_check_parser
 from controller.config.cli_layer import serve_config
 from controller.config.load import DEFAULT_CONFIG, Config, ConfigError, describe, load_config
 from controller.engine.runtime.heap import DAEMON_ARENAS, cap_malloc_arenas
@@ -76,6 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     check.set_defaults(func=_check_config)
     add_model_parser(sub)
+    add_gpu_check_parser(sub)
     add_simulate_parser(sub)
     bench = sub.add_parser("bench", help="benchmark and tune: run, sweep, compare, soak, report, calibrate")
     bench.set_defaults(func=bench_main)  # calibrate and validate set their own
