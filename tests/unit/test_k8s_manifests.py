@@ -312,13 +312,14 @@ def test_the_data_plane_key_comes_from_a_secret() -> None:
     assert "api_key" not in tomllib.loads(_config_text()).get("server", {})
 
 
-def test_liveness_is_the_probe_that_fails_once_the_restart_budget_is_spent() -> None:
+def test_liveness_is_the_probe_that_fails_once_the_restart_budget_is_spent_or_the_loop_stalls() -> None:
     liveness = _container()["livenessProbe"]
     assert liveness["httpGet"] == {"path": "/livez", "port": "metrics"}
     app = make_admin_app(CollectorRegistry(), dict, lambda: (True, "serving"), _no_reload)
     routes = {(r.method, r.resource.canonical) for r in app.router.routes() if r.resource is not None}
     assert ("GET", "/livez") in routes
-    assert {"restart_budget_spent"} == BEYOND_RECOVERY
+    # a stalled control loop is the signal the systemd watchdog acts on: the kubelet's too
+    assert {"restart_budget_spent", "control_loop_stalled"} == BEYOND_RECOVERY
     # the kubelet restarts such a pod within a minute
     assert liveness["periodSeconds"] * liveness["failureThreshold"] == 60
 
