@@ -55,6 +55,9 @@ it); a hung engine is found after 20 s rather than the default 60 (no step of a 
 takes 20 s). A ``[guard]`` table of the config wins."""
 SAMPLE_S = 2.0
 """Seconds between two samples of the daemon (memory, files, threads, ticks)."""
+SHM_GRACE_S = 10.0
+"""How long after the daemon exited a /dev/shm file it left may still be unlinked by its resource
+tracker before it counts as orphaned."""
 FINAL_WAIT_S = 120.0
 """How long the last request waits for ``/healthz`` to say the daemon serves (each fault has ended,
 its rebuild included, when the load stops); then it is sent all the same."""
@@ -268,11 +271,21 @@ def _held_files() -> set[str]:
     return held
 
 
-def _shm_orphans(before: set[str]) -> list[str]:
+def _unheld(before: set[str]) -> set[str]:
+    new = {str(SHM / n) for n in os.listdir(SHM)} - before
+    return new - _held_files() if new else set()
+
+
+def _shm_orphans(before: set[str], grace_s: float = SHM_GRACE_S) -> list[str]:
+    """The /dev/shm files that appeared since ``before`` and that no process holds ``grace_s`` after
+    the daemon exited: its multiprocessing resource tracker (a process of its own) unlinks what
+    vLLM's engines left registered a moment after the daemon itself is gone."""
     if not SHM.is_dir():
         return []
-    new = {str(SHM / n) for n in os.listdir(SHM)} - before
-    return sorted(new - _held_files()) if new else []
+    deadline = time.monotonic() + grace_s
+    while (left := _unheld(before)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return sorted(left)
 
 
 def _interrupted(signum: int, _frame: object) -> None:
