@@ -36,7 +36,7 @@ def test_every_invariant_holds_through_every_fault(tmp_path: Path, tiny_model: P
     argv = [sys.executable, "-m", "controller", "bench", "chaos", "--config", str(config), "--out", str(out),
             "--duration", "90", "--fault-every", "4", "--rate", "2", "--warmup", "20",
             "--hostile-every", "4", "--hostile-hold", "60", "--probe-every", "1",
-            "--recovery-timeout", "120"]  # fmt: skip
+            "--recovery-timeout", "300"]  # fmt: skip
     run = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=840)
     report = json.loads((out / "chaos.json").read_text())
     assert run.returncode == 0, f"{report['reasons']}\n{run.stdout[-4000:]}\n{run.stderr[-2000:]}"
