@@ -23,19 +23,34 @@ class Sink:
     def __init__(self) -> None:
         self.reports: list[tuple[str, float, float | None, bool]] = []
         self.first_tokens: dict[str, float] = {}
+        self.asked: dict[str, int | None] = {}
+        self.output_tokens: dict[str, int | None] = {}
 
     def started(
-        self, request_id: str, cls: str, before_engine_s: float, n: int = 1, ttft_s: float | None = None
+        self,
+        request_id: str,
+        cls: str,
+        before_engine_s: float,
+        n: int = 1,
+        ttft_s: float | None = None,
+        max_tokens: int | None = None,
+        prompt_tokens: int | None = None,
     ) -> None:
-        pass
+        self.asked[request_id] = max_tokens
 
     def first_token(self, request_id: str, engine_ttft_s: float) -> None:
         self.first_tokens[request_id] = engine_ttft_s
 
     def served(
-        self, request_id: str, engine_ttft_s: float, tpot_s: float | None, error: bool = False
+        self,
+        request_id: str,
+        engine_ttft_s: float,
+        tpot_s: float | None,
+        error: bool = False,
+        output_tokens: int | None = None,
     ) -> None:
         self.reports.append((request_id, engine_ttft_s, tpot_s, error))
+        self.output_tokens[request_id] = output_tokens
 
 
 async def test_each_finished_request_reaches_the_ledger_with_its_ttft_and_tpot(
@@ -60,3 +75,5 @@ async def test_each_finished_request_reaches_the_ledger_with_its_ttft_and_tpot(
         assert 0 < ttft < 30 and tpot is not None and 0 < tpot < 30
         # the engine client reported each one's first token too, by which the ledger judges the TTFT
         assert 0 < sink.first_tokens[request_id] <= ttft + 0.5
+        # the answer's length and what it asked for: the slo budget's short answers
+        assert sink.output_tokens[request_id] == TOKENS and sink.asked[request_id] == TOKENS
