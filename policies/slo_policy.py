@@ -188,6 +188,8 @@ class SloPolicy(Policy):
         """After a move, the served total at which the requests then in flight have ended: the
         next look counts only requests admitted under the new margin."""
         self._terms: dict[str, float] = {}
+        self._shared: tuple[float, int] = (2.0, 1)
+        """The last budget's short answer (tokens) and the chunks it shares (``_budget``)."""
 
     def decide(self, obs: Observation, now_mono: float) -> Decision:
         hold = self._hold_reason(obs)
@@ -215,6 +217,7 @@ class SloPolicy(Policy):
         self._margin_bound = self._margin_bound or binds
         limit, limit_why = self._limit(obs, runs)
         self._terms = {"tau_s": tau, "kv_tokens_per_seq": k, "cap": cap, "budget": budget, "limit": limit}
+        self._terms["answer_tokens"], self._terms["chunks_per_answer"] = self._shared
         self._terms["mean_margin"] = self.margin_live
         why = f"slo[{budget_why}; {cap_why}; {runs_why}; {margin_why}; {limit_why}]"
         return Decision(limit, cap, why, token_budget=budget)
@@ -380,6 +383,7 @@ class SloPolicy(Policy):
         # prompts, the code trace's, puts one in every step: the per-step bound)
         waiting = max(0, obs.in_flight - d)
         joins = max(1, min(d + waiting, math.floor(answer - 1)))
+        self._shared = (answer, joins)
         slack = (tau - decode_s) * (answer - 1)  # what the chunks of an answer's life may add to it
         chunk = obs.max_num_batched_tokens if b <= 0 else math.floor(slack / (b * joins))
         floor = max(d, min(cap, self.max_num_seqs)) + reserve
