@@ -208,7 +208,8 @@ class SloPolicy(Policy):
         margin_why = self._learn_margin(obs)
         runs, runs_why = self._concurrency(cost, k, cap, obs.asked_prefill_per_decode)
         # with no prefill mix known (a start) one runs: the margin bounds nothing yet
-        binds = runs < cap and (cost.prefill_per_decode or obs.asked_prefill_per_decode) is not None
+        known = cost.prefill_per_decode is not None or obs.asked_prefill_per_decode is not None
+        binds = runs < cap and known
         if binds and self._ever_bound is False:
             # the margin binds for the first time: those admitted before ran under the cap alone (at
             # a start, before the load's prefill mix is measured), so they do not judge the margin
