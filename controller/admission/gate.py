@@ -207,24 +207,23 @@ class AdmissionGate:
         bounded = ttft_bound_s is not None
         own_s = None if ttft_done else self.after_slot.own_s(prompt_tokens, arrived_mono, bounded)
         bound = self.ttft.bound_s(q.spec.name, ttft_bound_s)
-        correction = 0.0 if bound is None else self.ttft_check.correction_s(q.spec.name, bound)
-        if position > 0:
+        if position > 0:  # only an expected wait reads the correction (a sort of its samples)
+            correction = 0.0 if bound is None else self.ttft_check.correction_s(q.spec.name, bound)
             self._check_wait(q, position, own, n, own_s, ttft_bound_s, early, correction)
-        elif ttft_bound_s is not None and own_s is not None:
-            self._check_own_bound(q, n, ttft_bound_s, own_s)
+        elif ttft_bound_s is not None and own_s is not None and bound is not None:
+            self._check_own_bound(q, n, bound, own_s)
         q.pending.extend([self._clock()] * calls)
         if bound is None or own_s is None or later_call:
             return None
         rate = self.service_rate()
         return own_s + (position / rate if position > 0 and rate else 0.0)
 
-    def _check_own_bound(self, q: ClassQueue, n: int, asked_s: float, own_s: float) -> None:
-        """A request that names its own TTFT bound ``asked_s`` and finds a free slot is refused
-        where what it needs besides a wait (``own_s``: its prefill, the after-slot lag, the time
-        since it arrived) passes the bound it is held to: served, it would miss it for certain,
-        and the engine's time goes to no good request."""
-        bound = self.ttft.bound_s(q.spec.name, asked_s)
-        if bound is not None and own_s > bound and bound < (self.ttft.bound_s(q.spec.name) or math.inf):
+    def _check_own_bound(self, q: ClassQueue, n: int, bound: float, own_s: float) -> None:
+        """A request that names its own TTFT bound and finds a free slot is refused where what it
+        needs besides a wait (``own_s``: its prefill, the after-slot lag, the time since it arrived)
+        passes ``bound``, the one it is held to (``TtftBounds.bound_s``), tighter than its class's:
+        served, it would miss it for certain, and the engine's time goes to no good request."""
+        if own_s > bound and bound < (self.ttft.bound_s(q.spec.name) or math.inf):
             why = f"its first token needs {own_s:.2f}s, past its own TTFT bound of {bound:g}s"
             self._refuse(q, n, OWN_BOUND, 0, why)
 
