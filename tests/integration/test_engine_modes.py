@@ -122,21 +122,22 @@ async def prefill_beside_streams(
     """A long prompt's tokens and the engine's steps while it is served beside a decoding stream:
     ``streams`` of them first (one per engine, as the load-balancing client spreads them), and one
     more for each try whose prompt landed on an engine with none (the balancer reads the engines'
-    counts as they last reported them, so two streams sent at once can share an engine)."""
-    async with contextlib.AsyncExitStack() as stack:
-        for _ in range(streams):
-            await stack.enter_async_context(decoding_stream(s, d))
-        for _ in range(4):
+    counts as they last reported them, so two streams sent at once can share an engine). Each try
+    opens its streams afresh: a stream of an earlier try can end in the middle of the prompt's
+    prefill (make test saw chunks of 63, 63, 63 and then the rest, 411, alone)."""
+    for attempt in range(4):
+        async with contextlib.AsyncExitStack() as stack:
+            for _ in range(streams + attempt):
+                await stack.enter_async_context(decoding_stream(s, d))
             await d.parts.host.drain_steps()
             body = {"model": "tiny", "prompt": LONG_PROMPT, "max_tokens": 3, "ignore_eos": True}
             async with s.post(url(d, "/v1/completions"), json=body) as r:
                 assert r.status == 200, await r.text()
                 tokens = int((await r.json())["usage"]["prompt_tokens"])
             steps = [c for _, c in costs(await d.parts.host.drain_steps())]
-            if any(st.prefill_tokens and st.decode_seqs for st in steps):
-                break  # it shared a step with a stream: beside one
-            await stack.enter_async_context(decoding_stream(s, d))
-        return tokens, steps
+        if any(st.prefill_tokens and st.decode_seqs for st in steps):
+            break  # it shared a step with a stream: beside one
+    return tokens, steps
 
 
 async def generated_by_engine(d: Daemon, s: aiohttp.ClientSession) -> dict[str, float]:

@@ -89,6 +89,9 @@ class _Conn:
     how: str = "held"
     after_s: float | None = None
     sent: int = 0
+    answered: bool = False
+    """The daemon's status line arrived: the client stops writing (what it wrote after is not what
+    the daemon let in)."""
     ended: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -102,6 +105,7 @@ async def _watch(reader: asyncio.StreamReader, conn: _Conn, start: float) -> Non
     try:
         first = await reader.readline()
         if first.startswith(b"HTTP/"):
+            conn.answered = True
             how = " ".join(first.decode(errors="replace").split()[:2])
             with contextlib.suppress(ConnectionError, OSError):  # a reset after the answer is its end
                 while await reader.read(65536):  # the rest, until it closes
@@ -166,7 +170,7 @@ def _endless(limit_bytes: int) -> Send:
     async def send(writer: asyncio.StreamWriter, conn: _Conn) -> None:
         writer.write(b"GET /v1/models HTTP/1.1\r\nHost: chaos\r\nX-Endless: ")
         chunk = b"a" * (64 << 10)
-        while not conn.ended.is_set() and conn.sent < limit_bytes:
+        while not (conn.ended.is_set() or conn.answered) and conn.sent < limit_bytes:
             writer.write(chunk)
             await writer.drain()
             conn.sent += len(chunk)
