@@ -131,21 +131,6 @@ async def test_a_head_past_max_header_bytes_gets_431_before_it_ends(data_plane: 
     assert (await reply).startswith(b"HTTP/1.1 431 ")
 
 
-async def test_a_client_that_writes_on_after_its_431_is_cut_after_linger_bytes(data_plane: Plane) -> None:
-    # the endless header of ``bench chaos``: read at loopback speed for all of LINGER_S, 64 MiB and
-    # more went in after the 431; the linger now stops at LINGER_BYTES
-    _, writer = await connect(data_plane.port)
-    writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: ")
-    sent = 0
-    with contextlib.suppress(ConnectionError):
-        while sent < 256 << 20:
-            writer.write(b"a" * 65536)
-            await writer.drain()
-            sent += 65536
-    assert sent < 32 << 20, f"{sent >> 20} MiB went in after the head was refused"
-    writer.close()
-
-
 async def test_a_head_that_trickles_gets_408_at_the_header_deadline(data_plane: Plane) -> None:
     reader, writer = await connect(data_plane.port)
     writer.write(b"GET /health HTTP/1.1\r\n")  # a first byte in time; the rest never comes

@@ -16,7 +16,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from controller.bench.chaos.faults import FaultRecord, inject_faults, tick_count
-from controller.bench.chaos.hostile import HostileRecord
+from controller.bench.chaos.hostile import HostileRecord, _Conn, _endless
 from controller.bench.chaos.load import TTFT_HEADERS, ChaosOutcome, LoadShape, Sender
 from controller.bench.chaos.verdict import (
     ChaosVerdictLimits,
@@ -298,3 +298,27 @@ async def test_no_fault_is_waited_for_past_the_duration() -> None:
             raise AssertionError(f"{fault} injected past the duration")
 
     await asyncio.wait_for(inject_faults(Never(), 0.5, 1000.0), 1.0)  # type: ignore[arg-type]
+
+
+class _KernelTakesAll:
+    """A writer whose drain never waits: a loopback kernel that takes every byte (its buffers reach
+    36 MiB), as asyncio's drain() returns without yielding while the transport is not paused."""
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    async def drain(self) -> None:
+        pass
+
+
+async def test_the_endless_header_stops_at_the_daemons_answer() -> None:
+    # CI's soak counted 64 MiB "in" after the daemon's 431: the sender never yielded to the watcher
+    conn = _Conn()
+
+    async def answer() -> None:  # the watcher reads the 431 at its first turn
+        conn.answered = True
+        conn.ended.set()
+
+    sender = asyncio.create_task(_endless(64 << 20)(_KernelTakesAll(), conn))  # type: ignore[arg-type]
+    await asyncio.gather(answer(), sender)
+    assert conn.sent <= 2 * (64 << 10), conn.sent

@@ -174,6 +174,9 @@ def _endless(limit_bytes: int) -> Send:
             writer.write(chunk)
             await writer.drain()
             conn.sent += len(chunk)
+            # drain() returns without yielding while the kernel takes the bytes (loopback buffers
+            # reach 36 MiB): without a yield the watcher never read the 431, and 64 MiB were counted
+            await asyncio.sleep(0)
         await conn.ended.wait()  # the daemon must still end it
 
     return send

@@ -40,10 +40,6 @@ log = structlog.get_logger(__name__)
 LINGER_S = 2.0
 """How long a connection refused with 408 or 431 discards what its client still sends before it
 closes (``GuardedHttpTools._refuse``)."""
-LINGER_BYTES = 1 << 20
-"""... and how many bytes it discards before it closes at once: a client that never stops writing
-(an endless header) is not read at loopback speed for ``LINGER_S``; one that sent a whole request
-and waits for the answer sends far less."""
 
 
 class DataPlaneConfig(uvicorn.Config):
@@ -72,8 +68,6 @@ class GuardedHttpTools(HttpToolsProtocol):
         self.head_timer: asyncio.TimerHandle | None = None
         self.lingering = False
         """Refused with a status: what the client still sends is discarded until the close."""
-        self.discarded = 0
-        """Bytes discarded while lingering."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -96,12 +90,7 @@ class GuardedHttpTools(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self.lingering:
-            self.discarded += len(data)
-            if self.discarded > LINGER_BYTES and not self.transport.is_closing():
-                self.transport.abort()  # it keeps writing: it is not reading the status either
-            return
-        if self.transport.is_closing():
+        if self.lingering or self.transport.is_closing():
             return
         if self.head_bytes is not None:
             if self.head_bytes == 0:
@@ -163,9 +152,8 @@ class GuardedHttpTools(HttpToolsProtocol):
         progress (a pipelined head behind it) is cut instead, as a status would corrupt it.
 
         The close lingers (as nginx's ``lingering_close``): our side ends its writes and discards
-        what the client still sends for up to ``LINGER_S`` and ``LINGER_BYTES``. Closed at once, a
-        socket with unread bytes resets the connection, and the client's kernel drops the status
-        unread."""
+        what the client still sends for up to ``LINGER_S``. Closed at once, a socket with unread
+        bytes resets the connection, and the client's kernel drops the status unread."""
         if self.cycle is not None and not self.cycle.response_complete:
             self.transport.close()
             return
