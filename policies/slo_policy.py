@@ -85,7 +85,8 @@ class SloPolicy(Policy):
     binomial test: 4 of 50, not 2, since at 3 % two misses in fifty come in 45 % of the looks and a
     cut at each ratchets the margin down on noise) it is multiplied by ``margin_down``; below
     ``miss_low``, or with more
-    requests refused since that look (``refused_total``, and the queued misses) than missed, where it
+    requests refused since that look (``refused_total``, and the queued misses) than missed and a
+    share within ``miss_high`` (past it a raise overshoots, whatever the door lost), where it
     bounded the concurrency at some tick since that look (``runs`` below the cap: a larger margin
     would run more), by ``margin_up``; always within ``[mean_margin_min, mean_margin_max]``. Between
     the two it holds, and a look where the margin never bound what ran holds it either way (the cap
@@ -305,7 +306,7 @@ class SloPolicy(Policy):
         new, move = m, 0
         if beyond_chance(miss, seen, self.miss_high):
             move, said = -1, f"{said} > {self.miss_high:.0%} beyond chance"
-        elif share < self.miss_low or shed > miss:
+        elif share < self.miss_low or (shed > miss and share <= self.miss_high):
             # a refusal loses a request as surely as a miss does: while the gate refuses more than
             # the margin lets miss, a bolder margin (more running, a shorter queue) gains requests
             lost = f", fewer than the {shed} refused or late in the queue"

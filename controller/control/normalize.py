@@ -22,6 +22,11 @@ Move = tuple[str, int, int, str]
 
 KNOBS = ("admission_limit", "batch_cap", "token_budget")
 URGENT_REASONS = ("kv_critical", "preemptions")
+FIRST_MOVE_FREE = frozenset({"admission_limit", "batch_cap"})
+"""The knobs whose first move arms no reversal hold: it takes the concurrency from the engine's
+starting value to the policy's first estimate (the slo policy's slow start opens it from one), and
+the climb after it is that estimate growing, not churn. The token budget's first move is a halving
+step (``BUDGET_STEP_DOWN``) on its way down: an early ask to turn it back is held as any other."""
 BUDGET_STEP_UP = 1.0
 BUDGET_STEP_DOWN = 0.5
 """The token budget's rate limit, a fraction of the budget in force: at most double or halve it per
@@ -42,7 +47,8 @@ class Normalizer:
     3. reversal hold: a move against the knob's last move, sooner than ``reverse_after_s`` after it, is
        dropped (outcome ":reversal_held") unless it halves or doubles the knob (a large swing is a
        real change, not churn). A move is its direction at this stage (the stages after it only
-       shorten it) and when, kept for the next ticks.
+       shorten it) and when, kept for the next ticks; the first move of the admission limit or the
+       batch cap (since the start or a ``reset``) holds nothing back (``FIRST_MOVE_FREE``).
     4. scale-down stabilisation: a decrease goes only down to the highest recommendation of the last
        ``stabilization_s`` seconds (Kubernetes' scale-down window): suffix ":stabilized".
     5. rate limit: a move larger than ``max_step_up`` / ``max_step_down`` (the token budget:
@@ -171,7 +177,10 @@ class Normalizer:
         small = abs(want - current) <= 0.5 * max(want, current)
         if small and last is not None and last[0] != direction and now - last[1] < self.reverse_after_s:
             return True
-        self._last_move[knob] = (direction, now)
+        # a concurrency knob's first move: no churn to hold back (FIRST_MOVE_FREE). Armed, it held
+        # the slo policy's slow start at an admission limit of 3 for 30 s while its estimate rose to 6
+        first = last is None and knob in FIRST_MOVE_FREE
+        self._last_move[knob] = (direction, -math.inf if first else now)
         return False
 
     def _max_step(self, knob: str, up: bool, current: int) -> int | None:

@@ -82,6 +82,12 @@ class FitSettings:
 
     forgetting: float = 0.999
     """Weight of the past per step: the fit's memory is about 1 / (1 - forgetting) steps."""
+    mix_forgetting: float = 0.995
+    """The same for the load's mix (prefill per decode, KV per sequence): 200 steps, 10 s on a CPU.
+    A load's mix moves faster than the hardware's cost: over the fit's 1,000 steps a shared-prefix
+    load's cold start (its prefixes prefilled whole) weighed for a minute, and the slo policy ran
+    half the requests it could (in the twin: 10.2 prefill per decode at 7 s, 3.2 at 80 s). Over 200
+    steps the twin's H200 shared-prefix loads served 8-9 % more, the CPU's the same (three seeds)."""
     min_samples: int = 50
     """Steps taken in before the estimate is ready."""
     max_age_s: float = 60.0
@@ -143,10 +149,10 @@ class StepCostModel:
         """Moving mean of log(measured / predicted)^2, and how many steps it has seen."""
         self._recent: deque[tuple[float, float]] = deque(maxlen=self.settings.window)
         self._kv_sum = 0.0
-        """Sum of kv_tokens with the forgetting factor, over the steps of ``_mix``: over its decode
+        """Sum of kv_tokens with ``mix_forgetting``, over the steps of ``_mix``: over its decode
         seqs, the KV a step reads per sequence it decodes (``CostEstimate.kv_tokens_per_seq``)."""
         self._mix = (0.0, 0.0, 0.0)
-        """Sums of prefill tokens, decode seqs and steps, each with the forgetting factor
+        """Sums of prefill tokens, decode seqs and steps, each with ``mix_forgetting``
         (``CostEstimate.prefill_per_decode``)."""
         self._pace = (0.0, 0.0, 0.0)
         """Sums, with the forgetting factor, over the decoding steps since the fit was trusted: their
@@ -181,12 +187,12 @@ class StepCostModel:
             self._track(float(yi), float(pi), t_mono)
 
     def _track_batch(self, steps: Sequence[StepCost]) -> None:
-        """The KV read and the prefill/decode mix of the steps, as sums with the fit's forgetting
-        factor. KV per decoding sequence is a ratio of the sums, not a mean of each step's ratio: a
-        step that decodes one sequence beside three prompts reads four requests' KV, and its ratio
+        """The KV read and the prefill/decode mix of the steps, as sums with ``mix_forgetting``. KV
+        per decoding sequence is a ratio of the sums, not a mean of each step's ratio: a step that
+        decodes one sequence beside three prompts reads four requests' KV, and its ratio
         (about 4x a decode's) would weigh as much as a step of forty decodes (a mean of ratios read
         1,100-1,800 KV tokens a sequence on SmolLM2 where each held about 300)."""
-        lam = self.settings.forgetting
+        lam = self.settings.mix_forgetting
         for s in steps:
             p, d, n = self._mix
             self._mix = (lam * p + s.prefill_tokens, lam * d + s.decode_seqs, lam * n + 1.0)
@@ -314,7 +320,7 @@ class StepCostModel:
         )
 
     def _prefill_per_decode(self) -> float | None:
-        """Prefill tokens per decoded token over the fit's memory; None until it holds ``MIX_STEPS``
+        """Prefill tokens per decoded token over the mix's memory; None until it holds ``MIX_STEPS``
         steps or any decode."""
         p, d, n = self._mix
         return p / d if n >= MIX_STEPS and d > 0 else None

@@ -62,7 +62,7 @@ def plan(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> 
 def fit_steps(steps: Sequence[EngineStep]) -> tuple[tuple[float, float, float, float], float | None]:
     """The step-cost model fitted to ``steps`` alone (no forgetting, no prior), and its median
     relative error over them."""
-    model = StepCostModel(FitSettings(forgetting=1.0, max_rejects=len(steps) + 1))
+    model = StepCostModel(FitSettings(forgetting=1.0, mix_forgetting=1.0, max_rejects=len(steps) + 1))
     model.update(steps)
     coefficients = model.coefficients
     errors = [

@@ -137,16 +137,34 @@ def test_a_quick_reversal_is_held_unless_it_halves_or_doubles_the_knob() -> None
     assert normalizer.normalize(cap(35), obs(), 100.0) == []  # within 10 % of 32
     assert normalizer.last_outcome[C] == "r:within_tolerance"
     assert normalizer.normalize(cap(48), obs(), 100.0) == [(C, 32, 48, "r")]
-    # 10 s after a move up, a move back down is held ...
-    assert normalizer.normalize(cap(40), obs(batch_cap=48), 110.0) == []
+    # the cap's first move arms no hold: a move back 5 s later goes, and is the last move
+    assert normalizer.normalize(cap(40), obs(batch_cap=48), 105.0) == [(C, 48, 40, "r")]
+    # 5 s after a move down, a move back up is held ...
+    assert normalizer.normalize(cap(46), obs(batch_cap=40), 110.0) == []
     assert normalizer.last_outcome[C] == "r:reversal_held"
-    # ... unless it more than halves the cap
-    assert normalizer.normalize(cap(20), obs(batch_cap=48), 111.0) == [(C, 48, 20, "r")]
-    # the move down is now the last: up again is held for 30 s, then goes
-    assert normalizer.normalize(cap(26), obs(batch_cap=20), 140.0) == []
-    assert normalizer.normalize(cap(26), obs(batch_cap=20), 141.0) == [(C, 20, 26, "r")]
+    # ... unless it more than doubles the cap
+    wide = {"max_num_seqs": 128}
+    assert normalizer.normalize(cap(90), obs(batch_cap=40, **wide), 111.0) == [(C, 40, 90, "r")]
+    # the move up is now the last: down again is held for 30 s, then goes
+    assert normalizer.normalize(cap(80), obs(batch_cap=90, **wide), 140.0) == []
+    assert normalizer.normalize(cap(80), obs(batch_cap=90, **wide), 141.0) == [(C, 90, 80, "r")]
     # each knob has its own last move: the limit's first move is never a reversal
     assert normalizer.normalize(Decision(20, None, "r"), obs(), 141.0) == [(L, 34, 20, "r")]
+
+
+def test_the_slow_starts_first_limit_is_not_held_against_its_climb() -> None:
+    # the slo policy's start: vLLM's limit -> 3, its estimate 4 a few seconds later; the first move
+    # armed the hold, and the twin's shared-prefix load ran at limit 3 for 30 s
+    normalizer = Normalizer(limit_max=128, tolerance=0.1, reverse_after_s=30.0)
+    assert normalizer.normalize(Decision(3, None, "r"), obs(), 0.0) == [(L, 34, 3, "r")]
+    assert normalizer.normalize(Decision(4, None, "r"), obs(admission_limit=3), 8.0) == [(L, 3, 4, "r")]
+    assert normalizer.normalize(Decision(3, None, "r"), obs(admission_limit=4), 9.0) == []  # now held
+    # the token budget's first move (a halving step on its way down) arms the hold as any other
+    budget = Decision(None, None, "r", token_budget=1000)
+    halved = [("token_budget", 2048, 1024, "r:rate_limited")]
+    assert normalizer.normalize(budget, obs(token_budget=2048), 0.0) == halved
+    budget = Decision(None, None, "r", token_budget=1500)
+    assert normalizer.normalize(budget, obs(token_budget=1024), 1.0) == []
 
 
 def test_a_policy_names_its_anti_flap_defaults_and_control_overrides_them() -> None:

@@ -260,6 +260,12 @@ def test_the_mean_margin_rises_while_the_gate_refuses_more_than_it_lets_miss() -
     d = p.decide(loaded(served_total=119, missed_total=2, refused_total=4), 4.0)
     assert "margin 0.53: 1 of 50 served missed within [1%, 3%] but for chance, 1 refused" in d.reason
     assert p.margin_live == pytest.approx(0.525)
+    # of the next 50, 2 missed (4 %, above miss_high, within chance) and 11 refused: more refused
+    # than missed, but a raise from a share already past miss_high overshoots (the twin's
+    # SmolLM2 shared prefix at 2.5 req/s: 1 of 22 missed at 0.85, raised, 18 TPOT misses in 20 s)
+    d = p.decide(loaded(served_total=169, missed_total=4, refused_total=15), 5.0)
+    assert "margin 0.53: 2 of 50 served missed within [1%, 3%] but for chance, 11 refused" in d.reason
+    assert p.margin_live == pytest.approx(0.525)
 
 
 def test_a_chance_cluster_of_misses_does_not_cut_the_mean_margin() -> None:

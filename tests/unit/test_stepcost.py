@@ -268,7 +268,18 @@ def test_the_prefill_mix_is_read_after_twenty_steps_not_a_tenth_of_the_memory() 
     """Until the mix is read the slo policy plans with what requests ask or, with nothing asked,
     one running: at 100 steps (7 s on a CPU) the twin's start admitted a burst that then missed."""
     model = StepCostModel()
-    model.update([EngineStep.measured(0.01 * i, 32, 4, 400, 0.01) for i in range(20)])
-    assert model.estimate(now_mono=0.2).prefill_per_decode is None  # 19.8 steps with forgetting
+    model.update([EngineStep.measured(0.01 * i, 32, 4, 400, 0.01) for i in range(21)])
+    assert model.estimate(now_mono=0.2).prefill_per_decode is None  # 19.99 steps with mix_forgetting
     model.update([EngineStep.measured(0.2, 32, 4, 400, 0.01)])
     assert model.estimate(now_mono=0.2).prefill_per_decode == pytest.approx(8.0)  # 32 tokens / 4 decodes
+
+
+def test_the_mix_forgets_a_cold_start_within_a_few_hundred_steps() -> None:
+    """A shared-prefix load's first steps prefill whole prompts; once its prefixes are cached it
+    asks a fraction of that. Over the fit's memory (1,000 steps) the cold start still read 17.9
+    prefill per decode 400 steps later; over the mix's 200, 7.7."""
+    model = StepCostModel()
+    model.update([EngineStep.measured(0.01 * i, 400, 4, 400, 0.05) for i in range(100)])
+    model.update([EngineStep.measured(1 + 0.01 * i, 8, 4, 400, 0.02) for i in range(400)])
+    mix = model.estimate(now_mono=5.0).prefill_per_decode
+    assert mix is not None and mix == pytest.approx(7.7, abs=0.1)
