@@ -298,6 +298,13 @@ def test_the_answer_lengths_are_a_short_answers_served_else_the_max_tokens_asked
     ledger.served("failed", engine_ttft_s=0.1, tpot_s=None, error=True, output_tokens=1)  # not an answer
     # served: 10, 20, 30, 40, 50..57: nearest rank of the 10th percentile of 12 is the 2nd
     assert ledger.answer_tokens() == 20
+    # a change of load: the last 32 started ask for 8 tokens; the served still say 20
+    for i in range(32):
+        ledger.started(f"c{i}", "batch", before_engine_s=0.0, max_tokens=8)
+    assert ledger.answer_tokens() == 8
+    for i in range(31):  # the last 32 ask 500 but one: their 10th percentile is 500, the served rule
+        ledger.started(f"l{i}", "batch", before_engine_s=0.0, max_tokens=500)
+    assert ledger.answer_tokens() == 20
 
 
 def test_the_asked_mix_counts_every_prompt_token_over_max_tokens() -> None:
