@@ -58,6 +58,7 @@ from controller.clock import Clock, monotonic
 from controller.config.secrets import redact
 from controller.lifecycle.liveness import StallWatch, no_engine
 from controller.lifecycle.memory import (
+    VLLM_GPU_MEMORY_UTILIZATION,
     GuardSettings,
     MemoryRestarts,
     MemoryWatch,
@@ -270,17 +271,35 @@ class Guard:
 
     def _memory_build_failed(self, knob: str, value: Any) -> None:
         """A smaller memory setting did not build. With no engine left on a GPU whose free memory is
-        below it (vLLM refuses to start below util x total free: a co-tenant holds the memory), it
-        was too large, not too small: recovery builds at what the free memory holds, where the
-        settings that built last would fail the same check. Else the value is the floor."""
-        reading = self._gpu_free() if knob == "gpu_memory_utilization" and self.engine.dead else None
-        if reading is not None and reading[0] < float(value) * reading[1]:
-            fit = fitting_utilization(self.s, *reading)
-            wait = self.memory_restarts.too_large(self._clock(), knob, value, fit)
-            log.warning("memory_restart_backoff", reason="free_memory_below_setting", retry=fit, wait_s=wait)
+        below what vLLM's start check asks (util x total free: a co-tenant holds the memory), it was
+        too large, not too small: recovery builds at what the free memory holds, where the settings
+        that built last would fail the same check. Else the value is the floor.
+
+        The check asks for ``gpu_memory_utilization`` x total even where ``kv_cache_memory_bytes``
+        sizes the cache (``vllm/v1/worker/utils.request_memory``): a smaller cache that a co-tenant
+        left room for still failed it at the util in force, and so did every recovery, until the
+        crash budget was spent. There the util comes down beside the cache (it sizes nothing else
+        with the cache set)."""
+        util = self._start_check_util(knob, value)
+        reading = self._gpu_free() if self.engine.dead else None
+        if reading is not None and reading[0] < util * reading[1]:
+            fit = min(util, fitting_utilization(self.s, *reading))
+            retry = {knob: value, "gpu_memory_utilization": fit}  # the util itself, or beside the cache
+            wait = self.memory_restarts.too_large(self._clock(), retry)
+            log.warning(
+                "memory_restart_backoff", reason="free_memory_below_setting", retry=retry, wait_s=wait
+            )
             return
         wait = self.memory_restarts.failed(self._clock(), knob, value)
         log.warning("memory_restart_backoff", reason="build_failed", floor=value, wait_s=wait)
+
+    def _start_check_util(self, knob: str, value: Any) -> float:
+        """The ``gpu_memory_utilization`` vLLM's start check asked of a build of ``value``: the value
+        itself, or beside a ``kv_cache_memory_bytes`` the util in force (vLLM's default unset)."""
+        if knob == "gpu_memory_utilization":
+            return float(value)
+        in_force = self.engine.memory_settings().get("gpu_memory_utilization")
+        return float(in_force or VLLM_GPU_MEMORY_UTILIZATION)
 
     def _recovery_overrides(self, oom: bool) -> dict[str, Any]:
         """What a rebuild changes: a smaller setting after the kernel's OOM killer; after a memory
@@ -292,8 +311,9 @@ class Guard:
         if retry is None:
             return {}
         reading = self._gpu_free()
-        if reading is not None and knob in retry:
-            return {knob: min(retry[knob], fitting_utilization(self.s, *reading))}
+        util = retry.get("gpu_memory_utilization")
+        if reading is not None and util is not None:
+            return {**retry, "gpu_memory_utilization": min(util, fitting_utilization(self.s, *reading))}
         return dict(retry)
 
     def _budget_left(self) -> int:

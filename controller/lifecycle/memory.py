@@ -24,6 +24,9 @@ class MemoryRisk:
     readings: dict[str, Any] = field(default_factory=dict)
 
 
+VLLM_GPU_MEMORY_UTILIZATION = 0.9
+"""vLLM's default ``gpu_memory_utilization``: its start check asks for it beside a
+``kv_cache_memory_bytes`` the config sets (``vllm/v1/worker/utils.request_memory``)."""
 VLLM_FREE_SHARE = 0.5
 """On a GPU the margin is at most this share of what vLLM leaves free (``gpu_margin_bytes``)."""
 
@@ -137,8 +140,8 @@ class MemoryRestarts:
       no value is left between them (``at_floor``).
     * ``built(now)`` / ``failed(now, knob, value)``: the outcome of a restart. After ``failed``, the
       wait is ``cooldown_s * 2**failures`` (failures in a row), up to ``MEMORY_BACKOFF_MAX_S``.
-    * ``too_large(now, knob, value, fit)``: a GPU setting the free memory could not hold (too large,
-      not too small): no floor, the same back-off, and the next build takes ``fit`` (``retry``).
+    * ``too_large(now, retry)``: a GPU setting the free memory could not hold (too large, not too
+      small): no floor, the same back-off, and the next build takes ``retry``.
     """
 
     def __init__(self, s: GuardSettings) -> None:
@@ -180,11 +183,12 @@ class MemoryRestarts:
         self.failed_floor[knob] = max(float(value), self.failed_floor.get(knob, float("-inf")))
         return self._back_off(now_mono)
 
-    def too_large(self, now_mono: float, knob: str, value: float, fit: float) -> float:
+    def too_large(self, now_mono: float, retry: dict[str, float]) -> float:
         """A GPU setting that did not build because the free memory could not hold it (a co-tenant
-        holds it): not a floor, as a smaller one may build; the next build takes ``fit``, after the
-        same back-off as ``failed``. Returns the wait."""
-        self.retry = {knob: min(fit, float(value))}
+        holds it): not a floor, as a smaller one may build; the next build takes ``retry`` (its
+        ``gpu_memory_utilization``: at most what the free memory then holds), after the same
+        back-off as ``failed``. Returns the wait."""
+        self.retry = dict(retry)
         return self._back_off(now_mono)
 
     def _back_off(self, now_mono: float) -> float:

@@ -130,3 +130,52 @@ def test_a_smaller_setting_that_fails_with_the_memory_free_is_the_floor() -> Non
     (tried, _), _ = engine.builds
     assert guard.memory_restarts.failed_floor == {"gpu_memory_utilization": tried}
     assert guard.memory_restarts.retry is None
+
+
+WEIGHTS = 16 * GIB
+
+
+class KvGpuEngine(GpuEngine):
+    """The same host with ``kv_cache_memory_bytes`` set: the engine holds its weights and that cache,
+    and vLLM's start check still asks for ``gpu_memory_utilization`` x total free."""
+
+    memory_knob = "kv_cache_memory_bytes"
+
+    def __init__(self, gpu: SharedGpu, kv: int) -> None:
+        super().__init__(gpu, 0.90)
+        self.kv = kv
+
+    def free(self) -> int:
+        held = WEIGHTS + self.kv if self.running else 0
+        return TOTAL - self.gpu.co_tenant - CONTEXTS - held
+
+    def memory_settings(self) -> dict[str, Any]:
+        return {"gpu_memory_utilization": self.util, "kv_cache_memory_bytes": self.kv}
+
+    async def restart(self, overrides: dict[str, Any], build_first: bool = False) -> None:
+        self.running = False
+        if self.gpu.grows_to is not None:
+            self.gpu.co_tenant = self.gpu.grows_to
+        util = float(overrides.get("gpu_memory_utilization", self.util))
+        kv = int(overrides.get("kv_cache_memory_bytes", self.kv))
+        for try_util, try_kv in ((util, kv), (self.util, self.kv)):
+            ok = self.free() >= try_util * TOTAL  # request_memory: util x total, the cache set or not
+            self.builds.append((try_util, ok))
+            if ok:
+                self.util, self.kv, self.running = try_util, try_kv, True
+                if (try_util, try_kv) == (util, kv):
+                    return
+                break
+        raise ValueError(f"the engine at gpu_memory_utilization {util} did not start")
+
+
+def test_with_kv_cache_memory_bytes_set_a_smaller_cache_passes_the_start_check_at_a_lower_util() -> None:
+    gpu = SharedGpu()
+    gpu.grows_to = 20 * GIB  # 59.1 GiB free once the engine is retired: below 0.9 x 80 = 72
+    engine = KvGpuEngine(gpu, 40 * GIB)
+    guard = run_memory_restart(engine)
+    assert not guard.given_up.is_set() and not engine.dead
+    assert engine.kv == 36 * GIB  # the shrink (10 %), built
+    assert engine.util == fitting_utilization(GuardConfig(), TOTAL - 20 * GIB - CONTEXTS, TOTAL)
+    assert guard.memory_restarts.failed_floor == {}
+    assert [ok for _, ok in engine.builds] == [False, False, True]  # smaller, fallback, the util that fits
