@@ -40,6 +40,7 @@ lint: install
 	$(BIN)/ruff check controller policies tests tools
 	$(BIN)/ruff format --check controller policies tests tools
 	$(BIN)/mypy
+	$(BIN)/python tools/house.py --check
 
 # The shape of the house: import circles (imports inside functions count), the largest modules, the
 # `# fmt: skip` lines (ARCHITECTURE.md's rules); it prints, it never fails.
