@@ -38,7 +38,7 @@ batch that the SLO and the memory allow::
 
 * ``tpot_s``: the tightest class's bound (the batch is shared by every class). ``share``: of it, what
   the mean step may take: the policy's own plan where it has one (the ``slo`` policy's
-  ``mean_margin``, 0.5 by default: the requests whose steps run longer than the mean must meet the
+  ``mean_margin``, learned from 0.7: the requests whose steps run longer than the mean must meet the
   bound too, and it is the batch that policy lets run), else 1.0 (the bound itself).
 * ``D_kv = floor(running / kv_usage)``: the batch whose KV fills the cache at the current sequences'
   mean share of it (no cache size needed); with fewer than ``kv_min_running`` sequences running the

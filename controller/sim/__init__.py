@@ -2,5 +2,6 @@
 
 ``profile`` (cost model + engine limits, TOML), ``engine`` (vLLM V1's scheduler and paged KV cache),
 ``run`` (the real gate, telemetry window, policy, normalize stage and loop around it on a virtual
-clock), ``calibrate`` (fits a profile from a real engine), ``cli`` (``simulate``).
+clock), ``cli`` (``simulate``). A profile is fitted from a real engine by ``bench calibrate``
+(``controller/bench/calibrate/``).
 """
