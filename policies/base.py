@@ -154,6 +154,16 @@ class Policy(ABC):
         """Internal terms (error, integral, baseline, ...) exported as gauges."""
         return {}
 
+    knee_share: float | None = None
+    """The policy's throughput knee, where it steers to one (the ``slo`` policy without ``[slo]``):
+    the capacity meter (``controller/control/capacity.py``) sizes the batch at it; None: none."""
+
+    @property
+    def mean_step_share(self) -> float:
+        """Of the TPOT bound, what the policy lets a mean step take now (the capacity meter reads
+        it): the bound itself unless the policy plans to less (the ``slo`` policy's mean margin)."""
+        return 1.0
+
 
 class PolicyError(ValueError):
     """A policy name or parameter is invalid; the message names it and the fix."""

@@ -160,7 +160,7 @@ class SloPolicy(Policy):
         self.headroom = check_float("headroom", headroom, 0.0, 10.0)
         self.min_headroom = check_int("min_headroom", min_headroom, 0)
         self.stale_after_s = check_float("stale_after_s", stale_after_s, 0.0, lo_open=True)
-        self.knee_share = check_float("knee_share", knee_share, 0.0, 0.5, lo_open=True)
+        self.knee_share: float = check_float("knee_share", knee_share, 0.0, 0.5, lo_open=True)
         self.mean_margin_min = check_float("mean_margin_min", mean_margin_min, 0.0, 10.0, lo_open=True)
         self.mean_margin_max = check_float("mean_margin_max", mean_margin_max, self.mean_margin_min, 10.0)
         if not self.mean_margin_min <= self.mean_margin <= self.mean_margin_max:

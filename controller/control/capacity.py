@@ -186,19 +186,6 @@ def new_arrivals(stats: GateStats) -> int:
     return stats.arrivals_total - stats.retries_total
 
 
-def knee_share_of(policy: Policy) -> float | None:
-    """The policy's throughput knee (the ``slo`` policy's ``knee_share``, what it steers to without
-    ``[slo]``); None for a policy without one."""
-    share = getattr(policy, "knee_share", None)
-    return None if share is None else float(share)
-
-
-def tpot_share_of(policy: Policy) -> float:
-    """Of the TPOT bound, what the policy lets a mean step take now: the slo policy's learned mean
-    margin (``mean_step_share``); 1.0 for a policy without one."""
-    return float(getattr(policy, "mean_step_share", 1.0))
-
-
 class CapacityMeter:
     """The loop subscriber that computes a ``Capacity`` each tick (``last``)."""
 
@@ -227,7 +214,7 @@ class CapacityMeter:
     def configure(self, slo: SloTargets | None, policy: Policy) -> None:
         """``[slo]`` and the policy in force (at build and on every reload)."""
         self.slo, self.policy = slo, policy
-        self.knee_share = knee_share_of(policy) if slo is None else None
+        self.knee_share = policy.knee_share if slo is None else None
 
     def on_tick(self, obs: Observation, _changes: object) -> None:
         self.last = self.measure(obs)
@@ -265,7 +252,7 @@ class CapacityMeter:
         if mix.finished < self.min_finished:
             why = f"mix: {mix.finished} requests finished in {self.window.window_s:g} s < {self.min_finished}"
             return Capacity(idle, None, reason=why, **figures)
-        share = 1.0 if self.policy is None else tpot_share_of(self.policy)  # learned: read each tick
+        share = 1.0 if self.policy is None else self.policy.mean_step_share  # learned: read each tick
         bound_s = None if slo is None else share * slo.tightest.tpot_s
         kv = obs.running >= self.kv_min_running and obs.kv_usage > 0
         kv_batch = math.floor(obs.running / obs.kv_usage) if kv else None

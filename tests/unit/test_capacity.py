@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from controller.admin.metrics import Metrics
 from controller.clock import FakeClock
-from controller.control.capacity import CapacityMeter, fit_capacity, tpot_share_of
+from controller.control.capacity import CapacityMeter, fit_capacity
 from controller.control.steps import EngineStep, StepFeed, StepStats
 from controller.control.telemetry import FinishedMix, TelemetryWindow
 from policies.cost import CostEstimate
@@ -172,7 +172,8 @@ def test_without_slo_the_slo_policy_counts_capacity_at_its_throughput_knee() -> 
 
 def test_the_slo_policy_plans_the_mean_step_to_its_mean_margin() -> None:
     policy = SloPolicy(max_num_seqs=64, initial_limit=8, slo=SLO, mean_margin=0.5)
-    assert tpot_share_of(policy) == 0.5 and tpot_share_of(StaticPolicy(max_num_seqs=64, initial_limit=8)) == 1
+    static = StaticPolicy(max_num_seqs=64, initial_limit=8)
+    assert policy.mean_step_share == 0.5 and static.mean_step_share == 1
     clock = FakeClock(100.0)
     meter, gate, window = _meter(clock)
     meter.configure(SLO, policy)
@@ -211,7 +212,8 @@ async def test_the_daemon_computes_it_each_tick_and_shows_it(tmp_path: Path) -> 
     parts = build_parts(load_config(path))
     meter = parts.capacity
     assert meter is not None and meter.slo == parts.config.slo
-    assert meter.policy is parts.loop.policy and tpot_share_of(meter.policy) == 0.7  # where the margin starts
+    assert meter.policy is parts.loop.policy
+    assert meter.policy.mean_step_share == 0.7  # where the margin starts
     assert meter.on_tick in parts.loop._subscribers
     assert state(parts)["capacity"]["reason"] == "not started"
     meter.on_tick(obs(now_mono=1.0), [])
@@ -222,7 +224,7 @@ async def test_the_daemon_computes_it_each_tick_and_shows_it(tmp_path: Path) -> 
     ports = {"server": {"port": parts.config.server.port}, "admin": {"port": parts.config.admin.port}}
     write_config(path, **ports, control={"policy": "static"})
     assert (await Reloader(parts)._reload())["ok"]
-    assert meter.slo is None and meter.policy is not None and tpot_share_of(meter.policy) == 1.0
+    assert meter.slo is None and meter.policy is not None and meter.policy.mean_step_share == 1.0
 
 
 def test_the_stat_logger_records_each_finished_requests_tokens() -> None:
