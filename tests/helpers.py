@@ -274,6 +274,7 @@ class FakeHost:
         self.llm = llm
         self.in_flight: dict[int, tuple[str, Any]] = {}
         self.aborted: dict[int, str] = {}
+        self.outcomes: Any = None
 
 
 # -- observations -------------------------------------------------------------------------------

@@ -58,6 +58,7 @@ class _Host:
         self.llm = llm
         self.in_flight: dict[int, Any] = {}
         self.aborted: dict[int, str] = {}
+        self.outcomes = None  # nothing counts the layers' requests
 
 
 def _handler(engine: Any, governed: bool) -> Handler:

@@ -81,6 +81,11 @@ class ClientHost(Protocol):
     aborted: dict[int, str]
     """Attempts a restart aborted, with the reason their client is told."""
 
+    @property
+    def outcomes(self) -> OutcomeSink | None:
+        """The outcome ledger (``control/outcomes.py``) the client tells each request's admission
+        and first token; None: nothing counts them."""
+
 
 class EngineAttempts:
     """The attempts running in each engine, so that one the engine died under can tell whether it
@@ -400,7 +405,7 @@ class GovernedEngineClient(EngineClient):
         own TTFT bound (a gateway's header), which tightens its class's there as in the gate, and
         what it asks of the engine (its prompt's tokens, where known, and ``max_tokens``): the load's
         mix before the engine's steps measure it."""
-        outcomes: OutcomeSink | None = getattr(self._host, "outcomes", None)  # none: counts nothing
+        outcomes = self._host.outcomes
         if outcomes is not None:
             before = slot.granted_mono - (request.arrived_mono if request is not None else slot.granted_mono)
             n = int(getattr(sampling_params, "n", 1) or 1)
@@ -426,7 +431,7 @@ class GovernedEngineClient(EngineClient):
         if call.predicted_ttft_s is not None and call.arrived_mono is not None:
             measured = slot.granted_mono - call.arrived_mono + seconds
             self._gate.ttft_check.record(slot.cls, call.predicted_ttft_s, measured)
-        outcomes: OutcomeSink | None = getattr(self._host, "outcomes", None)
+        outcomes = self._host.outcomes
         if outcomes is not None:
             outcomes.first_token(request_id, seconds)
 
