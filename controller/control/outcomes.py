@@ -20,9 +20,10 @@ limit of every request, for one request's objective. Its own TTFT decides its ou
 
 The TTFT a request is judged by is the client's: its time before the engine (from its arrival at the
 server to its slot: the front end and the gate's queue wait, which the governed client knows and
-tells ``started``) plus the engine's own TTFT (vLLM's, from the request's arrival in the engine client,
-just after the slot, to its first token: ``e2e_latency - decode_time`` of vLLM's finished-request
-stats). TPOT is vLLM's ``mean_time_per_output_token`` (decode time over the tokens after the first).
+tells ``started``) plus the engine's own TTFT (from the call into the engine, just after the slot, to
+its first token, which the client reads off vLLM's request stats and tells ``first_token``; else
+``e2e_latency - decode_time`` of vLLM's finished-request stats, which counts from vLLM's render, before
+the gate). TPOT is vLLM's ``mean_time_per_output_token`` (decode time over the tokens after the first).
 
 The served outcomes come from vLLM's stat logger (``engine/runtime/stats.py``), keyed by vLLM's
 request id; a request the ledger was not told about (``started``) is counted in ``unmatched`` only,

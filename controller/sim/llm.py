@@ -42,6 +42,9 @@ class SimPrompt(TypedDict):
     prompt_token_ids: list[int]
     index: int
     segments: tuple[tuple[int, int], ...]
+    arrival_time: float
+    """When it was rendered (virtual seconds): vLLM 0.32's renderer stamps the input "before
+    rendering", so vLLM's ``arrival_time`` and ``first_token_latency`` count the gate's queue too."""
 
 
 @dataclass(frozen=True)
@@ -55,8 +58,9 @@ class SimParams:
 
 @dataclass(frozen=True)
 class SimStats:
-    """vLLM's ``RequestStateStats`` of a finished request, in virtual seconds: the engine client
-    received it (``arrival_time``) and the engine queued it (``queued_ts``) when it was added."""
+    """vLLM's ``RequestStateStats`` of a finished request, in virtual seconds: its prompt was rendered
+    at ``arrival_time`` (before the gate's queue) and the engine queued it (``queued_ts``) when it was
+    added."""
 
     arrival_time: float
     queued_ts: float
@@ -123,7 +127,12 @@ class SimLLM:
         asked = spec.prompt_tokens + spec.output_tokens
         if asked > self.engine.limits.max_model_len:
             raise PromptTooLong(f"prompt + max_tokens = {asked} > max_model_len")
-        return SimPrompt(prompt_token_ids=[0] * spec.prompt_tokens, index=spec.index, segments=spec.segments)
+        return SimPrompt(
+            prompt_token_ids=[0] * spec.prompt_tokens,
+            index=spec.index,
+            segments=spec.segments,
+            arrival_time=self.steps.now(),
+        )
 
     def check_admission(self, n: int = 1, request_id: str | None = None) -> None:
         """vLLM's own queue limits: none in the twin."""
@@ -158,7 +167,7 @@ class SimLLM:
             ends.append(end)
         for end in ends:  # each awaited in turn: a gather would add an event-loop round
             await end
-        yield SimOutput(request_id, _stats(now, seqs))
+        yield SimOutput(request_id, _stats(prompt["arrival_time"], now, seqs))
 
     def step_ended(self, step: EngineStep, done: list[SimRequest]) -> None:
         """vLLM's output handler after a step: the finished sequences' outputs to their requests,
@@ -170,16 +179,17 @@ class SimLLM:
         report_finished(self.outcomes, [Finished.of(self._ids.pop(req), req) for req in done])
 
 
-def _stats(added: float, seqs: list[SimRequest]) -> SimStats:
-    """A request's ``RequestStateStats`` from its sequences, all added at ``added``."""
+def _stats(rendered: float, added: float, seqs: list[SimRequest]) -> SimStats:
+    """A request's ``RequestStateStats`` from its sequences, rendered at ``rendered`` and all added
+    at ``added``."""
     first = min(r.first_token_t for r in seqs if r.first_token_t is not None)
     return SimStats(
-        arrival_time=added,
+        arrival_time=rendered,
         queued_ts=added,
         scheduled_ts=min(r.scheduled_t for r in seqs if r.scheduled_t is not None),
         first_token_ts=first,
         last_token_ts=max(r.last_token_t for r in seqs if r.last_token_t is not None),
-        first_token_latency=first - added,
+        first_token_latency=first - rendered,
         num_generation_tokens=sum(r.output_tokens for r in seqs),
     )
 

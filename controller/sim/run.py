@@ -152,7 +152,8 @@ class Simulation:
             capacity_history=None,  # every tick's saturation
         )
         self.llm = core.engine.llm
-        self.client = GovernedEngineClient(core.engine, core.gate, lambda: None)  # the engine never dies
+        # the engine never dies; vLLM's timestamps are on the virtual clock
+        self.client = GovernedEngineClient(core.engine, core.gate, lambda: None, wall=self.clock)
         self.window, self.gate, self.capacity, self.loop = core.window, core.gate, core.capacity, core.loop
         self.steps = core.steps
         self.cost = core.cost.model

@@ -274,6 +274,25 @@ async def test_the_engine_client_tells_the_gate_each_first_token_from_vllms_own_
     assert host.outcomes._started["r"].first_token_s == 0.25
 
 
+async def test_the_engines_ttft_counts_from_the_call_not_from_vllms_render() -> None:
+    """vLLM 0.32 stamps ``arrival_time`` when its handler renders the prompt, before ``generate()``
+    and the gate's queue: a request rendered 1.5 s before its slot whose first token came 1.75 s
+    after the render took 0.25 s in the engine. The ledger adds its time before the engine itself,
+    so counting from the render counted the gate's wait twice (a 1.5 s wait judged 3.25 s)."""
+    wall = FakeClock(5000.0)
+    gate = AdmissionGate(4, 100, (ROOMY,))
+    gate.set_ttft(TtftBounds({"interactive": 5.0}))
+    rendered = SimpleNamespace(arrival_time=wall() - 1.5, first_token_latency=1.75)
+    first = SimpleNamespace(finished=False, metrics=rendered)
+    host = FakeHost(Outputs(first, SimpleNamespace(finished=True, metrics=None)))
+    host.outcomes = OutcomeLedger(lambda cls, outcome: None)
+    client = GovernedEngineClient(host, gate, lambda: None, wall=wall)  # type: ignore[arg-type]
+    async for _ in client.generate("hi", None, "r"):
+        pass
+    assert [s for _, s, _ in gate.after_slot._samples] == [pytest.approx(0.25)]
+    assert host.outcomes._started["r"].first_token_s == pytest.approx(0.25)
+
+
 async def test_under_a_ttft_bound_the_time_since_the_request_reached_the_server_counts() -> None:
     """The front end's parsing and tokenizing before the gate is part of the client's TTFT: the
     prediction adds it, and a queued request's deadline counts from the arrival, not the enqueue."""

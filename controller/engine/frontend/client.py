@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import time
 import weakref
 from collections.abc import AsyncGenerator, Callable, Iterable
 from http import HTTPStatus
@@ -23,7 +24,7 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from controller.admission.gate import AdmissionGate, GateRejected, Slot
-from controller.clock import monotonic
+from controller.clock import Clock, monotonic
 from controller.engine.frontend import context
 from controller.engine.frontend.faults import EngineKilledError, engine_killer
 from controller.engine.frontend.pump import EngineStream
@@ -118,12 +119,21 @@ class EngineAttempts:
 
 
 class GovernedEngineClient(EngineClient):
-    """Delegates to ``host.llm``; ``generate`` and ``encode`` wait for a gate slot first."""
+    """Delegates to ``host.llm``; ``generate`` and ``encode`` wait for a gate slot first. ``wall``:
+    the clock of vLLM's ``RequestStateStats.arrival_time`` (``time.time``; the twin's virtual clock),
+    which ``_first_token`` reads the engine's TTFT against."""
 
-    def __init__(self, host: ClientHost, gate: AdmissionGate, on_engine_dead: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        host: ClientHost,
+        gate: AdmissionGate,
+        on_engine_dead: Callable[[], None],
+        wall: Clock = time.time,
+    ) -> None:
         self._host = host
         self._gate = gate
         self._on_engine_dead = on_engine_dead
+        self._wall = wall
         self._keys = itertools.count()
         self._attempts = EngineAttempts()
 
@@ -345,6 +355,7 @@ class GovernedEngineClient(EngineClient):
                 self._attempts.started(key, llm)
                 self._outcome_started(request_id, slot, request, sampling_params, call.prompt_tokens)
                 submit = llm.encode if pooling else llm.generate  # ``encode``: a pooling request
+                submitted = self._wall()  # the engine's TTFT counts from here (``_first_token``)
                 stream = submit(prompt, sampling_params, request_id, priority=call.priority, **kwargs)
                 # aclosing: a disconnect closes us, and must close vLLM's generator now so it aborts
                 # the request in the engine, not whenever the garbage collector gets to it.
@@ -354,7 +365,7 @@ class GovernedEngineClient(EngineClient):
                 async with contextlib.aclosing(pumped.outputs()) as outputs:
                     async for output in outputs:
                         if not produced:
-                            self._first_token(output, slot, call, request_id)
+                            self._first_token(output, slot, call, request_id, submitted)
                         produced = True
                         if getattr(output, "finished", False):
                             engine_done()
@@ -415,18 +426,31 @@ class GovernedEngineClient(EngineClient):
                 request_id, slot.cls, before, n, ttft_s=own, max_tokens=asked, prompt_tokens=prompt_tokens
             )
 
-    def _first_token(self, output: Any, slot: Slot, call: context.Call, request_id: str) -> None:
-        """Tell the gate how long the request took from its slot to its first token: vLLM's own
-        figure (``RequestOutput.metrics.first_token_latency``, from the request's arrival in the
-        engine client, just after the slot), else the time now unless this first output is already
-        the last (a request that does not stream gets one output, at its end); and how much of it
-        the request waited in the engine's queue (``engine_queue_s``). The outcome ledger judges the
-        request's TTFT by the same figure."""
+    def _first_token(
+        self, output: Any, slot: Slot, call: context.Call, request_id: str, submitted: float
+    ) -> None:
+        """Tell the gate how long the request took from its slot to its first token, and how much of
+        it the request waited in the engine's queue (``engine_queue_s``); the outcome ledger judges
+        the request's TTFT by the same figure. The time is vLLM's own (``RequestOutput.metrics``:
+        the first token at ``arrival_time + first_token_latency`` on the wall clock) less when the
+        call went to the engine (``submitted``, the same clock): vLLM 0.32 stamps ``arrival_time``
+        when its handler renders the prompt (``renderers/base.py``, "before rendering"), before
+        ``generate()`` and so before the gate's queue, and the ledger adds the time before the
+        engine (the gate's wait included) itself. Without vLLM's figures, the time now unless this
+        first output is already the last (a request that does not stream gets one output, at its
+        end). Counted from the render, a request that waited 1.5 s in the gate counted it twice:
+        at 5 req/s of shared-prefix chat the ledger saw 15 % of the admitted miss 2 s where vLLM's
+        client saw a TTFT p99 of 1.7 s, cut the slo policy's margin for them, and the gate's TTFT
+        prediction learned the gate's wait as the engine's."""
         metrics = getattr(output, "metrics", None)
         latency = getattr(metrics, "first_token_latency", None)
         if not latency and getattr(output, "finished", False):
             return
-        seconds = latency or monotonic() - slot.granted_mono
+        arrival = getattr(metrics, "arrival_time", None)
+        if latency and arrival:
+            seconds = max(0.0, float(arrival) + float(latency) - submitted)
+        else:
+            seconds = latency or monotonic() - slot.granted_mono
         self._gate.after_slot.first_token(seconds, call.prompt_tokens, engine_queue_s(metrics))
         if call.predicted_ttft_s is not None and call.arrived_mono is not None:
             measured = slot.granted_mono - call.arrived_mono + seconds

@@ -7,9 +7,11 @@ and nowhere else.
 
 A finished request's figures (``IterationStats.finished_requests``) go to an ``OutcomeSink``
 (``controller/control/outcomes.OutcomeLedger``): the engine's TTFT, ``e2e_latency - decode_time``
-(from the request's arrival in the engine client to its first token: vLLM's ``first_token_latency``,
-which the finished stats do not carry), its mean time per output token (None below two tokens), and
-whether it ended in an error or an abort. The ledger adds the time before the engine.
+(from vLLM's ``arrival_time`` to its first token: vLLM 0.32 stamps it when its handler renders the
+prompt, before the gate's queue, so the ledger reads this only where the client told it no first
+token, ``OutcomeLedger.first_token``, and then counts the gate's wait twice: the careful side), its
+mean time per output token (None below two tokens), and whether it ended in an error or an abort. The
+ledger adds the time before the engine.
 """
 
 from __future__ import annotations
