@@ -1,8 +1,7 @@
 """config.toml: one typed table per TOML table, parsed and validated at once; the reload diff.
 
 ``config.toml``: one frozen dataclass per TOML table, parsed and validated at once (``load.py``), errors
-that name the key, the value and the fix, and a renamed key's old name (``RENAMED``) still read for one
-release with a warning (``Config.warnings``: check-config, the start log and the reload answer show it);
+that name the key, the value and the fix (an unknown key: the nearest known one, or the list);
 ``slo_table.py`` (the optional ``[slo]`` table resolved per class into
 ``policies/slo_targets.SloTargets``, and the ``[control] cost_profile`` check), ``fields.py`` (how a typed
 field documents and checks itself; a non-finite number is refused everywhere), ``checks.py`` (the
