@@ -9,7 +9,9 @@ change" belong to the loop's normalize stage, which tells the policy what it app
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -54,10 +56,6 @@ class Observation:
     """p99 inter-token latency over the window; None without samples."""
     stats_age_s: float | None
     """Seconds since the engine last reported a step; None before the first step."""
-    ttft_p50_s: float | None = None
-    """p50 time to first token over the window; None without samples."""
-    itl_p50_s: float | None = None
-    """p50 inter-token latency over the window; None without samples."""
     gpu_memory_total_bytes: int | None = None
     """NVML: memory of the engine's GPUs (sum); None without a GPU."""
     gpu_memory_free_bytes: int | None = None
@@ -76,8 +74,8 @@ class Observation:
     max_num_batched_tokens: int = 2048
     """Hard ceiling of the token budget (the engine's max_num_batched_tokens, which sizes its buffers)."""
     token_budget_min: int = 1
-    """Lowest token budget the engine takes (16; max_model_len when chunked prefill is off, as a
-    prompt longer than the budget would then never be scheduled)."""
+    """Lowest token budget the engine takes (``controller/control/actuator.token_budget_bounds``: 16
+    and one decode's draft tokens, or max_model_len when chunked prefill is off)."""
     served_total: int = 0
     """Requests served to the end since the start (``control/outcomes.OutcomeLedger``), counted once
     each when vLLM reports them finished; an engine error is not counted."""
@@ -145,9 +143,8 @@ class Policy(ABC):
         tick, holds included. The normalize stage may clamp, rate-limit or drop an ask: a policy whose
         next step depends on how much of its ask took effect learns it here instead of inferring it
         from the next observation. Most policies need only what is in force, which the next
-        Observation carries, so the default does nothing. The token budget in force is in the next
-        Observation (``token_budget``): this hook keeps its three arguments, so the policies and
-        plug-ins that override it keep working."""
+        Observation carries, so the default does nothing. The token budget in force is not an
+        argument: the next Observation carries it (``token_budget``)."""
         return None
 
     def terms(self) -> dict[str, float]:
@@ -167,6 +164,14 @@ class Policy(ABC):
 
 class PolicyError(ValueError):
     """A policy name or parameter is invalid; the message names it and the fix."""
+
+
+class UnknownParameter(PolicyError):
+    """``[control.params]`` names a parameter the policy does not take (``key``)."""
+
+    def __init__(self, message: str, key: str) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 BUILT_INS: dict[str, str] = {
@@ -234,7 +239,24 @@ def build_policy(
         if "slo" in extra:
             raise PolicyError(f"[control.params] for policy '{name}': 'slo' comes from the [slo] table")
         extra["slo"] = slo
+    _check_known(name, cls, params)
     try:
         return cls(max_num_seqs=max_num_seqs, initial_limit=initial_limit, **extra)  # type: ignore[call-arg]
     except TypeError as exc:
         raise PolicyError(f"[control.params] for policy '{name}': {exc}") from exc
+
+
+def _check_known(name: str, cls: type[Policy], params: Mapping[str, Any]) -> None:
+    """Raise ``UnknownParameter`` for the first key of ``params`` that ``cls`` does not take (its
+    keyword parameters less those the builder passes; a class taking ``**kwargs`` takes any)."""
+    found = inspect.signature(cls).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in found):
+        return
+    known = [p.name for p in found if p.name not in ("max_num_seqs", "initial_limit", "slo")]
+    for key in params:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            fix = f"did you mean '{close[0]}'?" if close else f"its parameters: {', '.join(sorted(known))}"
+            raise UnknownParameter(
+                f"[control.params] for policy '{name}': unknown parameter '{key}': {fix}", key
+            )

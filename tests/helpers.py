@@ -1,11 +1,10 @@
 """The tests' one helpers module: paths and ports, the config writer, the daemon (in-process and as a
 subprocess), the streaming client, and the gate and observation builders.
 
-Moved here from tests/conftest.py (paths, ports, the config writer), tests/unit/obs.py (observations),
-tests/unit/test_gate.py (the gate's event recorder and ``settle``), tests/integration/client.py (the
-streaming client) and tests/integration/procs.py (the daemon as a subprocess), so that no test module
-imports another test module. The daemon and vLLM are imported inside the functions that need them:
-unit tests import this module without paying for vLLM.
+A fake or builder two test modules share belongs here (the twin's scenarios are ``tests/sim/scenarios.py``),
+not in one test module that another imports; ``tests/conftest.py`` holds only the model fixtures, and the
+integration tests start one real engine per module. The daemon and vLLM are imported inside the functions
+that need them: unit tests import this module without paying for vLLM.
 """
 
 from __future__ import annotations

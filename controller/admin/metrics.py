@@ -32,12 +32,6 @@ GAUGES = {
     "autopilot_engine_generation": "How many engines this daemon has started.",
     "autopilot_engine_up": "1 when the engine serves, else 0.",
 }
-RENAMED_GAUGES = {
-    "autopilot_batch_cap": "autopilot_max_num_active_seqs",
-    "autopilot_token_budget": "autopilot_max_num_scheduled_tokens",
-}
-"""Old name -> new (vLLM's names of the two engine knobs): the old name is exposed beside the new, with
-the same value, until the next release, so that a dashboard or an alert has a release to move."""
 QUEUE_DEPTH = "Requests waiting in the admission gate, by priority class."
 POLICY_TERM = "Internal terms of the active policy (error, integral, tau_s, ...)."
 COST_GAUGES = {
@@ -52,10 +46,6 @@ CAPACITY_GAUGES = {
     "within [slo] (no sample: /state capacity.reason).",
 }
 COST_TERM = "Step-cost model coefficient: step_s = a_s + b*prefill + c*decode_seqs + d*kv_tokens."
-
-
-def _renamed_doc(new: str) -> str:
-    return f"Deprecated: renamed {new}, which has the same value; removed in the next release."
 
 
 class LiveEngine(EngineKnobs, Protocol):
@@ -132,7 +122,6 @@ class LiveGauges:
 
     def describe(self) -> Iterator[Metric]:
         yield from (GaugeMetricFamily(name, doc) for name, doc in GAUGES.items())
-        yield from (GaugeMetricFamily(old, _renamed_doc(new)) for old, new in RENAMED_GAUGES.items())
         yield GaugeMetricFamily("autopilot_queue_depth", QUEUE_DEPTH, labels=["priority_class"])
         yield from _ttft_check_families({})
         yield GaugeMetricFamily("autopilot_policy_term", POLICY_TERM, labels=["policy", "term"])
@@ -157,8 +146,6 @@ class LiveGauges:
         read = dict(zip(GAUGES, (*values, 1 if engine.ready else 0), strict=True))
         for name, doc in GAUGES.items():
             yield GaugeMetricFamily(name, doc, value=read[name])
-        for old, new in RENAMED_GAUGES.items():
-            yield GaugeMetricFamily(old, _renamed_doc(new), value=read[new])
         depth = GaugeMetricFamily("autopilot_queue_depth", QUEUE_DEPTH, labels=["priority_class"])
         for cls, n in gate.queued_by_class().items():  # a class removed by a reload disappears
             depth.add_metric([cls], n)

@@ -1,1 +1,18 @@
-"""config.toml: one typed table per TOML table, parsed and validated at once; the reload diff."""
+"""config.toml: one typed table per TOML table, parsed and validated at once; the reload diff.
+
+``config.toml``: one frozen dataclass per TOML table, parsed and validated at once (``load.py``), errors
+that name the key, the value and the fix (an unknown key: the nearest known one, or the list);
+``slo_table.py`` (the optional ``[slo]`` table resolved per class into
+``policies/slo_targets.SloTargets``, and the ``[control] cost_profile`` check), ``fields.py`` (how a typed
+field documents and checks itself; a non-finite number is refused everywhere), ``checks.py`` (the
+cross-table, vLLM-parser and policy checks; the policy is built as the daemon builds it,
+``ControlConfig.build_policy``, the one construction of a policy from the tables); the reload diff
+(``diff.py``: what is live, what waits for an engine restart); ``secrets.py`` (what is never shown:
+secrets, by their key's name and a URL's user and password under any key, redacted wherever the config is
+printed, inside JSON text options too, and scrubbed from error messages; the loopback check);
+``cli_layer.py`` (``serve [MODEL] [vllm serve options]`` laid over the TOML file: command line > YAML >
+TOML > defaults, kept as ``Config.overlay`` so a reload lays it over the file again). May import
+``admission/classes`` (the ``[admission.classes]`` table) and, lazily, ``engine/runtime/args`` (vLLM's own
+argument names, and ``engine/runtime/serve_args``: the serve command line) and ``sim/profile`` (a named
+cost profile must load). Invariant: a ``Config`` is either wholly valid or not built.
+"""

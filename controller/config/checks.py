@@ -4,13 +4,14 @@ policy built with its parameters. Each returns its errors, naming the key, the v
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 from pathlib import Path
 from typing import Any
 
 from controller.config.secrets import is_loopback
-from policies.base import PolicyError
+from policies.base import PolicyError, UnknownParameter
 from policies.slo_targets import SloTargets
 
 
@@ -63,11 +64,27 @@ def cross_table_errors(engine: dict[str, Any], tables: dict[str, Any]) -> list[s
     return errors
 
 
+TABLE_KEYS_OF = ("control", "admission")
+"""The tables whose keys a file may set under ``[control.params]`` by mistake: the normalize stage's
+and the gate's settings, which hold for every policy."""
+
+
 def policy_errors(engine: dict[str, Any], tables: dict[str, Any], slo: SloTargets | None) -> list[str]:
     """``[control] policy`` must build with its ``[control.params]``, as the daemon builds it."""
     control = tables["control"]
     try:
         control.build_policy(tables["admission"], slo, engine["max_num_seqs"])
+    except UnknownParameter as exc:
+        keys = {
+            t: {f.name for f in dataclasses.fields(tables[t])} - {"params", "classes"} for t in TABLE_KEYS_OF
+        }
+        table = next((t for t in TABLE_KEYS_OF if exc.key in keys[t]), None)
+        if table is None:
+            return [f"[control] policy = {control.policy!r}: {exc}"]
+        return [
+            f"[control.params] {exc.key} is not a parameter of policy {control.policy!r} but a key of "
+            f"[{table}], for every policy: write it in [{table}]"
+        ]
     except PolicyError as exc:
         return [f"[control] policy = {control.policy!r}: {exc}"]
     return []

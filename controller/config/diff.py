@@ -61,7 +61,6 @@ def merge_live(current: Config, new: Config) -> Config:
         guard=new.guard,
         slo=new.slo,
         restart_on_reload=new.restart_on_reload,
-        warnings=new.warnings,
     )
 
 

@@ -25,11 +25,10 @@ def suggest(key: str, known: list[str]) -> str:
 _TYPES: dict[str, type] = {"int": int, "float": float, "str": str}
 
 
-def check_value(table: str, f: dataclasses.Field[Any], value: Any, written: str | None = None) -> list[str]:
-    """``value`` for field ``f`` of ``[table]``: its type and bounds, the key named as the file
-    ``written`` it (an old name of the field, load.py ``RENAMED``) when given."""
+def check_value(table: str, f: dataclasses.Field[Any], value: Any) -> list[str]:
+    """``value`` for field ``f`` of ``[table]``: its type and bounds."""
     want = _TYPES[str(f.type).removesuffix(" | None")]  # TOML has no None: a file sets a value or nothing
-    where = f"[{table}] {written or f.name} = {value!r}"
+    where = f"[{table}] {f.name} = {value!r}"
     ok = isinstance(value, want) or (want is float and isinstance(value, int))
     if not ok or isinstance(value, bool):
         return [f"{where}: must be {want.__name__}. {f.metadata['doc']}"]

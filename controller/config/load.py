@@ -161,7 +161,8 @@ class AdmissionConfig:
 
 @dataclass(frozen=True)
 class ControlConfig:
-    """[control]: the loop that moves the admission limit and the batch cap."""
+    """[control]: the loop that moves the admission limit, the batch cap and the token budget, and
+    the normalize stage's bounds and anti-flap settings for every policy."""
 
     tick_s: float = _f(1.0, "Seconds between two control-loop ticks.", 0.05, 3600)
     policy: str = _f(
@@ -313,9 +314,6 @@ class Config:
     """[slo] resolved per class (controller/config/slo_table.py); None: the file has no [slo]."""
     overlay: dict[str, dict[str, Any]] = field(default_factory=dict)
     """The command line's tables, laid over the file again at each reload (config/cli_layer.py)."""
-    warnings: tuple[str, ...] = ()
-    """What the file should change but that still loads (a key under its old name, ``RENAMED``):
-    check-config prints them, the daemon logs them at start and a reload answers them."""
 
     @property
     def max_num_seqs(self) -> int:
@@ -332,84 +330,13 @@ _TABLES: dict[str, type[Any]] = {
 _DICT_FIELDS = {"vllm", "params", "classes"}
 """Fields that hold a table of free-form keys rather than one typed value."""
 
-RENAMED: dict[str, dict[str, str]] = {
-    "control": {"tick_seconds": "tick_s", "window_seconds": "window_s", "cap_min": "max_num_active_seqs_min"},
-    "admission": {"min_priority": "most_urgent_priority"},
-}
-"""Per table, old key -> new key: every duration is spelt ``_s``, the batch cap is named as vLLM names
-it, and the most urgent priority a client may ask for is not a class's ``min_priority``, the lower end
-of its range. The old name is read, with a warning, until the next release; both names in one table is an
-error, since the file then says two things."""
 
-RENAMED_PARAMS: dict[str, dict[str, str]] = {
-    "static": {"batch_cap": "max_num_active_seqs", "token_budget": "max_num_scheduled_tokens"}
-}
-"""Per policy, old ``[control.params]`` key -> new key: the engine's knobs as vLLM names them. Read as
-``RENAMED`` is."""
-
-
-MOVED_PARAMS: dict[str, dict[str, tuple[str, str]]] = {
-    "slo": {
-        "band": ("control", "tolerance"),
-        "reverse_after_s": ("control", "reverse_after_s"),
-        "min_cap": ("control", "max_num_active_seqs_min"),
-        "min_limit": ("control", "limit_min"),
-        "ttft_wait_share": ("admission", "ttft_wait_share"),
-    }
-}
-"""Per policy, ``[control.params]`` keys that are now keys of a table -> (table, key): the normalize
-stage's anti-flap and floors, and the gate's wait share. The old place is read, with a warning, until
-the next release; both places in one file is an error."""
-
-
-def relocate_params(
-    tables: dict[str, Any], written: dict[str, dict[str, Any]], errors: list[str], warnings: list[str]
-) -> dict[str, Any]:
-    """``tables`` (each table's dataclass by name) with the policy's renamed ``[control.params]`` keys
-    under their new names (``RENAMED_PARAMS``) and its moved ones (``MOVED_PARAMS``) set on their
-    tables; ``written``: the tables as the file wrote them, to refuse a key set in both places."""
-    control = tables["control"]
-    moved = MOVED_PARAMS.get(control.policy, {})
-    params, out = dict(control.params), dict(tables)
-    for old, new in RENAMED_PARAMS.get(control.policy, {}).items():
-        if old in params:
-            value = params.pop(old)
-            if _current_name("control.params", old, new, params, errors, warnings):
-                params[new] = value
-    for old, (table, key) in moved.items():
-        if old not in params:
-            continue
-        value = params.pop(old)
-        if key in written.get(table, {}):
-            errors.append(
-                f"[control.params] {old} and [{table}] {key} are both set: {old} is now [{table}] {key}; "
-                f"keep [{table}] {key} only"
-            )
-            continue
-        f = next(f for f in dataclasses.fields(_TABLES[table]) if f.name == key)
-        problems = _check_value("control.params", f, value, written=old)
-        errors.extend(problems)
-        if problems:
-            continue
-        warnings.append(
-            f"[control.params] {old} is now [{table}] {key}: write it there instead; the old place is read "
-            "until the next release"
-        )
-        value = float(value) if str(f.type).startswith("float") else value
-        out[table] = dataclasses.replace(out[table], **{key: value})
-    out["control"] = dataclasses.replace(out["control"], params=params)
-    return out
-
-
-def _build_table(name: str, raw: dict[str, Any], errors: list[str], warnings: list[str]) -> Any:
+def _build_table(name: str, raw: dict[str, Any], errors: list[str]) -> Any:
     cls = _TABLES[name]
     fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in _DICT_FIELDS}
     kwargs: dict[str, Any] = {}
     free: dict[str, Any] = {}
-    for written, value in raw.items():
-        key = _current_name(name, written, RENAMED.get(name, {}).get(written), raw, errors, warnings)
-        if key is None:
-            continue
+    for key, value in raw.items():
         if name == "control" and key == "params":
             if isinstance(value, dict):
                 kwargs["params"] = dict(value)
@@ -418,7 +345,7 @@ def _build_table(name: str, raw: dict[str, Any], errors: list[str], warnings: li
         elif name == "admission" and key == "classes":
             kwargs["classes"] = parse_classes(value, errors)
         elif key in fields:
-            problems = _check_value(name, fields[key], value, written=written)
+            problems = _check_value(name, fields[key], value)
             errors.extend(problems)
             if not problems:
                 kwargs[key] = float(value) if str(fields[key].type).startswith("float") else value
@@ -429,26 +356,6 @@ def _build_table(name: str, raw: dict[str, Any], errors: list[str], warnings: li
     if name == "server":
         kwargs["vllm"] = free
     return cls(**kwargs)
-
-
-def _current_name(
-    table: str, written: str, key: str | None, raw: dict[str, Any], errors: list[str], warnings: list[str]
-) -> str | None:
-    """The field a key the file ``written`` sets: itself where it has no new name (``key`` None), else
-    the new name ``key`` (with a warning); None when the file sets the new name too (an error: it
-    would say two things)."""
-    if key is None:
-        return written
-    if key in raw:
-        errors.append(
-            f"[{table}] {written} and {key} are both set: {written} is the old name of {key}; keep {key} only"
-        )
-        return None
-    warnings.append(
-        f"[{table}] {written} is renamed {key}: write {key} instead; the old name is read until the "
-        "next release"
-    )
-    return key
 
 
 def parse_config(data: dict[str, Any], path: Path) -> Config:
@@ -474,9 +381,7 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
     restart_on_reload = engine.pop("restart_on_reload", False)  # ours, not a vLLM argument
     if not isinstance(restart_on_reload, bool):
         errors.append(f"[engine] restart_on_reload = {restart_on_reload!r}: must be true or false")
-    warnings: list[str] = []
-    tables = {name: _build_table(name, _table(data, name), errors, warnings) for name in _TABLES}
-    tables = relocate_params(tables, {name: _table(data, name) for name in _TABLES}, errors, warnings)
+    tables = {name: _build_table(name, _table(data, name), errors) for name in _TABLES}
     errors.extend(non_finite_errors("engine", engine))
     errors.extend(non_finite_errors("server", tables["server"].vllm))
     errors.extend(non_finite_errors("control.params", tables["control"].params))
@@ -508,7 +413,6 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
         path=path,
         restart_on_reload=restart_on_reload is True,
         slo=slo,
-        warnings=tuple(warnings),
         **tables,
     )
 

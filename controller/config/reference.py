@@ -19,14 +19,7 @@ from typing import Any
 from controller.admission.classes import _KEYS as CLASS_KEYS
 from controller.admission.classes import CHOICE_KEYS, DEFAULT_CLASSES, PriorityClass
 from controller.config.diff import LIVE_TABLES
-from controller.config.load import (
-    _DICT_FIELDS,
-    _TABLES,
-    MOVED_PARAMS,
-    RENAMED,
-    RENAMED_PARAMS,
-    SMALL_HOST_CPUS,
-)
+from controller.config.load import _DICT_FIELDS, _TABLES, SMALL_HOST_CPUS
 from controller.config.slo_table import KEYS as SLO_KEYS
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
@@ -153,41 +146,7 @@ def _typed_table(name: str, cls: type[Any]) -> list[str]:
         lines.append(_row(f"`{f.name}`", default, _range(meta["lo"], meta["hi"]), reload, meta["doc"]))
     if name == "server":
         lines.append(_row("*any other key*", "", "", reload, _doc(cls, "vllm")))
-    lines += ["", *_renamed(name), SEE_ALSO[name], ""]
-    return lines
-
-
-def _renamed(table: str) -> list[str]:
-    """The table's old key names, still read (with a warning) until the next release."""
-    renamed = RENAMED.get(table, {})
-    if not renamed:
-        return []
-    names = ", ".join(f"`{old}` is `{new}`" for old, new in renamed.items())
-    return [
-        f"Renamed: {names}. The old name still loads, with a warning, until the next release; "
-        "both names in one file is an error.",
-        "",
-    ]
-
-
-def _moved() -> list[str]:
-    """A policy's parameters that are renamed, or now keys of a table, still read from
-    ``[control.params]``."""
-    lines = []
-    for policy, renamed in RENAMED_PARAMS.items():
-        names = ", ".join(f"`{old}` is `{new}`" for old, new in renamed.items())
-        lines += [
-            f"Renamed in the `{policy}` policy's parameters: {names}. The old name still loads, with a "
-            "warning, until the next release; both names in one file is an error.",
-            "",
-        ]
-    for policy, moved in MOVED_PARAMS.items():
-        names = ", ".join(f"`{old}` is `[{table}] {key}`" for old, (table, key) in moved.items())
-        lines += [
-            f"Moved from the `{policy}` policy's parameters: {names}. The old place still loads, with a "
-            "warning, until the next release; both places in one file is an error.",
-            "",
-        ]
+    lines += ["", SEE_ALSO[name], ""]
     return lines
 
 
@@ -268,7 +227,7 @@ def render() -> str:
         if name == "admission":
             lines += _classes() + _slo()
         if name == "control":
-            lines += ["## `[control.params]`", "", CONTROL_PARAMS, "", *_moved()]
+            lines += ["## `[control.params]`", "", CONTROL_PARAMS, ""]
     return "\n".join(lines).rstrip() + "\n"
 
 

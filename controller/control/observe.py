@@ -111,8 +111,6 @@ def build_observation(
         ttft_p99_s=eng.ttft_p99_s,
         itl_p99_s=eng.itl_p99_s,
         stats_age_s=eng.last_step_age_s,
-        ttft_p50_s=eng.ttft_p50_s,
-        itl_p50_s=eng.itl_p50_s,
         gpu_memory_total_bytes=gpu.total_bytes if gpu else None,
         gpu_memory_free_bytes=gpu.free_bytes if gpu else None,
         gpu_utilization=gpu.utilization if gpu else None,

@@ -154,8 +154,6 @@ class Daemon:
     async def startup(self) -> None:
         p, server = self.parts, self.config.server
         p.starting = True  # until the engine serves, a reload is refused (reload.py)
-        for warning in self.config.warnings:
-            log.warning("config_warning", path=str(self.config.path), warning=warning)
         if self._install_signals:
             self._install_signal_handlers()
         await self._start_admin()

@@ -103,8 +103,6 @@ class Reloader:
         result = "pending_engine_restart" if diff.pending else "ok"
         p.metrics.config_reloads.labels(result).inc()
         log.info("reloaded", live=diff.live, pending=diff.pending, engine_restart=restart, deferred=deferred)
-        for warning in new.warnings:
-            log.warning("config_warning", path=str(new.path), warning=warning)
         try:
             await p.loop.tick()  # the new policy acts now, not at the next tick
         except Exception as exc:  # the new config is in force; the scheduled ticks go on
@@ -115,7 +113,6 @@ class Reloader:
             "pending": diff.pending,
             "engine_restart": restart,
             "deferred": deferred,
-            "warnings": list(new.warnings),
         }
 
     def _plan(self, new: Config, diff: ConfigDiff) -> LiveChange:

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from controller.config.load import AdmissionConfig, ConfigError, ControlConfig, load_config, relocate_params
+from controller.config.load import AdmissionConfig, ControlConfig, load_config
 from controller.results.records import write_run
 from controller.sim.profile import Profile
 from controller.sim.run import ControlSettings, SimResult, Simulation
@@ -63,13 +63,6 @@ def with_config(
     merged = dict(control.params) if policy is None else {}
     merged.update(params)
     control = dataclasses.replace(control, policy=policy or control.policy, params=merged)
-    errors: list[str] = []
-    # a parameter given by its old name goes to its table, as the file's do when it loads (the
-    # warning is the loader's to give; here the command line names it)
-    tables = relocate_params({"control": control, "admission": admission}, {}, errors, [])
-    if errors:
-        raise ConfigError(errors)
-    control, admission = tables["control"], tables["admission"]
     if targets is None and slo is not None:
         targets = slo_for(admission, *slo)
     return profile, control, admission, targets

@@ -129,7 +129,7 @@ async def test_the_loop_sizes_budget_and_cap_to_the_tpot_bound(daemon: Daemon) -
     mean_s = step_s if answer <= 2 else (chunks * step_s + (answer - 1 - chunks) * decode_s) / (answer - 1)
     assert mean_s <= budget_bound_s * (1 + 1e-9), (step_s, mean_s, answer, chunks)
     # and the cap to the batch whose decode step fits the step bound (or fewer, where the KV binds;
-    # never below one sequence: a floor above it is the normalize stage's, [control] cap_min)
+    # never below one sequence: a floor above it is the normalize stage's, [control] max_num_active_seqs_min)
     step_bound_s = policy.margin * policy.slo.tightest.tpot_s
     assert tick.terms["tau_s"] == pytest.approx(step_bound_s)
     cap = tick.terms["cap"]

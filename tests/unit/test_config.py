@@ -180,150 +180,23 @@ def test_int_is_accepted_where_a_float_is_expected() -> None:
     assert isinstance(config.control.tick_s, float)
 
 
-# -- renamed keys ----------------------------------------------------------------------------------
+# -- keys in the wrong place ------------------------------------------------------------------------
 
 
-def without_control_keys(*keys: str, **values: Any) -> dict[str, Any]:
-    """The default document with ``keys`` gone from [control] and ``values`` set there."""
-    data = with_changes(control=values)
-    for key in keys:
-        data["control"].pop(key, None)
-    return data
-
-
-@pytest.mark.parametrize(("new", "value"), [("tick_s", 0.5), ("window_s", 3.0)])
-def test_a_duration_key_loads_under_its_new_name_without_a_warning(new: str, value: float) -> None:
-    config = parse_config(with_changes(control={new: value}), DEFAULT)
-    assert getattr(config.control, new) == value
-    assert config.warnings == ()
-
-
-@pytest.mark.parametrize(
-    ("old", "new", "value"),
-    [
-        ("tick_seconds", "tick_s", 0.5),
-        ("window_seconds", "window_s", 3.0),
-        ("cap_min", "max_num_active_seqs_min", 4),
-    ],
-)
-def test_an_old_key_name_loads_with_a_warning_naming_old_and_new(old: str, new: str, value: float) -> None:
-    config = parse_config(without_control_keys(new, **{old: value}), DEFAULT)
-    assert getattr(config.control, new) == value
-    assert config.warnings == (
-        f"[control] {old} is renamed {new}: write {new} instead; the old name is read until the next release",
-    )
-
-
-@pytest.mark.parametrize(
-    ("old", "new"),
-    [("tick_seconds", "tick_s"), ("window_seconds", "window_s"), ("cap_min", "max_num_active_seqs_min")],
-)
-def test_old_and_new_key_name_together_is_an_error_naming_both(old: str, new: str) -> None:
-    assert errors_of(with_changes(control={old: 2, new: 2})) == [
-        f"[control] {old} and {new} are both set: {old} is the old name of {new}; keep {new} only"
-    ]
-
-
-def test_an_old_key_name_out_of_range_is_named_as_the_file_wrote_it() -> None:
-    errors = errors_of(without_control_keys("tick_s", tick_seconds=0.01))
-    assert len(errors) == 1
-    assert errors[0].startswith(
-        "[control] tick_seconds = 0.01: out of range; use a value in [0.05, 3600]."
-    ), errors
-
-
-@pytest.mark.parametrize(
-    ("old", "table", "new", "value"),
-    [
-        ("band", "control", "tolerance", 0.2),
-        ("reverse_after_s", "control", "reverse_after_s", 10.0),
-        ("min_cap", "control", "max_num_active_seqs_min", 4),
-        ("min_limit", "control", "limit_min", 3),
-        ("ttft_wait_share", "admission", "ttft_wait_share", 0.5),
-    ],
-)
-def test_a_slo_parameter_moved_to_a_table_loads_from_its_old_place_with_a_warning(
-    old: str, table: str, new: str, value: float
-) -> None:
-    config = parse_config(with_changes(control={"policy": "slo", "params": {old: value}}), DEFAULT)
-    assert getattr(getattr(config, table), new) == value
-    assert old not in config.control.params  # the policy is built without it
-    assert config.warnings == (
-        f"[control.params] {old} is now [{table}] {new}: write it there instead; the old place is read "
-        "until the next release",
-    )
-
-
-def test_a_moved_slo_parameter_set_in_both_places_is_an_error_naming_both() -> None:
-    data = with_changes(control={"policy": "slo", "tolerance": 0.1, "params": {"band": 0.2}})
+def test_an_unknown_policy_parameter_is_an_error_naming_it_and_the_policys_parameters() -> None:
+    data = with_changes(control={"policy": "static", "params": {"batch_cap": 24}})
     assert errors_of(data) == [
-        "[control.params] band and [control] tolerance are both set: band is now [control] tolerance; "
-        "keep [control] tolerance only"
+        "[control] policy = 'static': [control.params] for policy 'static': unknown parameter "
+        "'batch_cap': its parameters: admission_limit, max_num_active_seqs, max_num_scheduled_tokens, preset"
     ]
 
 
-def test_a_moved_slo_parameter_is_checked_against_its_new_key() -> None:
-    errors = errors_of(with_changes(control={"policy": "slo", "params": {"ttft_wait_share": 2.0}}))
-    assert len(errors) == 1
-    assert errors[0].startswith(
-        "[control.params] ttft_wait_share = 2.0: out of range; use a value in [0.01, 1]"
-    )
-
-
-def test_another_policy_keeps_its_own_parameter_of_a_moved_name() -> None:
-    config = parse_config(with_changes(control={"policy": "hysteresis", "params": {"min_cap": 4}}), DEFAULT)
-    assert config.control.params == {"min_cap": 4}
-    assert (config.control.max_num_active_seqs_min, config.warnings) == (1, ())
-
-
-def test_admissions_old_min_priority_loads_as_most_urgent_priority_with_a_warning() -> None:
-    config = parse_config(with_changes(admission={"min_priority": 0}), DEFAULT)
-    assert config.admission.most_urgent_priority == 0
-    assert config.warnings == (
-        "[admission] min_priority is renamed most_urgent_priority: write most_urgent_priority instead; "
-        "the old name is read until the next release",
-    )
-    assert [c.min_priority for c in config.admission.classes] == [None, 1]  # a class's range: its own name
-
-
-@pytest.mark.parametrize(
-    ("old", "new"), [("batch_cap", "max_num_active_seqs"), ("token_budget", "max_num_scheduled_tokens")]
-)
-def test_a_static_parameter_under_its_old_name_loads_as_vllms_name_with_a_warning(old: str, new: str) -> None:
-    config = parse_config(with_changes(control={"policy": "static", "params": {old: 24}}), DEFAULT)
-    assert config.control.params == {new: 24}
-    assert config.warnings == (
-        f"[control.params] {old} is renamed {new}: write {new} instead; the old name is read until the "
-        "next release",
-    )
-    policy = config.control.build_policy(config.admission, None, max_num_seqs=64)
-    assert policy.params()[new] == 24
-
-
-def test_a_static_parameter_under_both_names_is_an_error_naming_both() -> None:
-    data = with_changes(control={"policy": "static", "params": {"batch_cap": 8, "max_num_active_seqs": 8}})
-    assert errors_of(data) == [
-        "[control.params] batch_cap and max_num_active_seqs are both set: batch_cap is the old name of "
-        "max_num_active_seqs; keep max_num_active_seqs only"
+@pytest.mark.parametrize(("key", "table"), [("reverse_after_s", "control"), ("ttft_wait_share", "admission")])
+def test_a_tables_key_under_control_params_is_an_error_naming_its_table(key: str, table: str) -> None:
+    assert errors_of(with_changes(control={"policy": "slo", "params": {key: 0.5}})) == [
+        f"[control.params] {key} is not a parameter of policy 'slo' but a key of [{table}], for every "
+        f"policy: write it in [{table}]"
     ]
-
-
-def test_check_config_prints_an_old_key_name_warning_on_stderr_and_the_json_on_stdout(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    from controller.cli import main
-
-    text = DEFAULT.read_text()
-    assert "\ntick_s = 1.0\n" in text
-    path = tmp_path / "config.toml"
-    path.write_text(text.replace("\ntick_s = 1.0\n", "\ntick_seconds = 0.5\n"))
-    assert main(["check-config", "--config", str(path)]) == 0
-    out, err = capsys.readouterr()
-    assert json.loads(out)["control"]["tick_s"] == 0.5
-    assert err == (
-        f"{path}: warning: [control] tick_seconds is renamed tick_s: write tick_s instead; "
-        "the old name is read until the next release\n"
-    )
 
 
 @pytest.mark.parametrize("table", ["admission", "control", "server"])

@@ -1,6 +1,7 @@
-"""The docs point at things that exist: every relative link in README.md and docs/**/*.md resolves to a
-file or folder, and every repository path a doc names in backticks (one with a '/' and an extension)
-exists. A moved or deleted file fails here, in the fast suite, instead of in a reader's browser."""
+"""The docs point at things that exist: every relative link in README.md, ARCHITECTURE.md and
+docs/**/*.md resolves to a file or folder, and every repository path a doc names in backticks (one with
+a '/' and an extension) exists. A moved or deleted file fails here, in the fast suite, instead of in a
+reader's browser."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
+DOCS = sorted([ROOT / "README.md", ROOT / "ARCHITECTURE.md", *(ROOT / "docs").rglob("*.md")])
 
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.M | re.S)
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")

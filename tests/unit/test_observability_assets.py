@@ -171,14 +171,3 @@ def test_gauges_are_read_at_scrape_time() -> None:
     assert (value("autopilot_engine_generation"), value("autopilot_engine_up")) == (2, 1)
     assert value("autopilot_in_flight_requests") == 0
     assert value("autopilot_queue_depth", {"priority_class": gate.classes[0].name}) == 0
-
-
-def test_the_knobs_old_metric_names_show_the_same_values_until_the_next_release() -> None:
-    metrics = Metrics(CollectorRegistry())
-    holder = PolicyHolder(StaticPolicy(max_num_seqs=16, initial_limit=4, preset="interactive"))
-    metrics.live.read_from(AdmissionGate(4, 100), ENGINE, holder)
-    value = metrics.registry.get_sample_value
-    assert value("autopilot_batch_cap") == value("autopilot_max_num_active_seqs") == 12
-    assert value("autopilot_token_budget") == value("autopilot_max_num_scheduled_tokens") == 512
-    families = {m.name: m.documentation for m in metrics.registry.collect()}
-    assert families["autopilot_batch_cap"].startswith("Deprecated: renamed autopilot_max_num_active_seqs")

@@ -108,19 +108,6 @@ async def test_a_reload_that_builds_swaps_every_live_table_in(tmp_path: Path) ->
     assert after["cost_prior"] is None and p.config.control.cost_profile == ""
 
 
-async def test_a_reload_of_an_old_key_name_applies_it_and_answers_the_warning(tmp_path: Path) -> None:
-    p = parts_for(tmp_path, control={"policy": "static"})
-    rewrite(p, control={"policy": "static", "window_seconds": 3.0})
-    result = await Reloader(p).reload()
-    assert result["ok"] is True
-    assert p.window.window_s == 3.0
-    assert result["warnings"] == [
-        "[control] window_seconds is renamed window_s: write window_s instead; the old name is read until "
-        "the next release"
-    ]
-    assert p.config.warnings == tuple(result["warnings"])
-
-
 # -- one reload at a time, none while the daemon starts or drains ----------------------------------
 
 KV = 64 << 20

@@ -95,12 +95,3 @@ def test_simulate_steers_to_its_slo_when_the_config_has_none() -> None:
     assert slo is not None and slo.for_class("interactive") == (1.0, 0.05)
     assert [name for name, _ in slo.by_class] == [c.name for c in admission.classes]
     assert control.policy == "slo"
-
-
-def test_a_moved_slo_parameter_on_the_command_line_reaches_its_table() -> None:
-    from controller.sim.profile import load_profile
-    from controller.sim.twin import with_config
-
-    params = {"band": 0.2, "ttft_wait_share": 0.5, "margin": 0.8}
-    _, control, admission, _ = with_config(load_profile("cpu-tiny"), None, "slo", params)
-    assert (control.tolerance, admission.ttft_wait_share, control.params) == (0.2, 0.5, {"margin": 0.8})

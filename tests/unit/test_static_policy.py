@@ -114,8 +114,8 @@ def test_presets_table() -> None:
         ({"preset": "small", "admission_limit": 0}, "admission_limit = 0: must be an integer >= 1"),
         (
             {"bogus": 1},
-            "[control.params] for policy 'static': "
-            "StaticPolicy.__init__() got an unexpected keyword argument 'bogus'",
+            "[control.params] for policy 'static': unknown parameter 'bogus': its parameters: "
+            "admission_limit, max_num_active_seqs, max_num_scheduled_tokens, preset",
         ),
     ],
 )
