@@ -234,7 +234,7 @@ class Metrics:
         )
         self.engine_restarts = Counter(
             "autopilot_engine_restarts",
-            "Engine restarts by reason: gpu_memory_low, host_memory_low, oom_killed, engine_died, "
+            "Engine restarts by reason: gpu_memory_low, host_memory_low, oom_killed, cuda_oom, engine_died, "
             "config_reload.",
             ["reason"],
             registry=registry,

@@ -4,7 +4,8 @@
 validate) against any OpenAI-compatible server. The orchestration: ``servers.py`` (the one server launcher
 and TOML writer: our daemon or plain ``vllm serve`` on free ports), ``gpucheck.py`` (the top-level
 ``gpu-check`` command: the daemon on the operator's config, its engine's start method, a restart it
-survives, a clean stop; a table and JSON), ``router.py`` (``vllm-router`` in front of servers it started),
+survives, a co-tenant's memory restart, the guard at util 0.97, parity with ``vllm serve`` through the
+runner's load, TP 2 and DP 2 restarts, a clean stop; a table and JSON), ``router.py`` (``vllm-router`` in front of servers it started),
 ``runner.py`` (one run against one live server: warm up, send, scrape, write the run directory; the run
 options), ``scrape.py`` (the server's ``/metrics`` and ``/state`` once a period), ``targets.py`` (one base
 config, many server specs, and the one loop that starts each in turn and runs the workload against it),

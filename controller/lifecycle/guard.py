@@ -11,8 +11,13 @@ engine, so it moves only on out-of-memory risk and only downward; an operator ra
 * Crash recovery (``Guard.watch``): an engine that dies is rebuilt with exponential backoff, at most
   ``max_restarts_per_hour`` times an hour. Only crashes spend that budget: an operator's reload or a
   memory restart is chosen, not a failure, and must not bring the next crash nearer to a permanent 503.
-  A death that the kernel's OOM killer caused (the ``oom_kill`` counter of the service's own cgroup
-  moved) also shrinks the memory setting. With the budget spent the guard gives up (``given_up``):
+  A death of memory is a memory restart, not a rebuild at the same setting: the kernel's OOM killer
+  (the ``oom_kill`` counter of the service's own cgroup moved, ``oom_killed``), or on a GPU a CUDA
+  out-of-memory error (``cuda_oom``: the engine's own word at its death,
+  ``EngineControl.died_out_of_memory``, or where it left none, the last GPU reading before the death
+  below the margin). Its smaller setting comes from ``MemoryRestarts.plan`` (the floor held), its
+  build's outcome sets the cooldown or the back-off as a memory restart's does; it still spends the
+  crash budget, as any death does. With the budget spent the guard gives up (``given_up``):
   requests get 503 with Retry-After and the daemon exits non-zero, so that its supervisor's own
   limits apply (systemd's ``Restart=on-failure`` and start limit, a pod's restart back-off), where a
   daemon that stayed up would answer 503 for good with nothing to restart it.
@@ -63,7 +68,6 @@ from controller.lifecycle.memory import (
     MemoryRestarts,
     MemoryWatch,
     fitting_utilization,
-    shrink,
     sizing_utilization,
 )
 from policies.base import Observation
@@ -73,7 +77,7 @@ log = structlog.get_logger(__name__)
 PROC_SELF_CGROUP = Path("/proc/self/cgroup")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
-MEMORY_REASONS = frozenset({"gpu_memory_low", "host_memory_low", "oom_killed"})
+MEMORY_REASONS = frozenset({"gpu_memory_low", "host_memory_low", "oom_killed", "cuda_oom"})
 """Restarts that free memory: the old engine must go before the new one is built (two may not fit)."""
 
 
@@ -100,6 +104,10 @@ class EngineControl(Protocol):
 
     def mark_failed(self, reason: str) -> None:
         """Count the engine as dead (it hangs): recovery retires it, then builds a new one."""
+
+    @property
+    def died_out_of_memory(self) -> bool:
+        """The dead engine said at its death that it ran out of GPU memory (never on a CPU)."""
 
 
 def own_memory_events(proc_cgroup: Path = PROC_SELF_CGROUP, root: Path = CGROUP_ROOT) -> Path | None:
@@ -189,10 +197,10 @@ class Guard:
     # -- memory ---------------------------------------------------------------------------------
     def on_observation(self, obs: Observation) -> asyncio.Task[None] | None:
         """Feed one observation; starts a restart task when the memory risk is confirmed."""
-        if self.restarting or self.unavailable_reason:
-            return None
+        if self.restarting or self.unavailable_reason or self.engine.dead:
+            return None  # a dead engine's memory is free: its last reading before the death stays
         if self.memory_restarts.hold(obs.now_mono) is not None:
-            self.memory.streak = 0
+            self.memory.reset()
             return None
         knob, settings = self.engine.memory_knob, self.engine.memory_settings()
         risk = self.memory.observe(obs, sizing_utilization(knob, settings))
@@ -222,6 +230,7 @@ class Guard:
 
     async def _restart(self, reason: str, overrides: dict[str, Any], drain: bool) -> None:
         t0 = self._clock()
+        self.memory.reset()  # the readings so far were of the engine going: none tells a new one's death
         self.gate.pause()
         try:
             if drain and not self.engine.dead and not await self.gate.wait_idle(self.s.drain_timeout_s):
@@ -301,12 +310,30 @@ class Guard:
         in_force = self.engine.memory_settings().get("gpu_memory_utilization")
         return float(in_force or VLLM_GPU_MEMORY_UTILIZATION)
 
-    def _recovery_overrides(self, oom: bool) -> dict[str, Any]:
-        """What a rebuild changes: a smaller setting after the kernel's OOM killer; after a memory
+    def _memory_death(self) -> str | None:
+        """Why the dead engine ran out of memory, or None: the kernel's OOM killer in the service's
+        cgroup (``oom_killed``), or a CUDA out-of-memory error (``cuda_oom``), by the engine's own word
+        or, where it left none (a worker killed outright), by the last GPU reading before the death
+        below the margin."""
+        oom_now = self._oom_kills()
+        if self._oom_baseline is not None and oom_now is not None and oom_now > self._oom_baseline:
+            return "oom_killed"
+        last = self.memory.last
+        if self.engine.died_out_of_memory or (last is not None and last.reason == "gpu_memory_low"):
+            return "cuda_oom"
+        return None
+
+    def _recovery_overrides(self, memory_death: bool) -> dict[str, Any]:
+        """What a rebuild changes: after a death of memory, the smaller setting a memory restart
+        takes (``MemoryRestarts.plan``: the floor holds; at it, the same setting); after a memory
         restart the free GPU memory could not hold, what it holds now (``MemoryRestarts.retry``)."""
         knob, settings = self.engine.memory_knob, self.engine.memory_settings()
-        if oom:
-            return shrink(settings, knob, 0, self.s) or {}
+        if memory_death:
+            reading = self._gpu_free()
+            overrides = self.memory_restarts.plan(settings, knob, 0, reading[1] if reading else None)
+            if overrides is None:
+                log.warning("memory_death_at_floor", failed_floor=self.memory_restarts.failed_floor.get(knob))
+            return overrides or {}
         retry = self.memory_restarts.retry
         if retry is None:
             return {}
@@ -338,10 +365,9 @@ class Guard:
             if self._budget_left() <= 0:
                 self._give_up()
                 return
-            oom_now = self._oom_kills()
-            oom = self._oom_baseline is not None and oom_now is not None and oom_now > self._oom_baseline
-            overrides = self._recovery_overrides(oom)
-            reason = "oom_killed" if oom else (self._failure_reason or "engine_died")
+            memory_death = self._memory_death()
+            overrides = self._recovery_overrides(memory_death is not None)
+            reason = memory_death or self._failure_reason or "engine_died"
             delay = self._backoff_s()
             build_s = self.last_restart["duration_s"] if self.last_restart else 0.0
             self.gate.refuse_new(no_engine(delay + build_s, reason))  # queued requests keep waiting

@@ -72,6 +72,9 @@ class MemoryWatch:
     def __init__(self, s: GuardSettings) -> None:
         self.s = s
         self.streak = 0
+        self.last: MemoryRisk | None = None
+        """The last sample's risk (confirmed or not), None when it was clear: what the memory looked
+        like just before an engine died."""
         self.free_at_start: tuple[float, int] | None = None
         """The utilization in force and the free GPU memory first read at it."""
 
@@ -97,10 +100,15 @@ class MemoryWatch:
             return MemoryRisk("host_memory_low", s.host_available_margin_bytes - avail, readings)
         return None
 
+    def reset(self) -> None:
+        """Readings are ignored (a cooldown, a new engine): no streak, no last risk."""
+        self.streak = 0
+        self.last = None
+
     def observe(self, obs: Observation, util: float | None = None) -> MemoryRisk | None:
         """A risk once ``consecutive_samples`` risky samples in a row were seen, else None; ``util``:
         the ``gpu_memory_utilization`` sizing the engine (``sizing_utilization``), if any."""
-        risk = self._risk(obs, util)
+        risk = self.last = self._risk(obs, util)
         self.streak = self.streak + 1 if risk else 0
         if risk and self.streak >= self.s.consecutive_samples:
             self.streak = 0

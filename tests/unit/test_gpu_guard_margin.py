@@ -28,6 +28,7 @@ class GpuEngine:
     """An ``EngineControl`` on one GPU sized by ``gpu_memory_utilization``."""
 
     memory_knob = "gpu_memory_utilization"
+    died_out_of_memory = False
 
     def __init__(self, util: float) -> None:
         self.util = util

@@ -40,6 +40,7 @@ class GpuEngine:
     builds the new settings, and on failure builds the settings that built last."""
 
     memory_knob = "gpu_memory_utilization"
+    died_out_of_memory = False
 
     def __init__(self, gpu: SharedGpu, util: float, smallest: float = 0.0) -> None:
         self.gpu, self.util, self.smallest = gpu, util, smallest
@@ -140,6 +141,7 @@ class KvGpuEngine(GpuEngine):
     and vLLM's start check still asks for ``gpu_memory_utilization`` x total free."""
 
     memory_knob = "kv_cache_memory_bytes"
+    died_out_of_memory = False
 
     def __init__(self, gpu: SharedGpu, kv: int) -> None:
         super().__init__(gpu, 0.90)

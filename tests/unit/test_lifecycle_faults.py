@@ -34,6 +34,7 @@ class FakeEngine:
     """An ``EngineControl`` whose restart can fail (staying alive or dying) or wait to be released."""
 
     memory_knob = "kv_cache_memory_bytes"
+    died_out_of_memory = False
 
     def __init__(self) -> None:
         self.dead = False

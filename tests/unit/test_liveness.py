@@ -23,6 +23,7 @@ class FakeEngine:
     """An ``EngineControl`` that counts restarts; ``mark_failed`` makes it dead, a restart alive."""
 
     memory_knob = "kv_cache_memory_bytes"
+    died_out_of_memory = False
 
     def __init__(self) -> None:
         self.dead = False

@@ -118,6 +118,7 @@ class FakeEngine:
     at once."""
 
     memory_knob = "kv_cache_memory_bytes"
+    died_out_of_memory = False
     dead = False
 
     def __init__(self) -> None:

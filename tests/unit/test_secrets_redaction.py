@@ -52,6 +52,7 @@ class FakeEngine:
     """An ``EngineControl`` whose restarts always build; it keeps the overrides it was given."""
 
     memory_knob = "kv_cache_memory_bytes"
+    died_out_of_memory = False
     dead = False
 
     def __init__(self) -> None:

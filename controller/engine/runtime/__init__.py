@@ -22,5 +22,7 @@ model, dtype, step-relevant engine arguments, hardware, vLLM version), ``builds.
 daemon thread that shutdown never waits for), ``heap.py`` (a retired engine's freed heap given back to the
 OS with glibc's ``malloc_trim``: fragmentation, not a leak, grew the RSS at each rebuild), ``procs.py``
 (how the engine's processes start: vLLM spawns each, on a GPU too, and a child forked from the daemon
-drops its signal wakeup fd and handlers, so no child's SIGTERM reaches the daemon).
+drops its signal wakeup fd and handlers, so no child's SIGTERM reaches the daemon), ``death.py`` (why an
+EngineCore died: it writes a note at its death, a CUDA out-of-memory error or not, which the host reads
+for the guard's ``died_out_of_memory``).
 """

@@ -38,6 +38,7 @@ from controller.control.steps import EngineStep, StepCost, StepFeed
 from controller.engine.runtime.args import SERVE_USAGE, engine_args
 from controller.engine.runtime.builds import build_in_thread
 from controller.engine.runtime.calls import CALL_DEADLINE_MIN_S, EngineCalls
+from controller.engine.runtime.death import CUDA_OOM, DeathNotes
 from controller.engine.runtime.dtype import dtype_settings
 from controller.engine.runtime.heap import HeapTrim, trim_heap
 from controller.engine.runtime.ipc import plugin_problem, set_poll_sleep
@@ -111,6 +112,8 @@ class EngineHost:
         self._restarting = False
         self._failed: str | None = None
         """Why the guard counts the live engine as failed (it stalled); cleared by a new engine."""
+        self._deaths = DeathNotes()
+        """What the engine in force's processes wrote at their death (death.py)."""
         self._stopped = False
         """``stop`` ran: a build that ends now shuts its engine down (builds.py)."""
         self._retired: list[AsyncLLM] = []
@@ -159,6 +162,12 @@ class EngineHost:
             self._calls.close("the engine was counted failed")
         log.error("engine_marked_failed", reason=reason, generation=self.generation)
 
+    @property
+    def died_out_of_memory(self) -> bool:
+        """The engine in force is dead and one of its EngineCores wrote, at its death, that a CUDA
+        out-of-memory error killed it (death.py); never on a CPU."""
+        return self.dead and CUDA_OOM in self._deaths.causes()
+
     # -- build / stop ---------------------------------------------------------------------------
     def _build(self, args: argparse.Namespace) -> AsyncLLM:
         spawn_engine_processes()  # before vLLM reads it: a forked engine reaches the daemon's signals
@@ -171,6 +180,7 @@ class EngineHost:
             # vLLM's platform turns it off without a word (on a CPU, always): say so, once a build
             log.warning("async_scheduling_off", reason="asked for, but vLLM's platform turned it off")
         set_poll_sleep(self.poll_sleep_s)  # the EngineCore and its workers inherit the environment
+        self._deaths.arm()
         if self.poll_sleep_s and (problem := plugin_problem()):
             log.warning("engine_poll_sleep_ignored", reason=problem)
         stat_logger = stat_logger_factory(self._steps, self.outcomes)
@@ -188,6 +198,7 @@ class EngineHost:
     async def _adopt(self, llm: AsyncLLM, args: argparse.Namespace) -> None:
         """Make a freshly built engine the one in force, with the settings it was built with."""
         self._llm, self._llm_retired, self.args, self._failed = llm, False, args, None
+        self._deaths.clear()
         self.max_num_seqs = int(args.max_num_seqs)
         self.batch_cap = min(self.batch_cap, self.max_num_seqs)
         self.generation += 1
@@ -305,6 +316,7 @@ class EngineHost:
         self._retired.clear()
         self._grace_pending.clear()
         self._llm = None
+        self._deaths.close()
         log.info("engine_stopped", generation=self.generation)
 
     # -- knobs and requests ---------------------------------------------------------------------

@@ -11,7 +11,9 @@ which vLLM imports inside the EngineCore process through ``scheduler_cls``, does
   tokens, step time) into a bounded ring;
 * it adds the utility methods ``autopilot_set_batch_cap``, ``autopilot_set_token_budget`` and
   ``autopilot_drain_steps`` to ``EngineCore``, which ``engine_core.call_utility_async`` runs there
-  between two engine steps (never inside ``schedule()``, so a budget never changes mid-step).
+  between two engine steps (never inside ``schedule()``, so a budget never changes mid-step);
+* it has the EngineCore write why it died (a CUDA out-of-memory error or not) for the daemon before
+  it sends vLLM's bare death message (``death.py``).
 
 Lowering the cap never preempts: requests already running finish; only new admissions wait. Lowering
 the budget never preempts either: a running prefill gets smaller chunks. The budget bounds a step that
@@ -35,13 +37,15 @@ serves RUNNING in order): a policy keeps the budget at or above the batch it dec
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.engine.core import EngineCore
+from vllm.v1.engine.core import EngineCore, EngineCoreProc
 
 from controller.control.actuator import token_budget_bounds
+from controller.engine.runtime.death import write_note
 from controller.engine.runtime.stepmeter import StepMeter, StepTuple
 
 UTILITY_SET = "autopilot_set_batch_cap"
@@ -126,6 +130,20 @@ def _drain_steps(self: Any) -> list[StepTuple]:
 setattr(EngineCore, UTILITY_SET, _set_batch_cap)
 setattr(EngineCore, UTILITY_BUDGET, _set_token_budget)
 setattr(EngineCore, UTILITY_DRAIN, _drain_steps)
+
+_send_engine_dead = getattr(
+    EngineCoreProc._send_engine_dead, "_autopilot_original", EngineCoreProc._send_engine_dead
+)
+
+
+def _note_then_send_engine_dead(self: Any) -> None:
+    # run_engine_core calls it inside its ``except`` block: the fatal error is the one being handled
+    write_note(sys.exc_info()[1])
+    _send_engine_dead(self)
+
+
+_note_then_send_engine_dead._autopilot_original = _send_engine_dead  # type: ignore[attr-defined]
+EngineCoreProc._send_engine_dead = _note_then_send_engine_dead  # type: ignore[method-assign]
 
 
 def scheduler_path(async_scheduling: bool) -> str:
