@@ -74,7 +74,7 @@ class Observation:
     max_num_batched_tokens: int = 2048
     """Hard ceiling of the token budget (the engine's max_num_batched_tokens, which sizes its buffers)."""
     token_budget_min: int = 1
-    """Lowest token budget the engine takes (``controller/control/actuator.token_budget_bounds``: 16
+    """Lowest token budget the engine takes (``policies/knobs.token_budget_bounds``: 16
     and one decode's draft tokens, or max_model_len when chunked prefill is off)."""
     served_total: int = 0
     """Requests served to the end since the start (``control/outcomes.OutcomeLedger``), counted once

@@ -7,6 +7,7 @@ from typing import Any
 
 from policies.base import Decision, Observation, Policy, PolicyError
 from policies.common import KV_SOURCES, CapFollower, check_choice, check_float, check_int, kv_signal
+from policies.knobs import cap_bounds
 
 
 class HysteresisPolicy(Policy):
@@ -138,7 +139,7 @@ class HysteresisPolicy(Policy):
         return self._kv < self.low and gpu_low
 
     def _move(self, obs: Observation, wanted: int, reason: str, now_mono: float) -> Decision:
-        cap = max(self.follower.min_cap, min(self.max_num_seqs, wanted))
+        cap = cap_bounds(self.max_num_seqs, self.follower.min_cap).clamp(wanted)
         if cap == obs.batch_cap:
             return Decision(None, None, "at_max" if wanted > cap else "at_min")
         self._last_change_mono = now_mono

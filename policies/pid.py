@@ -7,6 +7,7 @@ from typing import Any
 
 from policies.base import Decision, Observation, Policy, PolicyError
 from policies.common import KV_SOURCES, CapFollower, check_choice, check_float, clamp, kv_signal
+from policies.knobs import cap_bounds
 
 TARGETS = ("kv_usage", "ttft_p99", "itl_p99")
 DEFAULT_SETPOINTS = {"kv_usage": 0.9}
@@ -183,14 +184,14 @@ class PidPolicy(Policy):
         lo, hi = self.follower.min_cap, self.max_num_seqs
         if self.output_scale == "log":
             ratio: float = (hi / lo) ** u
-            return max(lo, min(hi, round(lo * ratio)))
+            return cap_bounds(hi, lo).clamp(round(lo * ratio))
         return lo + round(u * (hi - lo))
 
     def _u_for(self, cap: int) -> float:
         lo, hi = self.follower.min_cap, self.max_num_seqs
         if hi == lo:
             return 0.0
-        cap = max(lo, min(hi, cap))
+        cap = cap_bounds(hi, lo).clamp(cap)
         if self.output_scale == "log":
             return math.log(cap / lo) / math.log(hi / lo)
         return (cap - lo) / (hi - lo)

@@ -19,6 +19,7 @@ from typing import Any
 from policies.base import Decision, Observation, Policy, PolicyError
 from policies.common import check_float, check_int, is_stale
 from policies.cost import CostEstimate
+from policies.knobs import cap_bounds
 from policies.slo_targets import SloTargets
 
 MISS_TEST_P = 0.1
@@ -256,7 +257,7 @@ class SloPolicy(Policy):
             n_kv = math.floor(self.kv_target * d / obs.kv_usage)
             if n_kv < n:
                 n, why = n_kv, f"cap {n_kv}: KV {obs.kv_usage:.2f} at {d} running > {self.kv_target:g}"
-        cap = max(1, min(self.max_num_seqs, n))
+        cap = cap_bounds(self.max_num_seqs).clamp(n)
         budget = obs.max_num_batched_tokens
         limit, limit_why = self._limit(obs, cap, cut=False)
         self._terms = {"kv_tokens_per_seq": k, "cap": cap, "budget": budget, "limit": limit}
@@ -278,7 +279,7 @@ class SloPolicy(Policy):
             n = math.floor(self.kv_target * d / obs.kv_usage)
             if n < cap:
                 cap, why = n, f"cap {n}: KV {obs.kv_usage:.2f} at {d} running > {self.kv_target:g}"
-        return max(1, min(self.max_num_seqs, cap)), why
+        return cap_bounds(self.max_num_seqs).clamp(cap), why
 
     def _learn_margin(self, obs: Observation) -> str:
         """Steer ``margin_live`` by the share of the requests served since its last look that missed

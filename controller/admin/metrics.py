@@ -16,6 +16,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from controller.admission.ttft import TtftCheck
 from controller.control.capacity import Capacity
+from controller.control.knobs import ADMISSION_LIMIT, BATCH_CAP, TOKEN_BUDGET
 from controller.control.loop import Change
 from controller.control.observe import EngineKnobs, GateReadings
 from controller.control.outcomes import OutcomeLedger
@@ -23,11 +24,10 @@ from policies.base import Observation, Policy
 from policies.cost import CostEstimate
 
 GAUGES = {
-    "autopilot_admission_limit": "Requests allowed inside the engine at once.",
-    "autopilot_max_num_active_seqs": "Active-request cap of the engine's scheduler (the batch cap).",
+    ADMISSION_LIMIT.gauge: "Requests allowed inside the engine at once.",
+    BATCH_CAP.gauge: "Active-request cap of the engine's scheduler (the batch cap).",
     "autopilot_max_num_seqs": "Hard ceiling of the batch cap (engine max_num_seqs).",
-    "autopilot_max_num_scheduled_tokens": "Most tokens the engine's scheduler issues in one step (the "
-    "token budget).",
+    TOKEN_BUDGET.gauge: "Most tokens the engine's scheduler issues in one step (the token budget).",
     "autopilot_in_flight_requests": "Requests holding an admission slot.",
     "autopilot_engine_generation": "How many engines this daemon has started.",
     "autopilot_engine_up": "1 when the engine serves, else 0.",

@@ -17,6 +17,7 @@ from controller.config.slo_table import describe_slo
 from controller.control.capacity import CapacityMeter
 from controller.control.diagnosis import Diagnosis
 from controller.control.fitcheck import FitCheck
+from controller.control.knobs import ADMISSION_LIMIT, BATCH_CAP, TOKEN_BUDGET
 from controller.control.loop import ControlLoop
 from controller.control.stepcost import CostReader
 from controller.control.telemetry import TelemetryWindow
@@ -104,9 +105,9 @@ def state(d: StatusParts) -> dict[str, Any]:
     return {
         "healthy": ok,
         "health_reason": reason,
-        "admission_limit": g.limit,
-        "batch_cap": d.host.batch_cap,
-        "token_budget": d.host.token_budget,
+        ADMISSION_LIMIT.name: g.limit,
+        BATCH_CAP.name: d.host.batch_cap,
+        TOKEN_BUDGET.name: d.host.token_budget,
         "policy": {
             "name": d.config.control.policy,
             "params": d.loop.policy.params(),

@@ -10,7 +10,9 @@ to the knobs' bounds (``[control] limit_min``/``limit_max``, ``max_num_active_se
 tolerance band, the hold on quick reversals, the stabilisation window and the rate limit, for every knob
 and every policy (a policy names its own anti-flap defaults, ``Policy.normalize_defaults``, which
 ``[control]`` overrides), and says why. ``actuator.py`` is the only code that moves knobs (the gate's
-limit, the engine's batch cap and token budget, and the budget's bounds). ``steps.py`` is one engine
+limit, the engine's batch cap and token budget); ``knobs.py`` names them, maps each to its setter for the
+apply stage and re-exports ``policies/knobs.py``'s bounds, which the normalize stage, the engine and the
+twin clamp with. ``steps.py`` is one engine
 step's record (``EngineStep``: its end, its engine, and two parts named by where they are measured,
 ``cost``, the scheduler's figures from inside the EngineCore, and ``stats``, the stat logger's from the
 API process; the real engine's records carry one part each, as no step id joins the two processes, the

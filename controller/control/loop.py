@@ -29,6 +29,7 @@ import structlog
 
 from controller.clock import Clock, monotonic
 from controller.control.actuator import Knobs
+from controller.control.knobs import ADMISSION_LIMIT, BATCH_CAP, setters
 from controller.control.normalize import Move, Normalizer
 from controller.control.steps import StepFeed
 from policies.base import Observation, Policy
@@ -41,7 +42,7 @@ class Change:
     """One knob moving from ``old`` to ``new``, and why."""
 
     knob: str
-    """"admission_limit", "batch_cap" or "token_budget"."""
+    """The knob's name (``control/knobs.py``: ``admission_limit``, ``batch_cap``, ``token_budget``)."""
     old: int
     new: int
     reason: str
@@ -73,7 +74,8 @@ class ControlLoop:
         self.policy = policy
         self.normalizer = normalizer
         self._observe = observe
-        self._actuator = actuator
+        self._set = setters(actuator)
+        """Knob name -> the actuator's setter that moves it (``control/knobs.py``)."""
         self._subscribers = list(subscribers)
         self.steps = steps
         """The engine's per-step figures, pulled each tick before observing: subscribe a consumer to it
@@ -117,9 +119,9 @@ class ControlLoop:
         decision = self.policy.decide(obs, obs.now_mono)
         self.last_reason = decision.reason
         changes = await self._apply(self.normalizer.normalize(decision, obs, obs.now_mono), obs)
-        in_force = {"admission_limit": obs.admission_limit, "batch_cap": obs.batch_cap}
+        in_force = {ADMISSION_LIMIT.name: obs.admission_limit, BATCH_CAP.name: obs.batch_cap}
         in_force.update({c.knob: c.new for c in changes})
-        self.policy.applied(in_force["admission_limit"], in_force["batch_cap"], obs.now_mono)
+        self.policy.applied(in_force[ADMISSION_LIMIT.name], in_force[BATCH_CAP.name], obs.now_mono)
         for notify in self._subscribers:
             notify(obs, changes)
         return changes
@@ -151,12 +153,7 @@ class ControlLoop:
     async def _apply(self, moves: list[Move], obs: Observation) -> list[Change]:
         changes = []
         for knob, old, new, reason in moves:
-            if knob == "admission_limit":
-                self._actuator.set_admission_limit(new)
-            elif knob == "batch_cap":
-                new = await self._actuator.set_batch_cap(new)
-            else:
-                new = await self._actuator.set_token_budget(new)
+            new = await self._set[knob](new)
             change = Change(knob, old, new, reason, obs.now_mono, time.time())
             self.history.append(change)
             log.info("knob_changed", **asdict(change))

@@ -15,14 +15,22 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
+from controller.control.knobs import (
+    ADMISSION_LIMIT,
+    BATCH_CAP,
+    KNOBS,
+    TOKEN_BUDGET,
+    Bounds,
+    budget_bounds,
+    cap_bounds,
+)
 from policies.base import Decision, Observation
 
 Move = tuple[str, int, int, str]
-"""(knob, old, new, reason); knob is "admission_limit", "batch_cap" or "token_budget"."""
+"""(knob, old, new, reason); knob is a ``Knob``'s name (``control/knobs.py``)."""
 
-KNOBS = ("admission_limit", "batch_cap", "token_budget")
 URGENT_REASONS = ("kv_critical", "preemptions")
-FIRST_MOVE_FREE = frozenset({"admission_limit", "batch_cap"})
+FIRST_MOVE_FREE = frozenset({ADMISSION_LIMIT.name, BATCH_CAP.name})
 """The knobs whose first move arms no reversal hold: it takes the concurrency from the engine's
 starting value to the policy's first estimate (the slo policy's slow start opens it from one), and
 the climb after it is that estimate growing, not churn. The token budget's first move is a halving
@@ -104,33 +112,33 @@ class Normalizer:
         self.max_step_down = _check_step("max_step_down", max_step_down)
         self.stabilization_s = _check_number("stabilization_s", stabilization_s)
         self.urgent_reasons = frozenset(urgent_reasons)
-        self._recommendations: dict[str, deque[tuple[float, int]]] = {knob: deque() for knob in KNOBS}
+        self._recommendations: dict[str, deque[tuple[float, int]]] = {knob.name: deque() for knob in KNOBS}
         self._last_move: dict[str, tuple[int, float]] = {}
         """knob -> (direction of its last move past the reversal hold, +1 / -1, and when)."""
         self.last_outcome: dict[str, str] = {}
 
     def normalize(self, decision: Decision, obs: Observation, now_mono: float) -> list[Move]:
         """The moves to apply this tick, admission limit first, token budget last."""
-        limit_bounds = (self.limit_min, self.limit_max)
-        cap_bounds = (min(self.cap_min, obs.max_num_seqs), obs.max_num_seqs)
         wanted = {
-            "admission_limit": (decision.admission_limit, obs.admission_limit, *limit_bounds),
-            "batch_cap": (decision.batch_cap, obs.batch_cap, *cap_bounds),
-            "token_budget": (
+            ADMISSION_LIMIT.name: (
+                decision.admission_limit,
+                obs.admission_limit,
+                Bounds(self.limit_min, self.limit_max),
+            ),
+            BATCH_CAP.name: (decision.batch_cap, obs.batch_cap, cap_bounds(obs.max_num_seqs, self.cap_min)),
+            TOKEN_BUDGET.name: (
                 decision.token_budget,
                 obs.token_budget,
-                min(obs.token_budget_min, obs.max_num_batched_tokens),
-                obs.max_num_batched_tokens,
+                budget_bounds(obs.max_num_batched_tokens, obs.token_budget_min),
             ),
         }
         urgent = decision.reason in self.urgent_reasons
         moves = []
-        for knob, (want, current, floor, ceiling) in wanted.items():
+        for knob, (want, current, bounds) in wanted.items():
             if want is None:
-                if knob != "token_budget" or knob in self.last_outcome:
+                if knob != TOKEN_BUDGET.name or knob in self.last_outcome:
                     self.last_outcome[knob] = f"{decision.reason}:hold"
                 continue
-            bounds = (floor, ceiling)
             new, reason = self._one(knob, want, current, bounds, decision.reason, now_mono, urgent)
             self.last_outcome[knob] = reason
             if new != current:
@@ -142,7 +150,7 @@ class Normalizer:
         knob: str,
         want: int,
         current: int,
-        bounds: tuple[int, int],
+        bounds: Bounds,
         reason: str,
         now: float,
         urgent: bool,
@@ -185,7 +193,7 @@ class Normalizer:
 
     def _max_step(self, knob: str, up: bool, current: int) -> int | None:
         """The largest move this tick from ``current``; None: no limit."""
-        if knob == "token_budget":
+        if knob == TOKEN_BUDGET.name:
             return max(1, math.ceil(current * (BUDGET_STEP_UP if up else BUDGET_STEP_DOWN)))
         return _step(self.max_step_up if up else self.max_step_down, current)
 

@@ -45,7 +45,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from controller.control.actuator import token_budget_bounds
+from controller.control.knobs import budget_bounds, cap_bounds, token_budget_bounds
 from controller.control.steps import EngineStep, StepCost, StepStats
 from controller.load.sessions import within
 from controller.load.workload import RequestSpec
@@ -178,9 +178,9 @@ class SimEngine:
         self.batch_cap = limits.max_num_seqs
         """``max_num_active_reqs``: admission into RUNNING stops at this many."""
         self.max_num_batched_tokens = limits.max_num_batched_tokens
-        self.token_budget_min, _ = token_budget_bounds(
+        self.token_budget_min = token_budget_bounds(
             limits.max_num_batched_tokens, limits.enable_chunked_prefill, limits.max_model_len
-        )
+        ).floor
         self.token_budget = limits.max_num_batched_tokens
         """``max_num_scheduled_tokens``: the most tokens one step issues."""
         self.record_token_times = record_token_times
@@ -190,13 +190,13 @@ class SimEngine:
     # -- the batch cap, as controller/engine/runtime/scheduler.py sets it ------------------------------------
     def set_batch_cap(self, cap: int) -> int:
         """Clamp to [1, max_num_seqs], apply, return the value in force; never preempts."""
-        self.batch_cap = max(1, min(int(cap), self.max_num_seqs))
+        self.batch_cap = cap_bounds(self.max_num_seqs).clamp(cap)
         return self.batch_cap
 
     def set_token_budget(self, budget: int) -> int:
         """Clamp to [token_budget_min, max_num_batched_tokens], apply from the next plan, return the
         value in force; never preempts (a running prefill gets smaller chunks)."""
-        self.token_budget = max(self.token_budget_min, min(int(budget), self.max_num_batched_tokens))
+        self.token_budget = budget_bounds(self.max_num_batched_tokens, self.token_budget_min).clamp(budget)
         return self.token_budget
 
     # -- requests ---------------------------------------------------------------------------------

@@ -7,13 +7,13 @@ import asyncio
 from collections.abc import Sequence
 
 from controller.config.load import AdmissionConfig, ControlConfig
+from controller.control.knobs import KNOBS
 from controller.control.loop import Change
 from controller.load.workload import RequestSpec
 from controller.sim.run import SimResult
 from controller.sim.twin import build_simulation, slo_for
 from tests.sim.scenarios import PROFILE, uniform, uniform_step
 
-KNOBS = ("admission_limit", "batch_cap", "token_budget")
 STEP_AT, END = 60.0, 180.0
 
 
@@ -42,7 +42,7 @@ def reversals_per_minute(changes: Sequence[Change], knob: str, t_from: float, t_
 def test_at_a_steady_load_each_knob_reverses_at_most_twice_a_minute() -> None:
     for rate in (10.0, 30.0):  # light, and past what the engine serves within the TPOT bound
         result = run(uniform(rate, 245.0))
-        for knob in KNOBS:
+        for knob in (k.name for k in KNOBS):
             # from 5 s: the start runs one request until the first ones say what they ask, then
             # opens (a slow start, ``SloPolicy._concurrency``), a reversal that is no oscillation
             per_minute = reversals_per_minute(result.changes, knob, 5.0, 245.0)

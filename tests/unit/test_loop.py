@@ -110,6 +110,10 @@ class FakeSystem:
         self.cap = min(cap, self.engine_max)
         return self.cap
 
+    async def set_token_budget(self, budget: int) -> int:
+        self.calls.append(("token_budget", budget))
+        return budget
+
 
 class ScriptedPolicy(Policy):
     """Returns the given decisions in turn and records what it was shown."""

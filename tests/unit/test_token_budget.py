@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from controller.clock import FakeClock
-from controller.control.actuator import TOKEN_BUDGET_MIN, Actuator, token_budget_bounds
+from controller.control.actuator import Actuator
+from controller.control.knobs import TOKEN_BUDGET_MIN, token_budget_bounds
 from controller.control.loop import ControlLoop
 from controller.control.normalize import Move, Normalizer
 from controller.control.steps import EngineStep, StepFeed

@@ -33,7 +33,14 @@ from vllm.utils import func_utils
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from controller.clock import Clock, monotonic
-from controller.control.actuator import TOKEN_BUDGET_MIN, token_budget_bounds
+from controller.control.knobs import (
+    TOKEN_BUDGET,
+    TOKEN_BUDGET_MIN,
+    Bounds,
+    budget_bounds,
+    cap_bounds,
+    token_budget_bounds,
+)
 from controller.control.steps import EngineStep, StepCost, StepFeed
 from controller.engine.runtime.args import SERVE_USAGE, engine_args
 from controller.engine.runtime.builds import build_in_thread
@@ -124,7 +131,7 @@ class EngineHost:
         self.batch_cap = self.max_num_seqs
         self.max_num_batched_tokens = int(getattr(args, "max_num_batched_tokens", None) or 0)
         """Ceiling of the token budget; known for sure once an engine is built (vLLM picks a default)."""
-        self.token_budget_min = min(TOKEN_BUDGET_MIN, self.max_num_batched_tokens)
+        self.token_budget_min = budget_bounds(self.max_num_batched_tokens, TOKEN_BUDGET_MIN).floor
         self.token_budget = self.max_num_batched_tokens
         """The per-step token budget in force (vLLM's ``max_num_scheduled_tokens``)."""
         self._budget_moved = False
@@ -200,7 +207,7 @@ class EngineHost:
         self._llm, self._llm_retired, self.args, self._failed = llm, False, args, None
         self._deaths.clear()
         self.max_num_seqs = int(args.max_num_seqs)
-        self.batch_cap = min(self.batch_cap, self.max_num_seqs)
+        self.batch_cap = cap_bounds(self.max_num_seqs).clamp(self.batch_cap)
         self.generation += 1
         if self._calls is not None:  # a tick still waiting on the engine before gets no answer now
             self._calls.close("a new engine serves")
@@ -322,7 +329,7 @@ class EngineHost:
     # -- knobs and requests ---------------------------------------------------------------------
     async def set_batch_cap(self, cap: int) -> int:
         """Apply a batch cap inside the EngineCore process; returns the clamped value in force."""
-        cap = max(1, min(int(cap), self.max_num_seqs))
+        cap = cap_bounds(self.max_num_seqs).clamp(cap)
         if self.dead or self._restarting:
             self.batch_cap = cap  # applied to the next engine when it starts
             return cap
@@ -333,12 +340,15 @@ class EngineHost:
         """Apply a per-step token budget inside the EngineCore process (from its next step on);
         returns the clamped value in force."""
         self._budget_moved = True
-        budget = max(self.token_budget_min, min(int(budget), self.max_num_batched_tokens))
+        budget = self._budget_bounds().clamp(budget)
         if self.dead or self._restarting:
             self.token_budget = budget  # applied to the next engine when it starts
             return budget
         self.token_budget = await self.calls.put(UTILITY_BUDGET, budget)
         return self.token_budget
+
+    def _budget_bounds(self) -> Bounds:
+        return budget_bounds(self.max_num_batched_tokens, self.token_budget_min)
 
     async def _adopt_budget(self, llm: AsyncLLM, calls: EngineCalls) -> None:
         """A new engine's budget bounds, and the budget in force (module docstring)."""
@@ -347,15 +357,15 @@ class EngineHost:
         if sched is None:  # an engine without a scheduler config to read (the unit tests' fakes)
             return
         self.max_num_batched_tokens = int(sched.max_num_batched_tokens)
-        self.token_budget_min, _ = token_budget_bounds(
+        self.token_budget_min = token_budget_bounds(
             self.max_num_batched_tokens,
             bool(sched.enable_chunked_prefill),
             int(cfg.model_config.max_model_len),
             int(cfg.num_speculative_tokens),
-        )
+        ).floor
         initial = int(sched.max_num_scheduled_tokens or self.max_num_batched_tokens)
         want = self.token_budget if self._budget_moved else initial
-        self.token_budget = max(self.token_budget_min, min(want, self.max_num_batched_tokens))
+        self.token_budget = self._budget_bounds().clamp(want)
         self.token_budget = await calls.put(UTILITY_BUDGET, self.token_budget)
 
     async def drain_steps(self) -> list[EngineStep]:
@@ -444,7 +454,7 @@ class EngineHost:
             "unanswered_call": self._calls.silence() if self._calls is not None else None,
             "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": getattr(sched, "max_num_batched_tokens", None),
-            "token_budget": self.token_budget,
+            TOKEN_BUDGET.name: self.token_budget,
             "token_budget_min": self.token_budget_min,
             "scheduling_policy": str(getattr(sched, "policy", None)),
             **dtype_settings(getattr(self.args, "dtype", None), cfg.model_config.dtype if cfg else None),

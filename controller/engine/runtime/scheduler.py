@@ -5,8 +5,8 @@ vLLM admits a waiting request into RUNNING while ``len(running) < scheduler.max_
 (vllm/v1/core/sched/scheduler.py). Nothing in vLLM changes either number at runtime, so this module,
 which vLLM imports inside the EngineCore process through ``scheduler_cls``, does three things:
 
-* the scheduler subclasses below expose ``set_batch_cap`` (clamped to [1, max_num_seqs]) and
-  ``set_token_budget`` (clamped to ``control.actuator.token_budget_bounds``);
+* the scheduler subclasses below expose ``set_batch_cap`` (clamped to ``control.knobs.cap_bounds``,
+  [1, max_num_seqs]) and ``set_token_budget`` (clamped to ``control.knobs.token_budget_bounds``);
 * they measure each step's figures (``stepmeter.StepMeter``: prefill tokens, decoding sequences, KV
   tokens, step time) into a bounded ring;
 * it adds the utility methods ``autopilot_set_batch_cap``, ``autopilot_set_token_budget`` and
@@ -44,7 +44,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core import EngineCore, EngineCoreProc
 
-from controller.control.actuator import token_budget_bounds
+from controller.control.knobs import cap_bounds, token_budget_bounds
 from controller.engine.runtime.death import write_note
 from controller.engine.runtime.stepmeter import StepMeter, StepTuple
 
@@ -69,20 +69,20 @@ class _LiveKnobsMixin:
 
     def set_batch_cap(self, cap: int) -> int:
         """Clamp ``cap`` to [1, max_num_seqs], apply it, and return the value in force."""
-        self.max_num_active_reqs = max(1, min(int(cap), self.max_num_running_reqs))
+        self.max_num_active_reqs = cap_bounds(self.max_num_running_reqs).clamp(cap)
         return self.max_num_active_reqs
 
     def set_token_budget(self, budget: int) -> int:
         """Clamp ``budget`` to [floor, max_num_batched_tokens] (module docstring), apply it from the
         next step on, and return the value in force."""
         cfg = self.scheduler_config
-        floor, ceiling = token_budget_bounds(
+        bounds = token_budget_bounds(
             int(cfg.max_num_batched_tokens),
             bool(cfg.enable_chunked_prefill),
             int(self.max_model_len),
             int(self.num_spec_tokens),
         )
-        self.max_num_scheduled_tokens = max(floor, min(int(budget), ceiling))
+        self.max_num_scheduled_tokens = bounds.clamp(budget)
         return self.max_num_scheduled_tokens
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
