@@ -5,10 +5,11 @@ validate) against any OpenAI-compatible server. The orchestration: ``servers.py`
 and TOML writer: our daemon or plain ``vllm serve`` on free ports), ``gpucheck.py`` (the top-level
 ``gpu-check`` command: the daemon on the operator's config, its engine's start method, a restart it
 survives, a co-tenant's memory restart, the guard at util 0.97, parity with ``vllm serve`` through the
-runner's load, TP 2 and DP 2 restarts, a clean stop; a table and JSON), ``router.py`` (``vllm-router`` in front of servers it started),
-``runner.py`` (one run against one live server: warm up, send, scrape, write the run directory; the run
-options), ``scrape.py`` (the server's ``/metrics`` and ``/state`` once a period), ``targets.py`` (one base
-config, many server specs, and the one loop that starts each in turn and runs the workload against it),
+runner's load, TP 2 and DP 2 restarts, a clean stop; a table and JSON), ``router.py`` (``vllm-router`` in
+front of servers it started), ``runner.py`` (one run against one live server: warm up, send, scrape, write
+the run directory; the run options), ``scrape.py`` (the server's ``/metrics`` and ``/state`` once a
+period), ``targets.py`` (one base config, many server specs, and the one loop that starts each in turn and
+runs the workload against it),
 ``memory.py`` and ``pyspy.py`` (what a server's processes use), ``cli.py`` (parsing and dispatch).
 ``experiments/``: one module a command (``compare.py``, ``sweep.py``, ``soak.py``, ``overload.py`` with
 ``mix.py``, its two-class overload mix; ``frontend.py``: interleaved pairs of bursts against ``vllm
