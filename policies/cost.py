@@ -1,14 +1,21 @@
-"""The step-cost model's state as a policy reads it (``Observation.cost``).
+"""The step cost in one vocabulary: its coefficients, the one formula, the knee, and the fit's estimate.
 
-Pure data, no ``controller`` import, so a policy (``policies/*`` only) can predict a step's time. The
-model that produces it is ``controller/control/stepcost.py`` (recursive least squares over the engine's
-steps); its form is the twin's (``controller/sim/profile.py``, ``CostModel``)::
+Pure data, no ``controller`` import, so every room that speaks of a step's cost may import it: a
+policy (``policies/*`` only), the profile format (``controller/profiles/``), the twin
+(``controller/sim/``), the online fit (``controller/control/stepcost.py``) and the calibration
+(``controller/bench/calibrate/``). ``StepCoefficients`` is the cost of one engine step (one forward
+pass)::
 
     step_s = a_s + b * prefill_tokens + c * decode_seqs + d * kv_tokens
+
+A profile's ``[cost]`` table holds one (``controller/profiles/load.py``), the twin steps by it, the
+online fit learns one (recursive least squares over the engine's steps) and hands it to the policies as
+``CostEstimate`` (``Observation.cost``): the coefficients and how far to trust them.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -17,8 +24,15 @@ TERMS = ("a_s", "b_s_per_prefill_token", "c_s_per_decode_seq", "d_s_per_kv_token
 
 
 @dataclass(frozen=True)
-class CostEstimate:
-    """The fitted step cost at one moment, and how far to trust it."""
+class StepCoefficients:
+    """Duration of one engine step (one forward pass) in seconds: ``step_s(P, D, K)``.
+
+    ``prefill_tokens`` (``P``): prompt (or recomputed) tokens scheduled in the step; ``decode_seqs``
+    (``D``): requests that decode one token; ``kv_tokens`` (``K``): the context the step's attention
+    reads (each scheduled request's computed tokens plus its new ones). ``a`` is the fixed cost of a
+    step (scheduling, launch, sampling), ``b`` the matmul cost of a prompt token, ``c`` the
+    per-sequence cost of a decode (its matmul row, sampling, detokenising), ``d`` the attention cost
+    per KV token read."""
 
     a_s: float
     """Fixed cost of a step (seconds)."""
@@ -28,6 +42,31 @@ class CostEstimate:
     """Seconds per decoding sequence."""
     d_s_per_kv_token: float
     """Seconds per KV-cache token the step's attention reads."""
+
+    def step_s(self, prefill_tokens: int, decode_seqs: int, kv_tokens: int) -> float:
+        """Predicted seconds of a step with these features (summed in this order, term by term)."""
+        return (
+            self.a_s
+            + self.b_s_per_prefill_token * prefill_tokens
+            + self.c_s_per_decode_seq * decode_seqs
+            + self.d_s_per_kv_token * kv_tokens
+        )
+
+    def coefficients(self) -> dict[str, float]:
+        """The four coefficients by term name."""
+        return {term: float(getattr(self, term)) for term in TERMS}
+
+
+def knee_batch(a_s: float, per_seq_s: float, share: float) -> int:
+    """The smallest batch whose throughput ``N / (a + s*N)`` reaches ``1 - share`` of its peak
+    ``1 / s``: ``ceil(a * (1 - share) / (share * s))`` (``a``, ``s`` > 0; 102.00000000001 is 102)."""
+    return math.ceil(round(a_s * (1 - share) / (share * per_seq_s), 6))
+
+
+@dataclass(frozen=True)
+class CostEstimate(StepCoefficients):
+    """The fitted step cost at one moment, and how far to trust it."""
+
     samples: int
     """Engine steps the fit took in (a seed counts none; rejected outliers are not counted)."""
     rejected: int
@@ -60,19 +99,6 @@ class CostEstimate:
     own; above 1 where the steps' times are long-tailed (a CPU the engine shares) or time passes
     between steps, which the fit, following the typical step, leaves out. What the capacity counts a
     step at (``controller/control/capacity.py``). None until enough such steps."""
-
-    def predict_step(self, prefill_tokens: int, decode_seqs: int, kv_tokens: int) -> float:
-        """Predicted seconds of a step with these features."""
-        return (
-            self.a_s
-            + self.b_s_per_prefill_token * prefill_tokens
-            + self.c_s_per_decode_seq * decode_seqs
-            + self.d_s_per_kv_token * kv_tokens
-        )
-
-    def coefficients(self) -> dict[str, float]:
-        """The four coefficients by term name."""
-        return {term: float(getattr(self, term)) for term in TERMS}
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -18,7 +18,7 @@ from typing import Any
 
 from policies.base import Decision, Observation, Policy, PolicyError
 from policies.common import check_float, check_int, is_stale
-from policies.cost import CostEstimate
+from policies.cost import CostEstimate, knee_batch
 from policies.knobs import cap_bounds
 from policies.slo_targets import SloTargets
 
@@ -426,12 +426,6 @@ class SloPolicy(Policy):
         """The step bound, the KV per sequence, the three sizes and the learned mean margin of the
         last tick."""
         return dict(self._terms)
-
-
-def knee_batch(a_s: float, per_seq_s: float, share: float) -> int:
-    """The smallest batch whose throughput ``N / (a + s*N)`` reaches ``1 - share`` of its peak
-    ``1 / s``: ``ceil(a * (1 - share) / (share * s))`` (``a``, ``s`` > 0; 102.00000000001 is 102)."""
-    return math.ceil(round(a_s * (1 - share) / (share * per_seq_s), 6))
 
 
 def _ms(seconds: float) -> str:

@@ -13,6 +13,6 @@ printed, inside JSON text options too, and scrubbed from error messages; the loo
 ``cli_layer.py`` (``serve [MODEL] [vllm serve options]`` laid over the TOML file: command line > YAML >
 TOML > defaults, kept as ``Config.overlay`` so a reload lays it over the file again). May import
 ``admission/classes`` (the ``[admission.classes]`` table) and, lazily, ``engine/runtime/args`` (vLLM's own
-argument names, and ``engine/runtime/serve_args``: the serve command line) and ``sim/profile`` (a named
+argument names, and ``engine/runtime/serve_args``: the serve command line) and ``profiles/`` (a named
 cost profile must load). Invariant: a ``Config`` is either wholly valid or not built.
 """

@@ -102,8 +102,8 @@ def cost_profile_errors(name: str) -> list[str]:
     """``[control] cost_profile`` must name a profile that loads ('' = no seed)."""
     if not name:
         return []
-    # Lazy: reading a profile is the twin's code; only a config that names one needs it.
-    from controller.sim.profile import ProfileError, load_profile
+    # Lazy: only a config that names a profile reads one (its tables load numpy).
+    from controller.profiles.load import ProfileError, load_profile
 
     try:
         load_profile(name)

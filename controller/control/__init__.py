@@ -48,5 +48,5 @@ gate's arrivals); ``telemetry.py`` is the rolling window of engine steps' ``stat
 reads NVML (behind an interface with a fake; on a CPU host it reads nothing), only the engine's GPUs
 (``EngineDevices``, which the daemon's wiring asks ``engine/runtime/parallel.engine_devices`` for), and
 psutil; ``diagnosis.py`` says what saturates. May import ``policies/``, ``admission/``, ``config/`` and
-``sim/profile`` (a named cost profile), never ``engine/`` (the engine is reached through Protocols).
+``profiles/`` (a named cost profile), never ``engine/`` (the engine is reached through Protocols).
 """

@@ -29,7 +29,7 @@ from controller.control.samplers import GpuSource, HostReadingSource
 from controller.control.stepcost import CostPrior, CostReader, StepCostModel, prior_from
 from controller.control.steps import StepFeed, StepSource
 from controller.control.telemetry import TelemetryWindow
-from controller.sim.profile import load_profile
+from controller.profiles.load import load_profile
 from policies.base import Policy
 from policies.slo_targets import SloTargets
 
@@ -143,7 +143,7 @@ def cost_prior_for(profile: str) -> CostPrior | None:
     if not profile:
         return None
     loaded = load_profile(profile)
-    return prior_from(loaded.cost.as_dict(), loaded.name)
+    return prior_from(loaded.cost, loaded.name)
 
 
 def ttft_for(

@@ -82,8 +82,7 @@ from typing import Any, Protocol
 from controller.admission.queues import GateStats
 from controller.control.telemetry import FinishedMix
 from policies.base import Observation, Policy
-from policies.cost import CostEstimate
-from policies.slo_policy import knee_batch
+from policies.cost import CostEstimate, knee_batch
 from policies.slo_targets import SloTargets
 
 

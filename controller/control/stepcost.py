@@ -1,5 +1,5 @@
 """The online step-cost model: ``step_s = a + b*prefill + c*decode_seqs + d*kv_tokens`` (the twin's
-form, ``controller/sim/profile.py``) fitted to the engine's steps as they come, by recursive least
+form, ``policies/cost.StepCoefficients``) fitted to the engine's steps as they come, by recursive least
 squares with exponential forgetting, so the fit follows the hardware as it is now (a neighbour on the
 CPU, a warmer GPU) and not as it was an hour ago.
 
@@ -38,14 +38,14 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from controller.control.steps import EngineStep, StepCost, costs
-from policies.cost import TERMS, CostEstimate
+from policies.cost import TERMS, CostEstimate, StepCoefficients
 
 SCALES = np.array([1.0, 1024.0, 64.0, 65536.0])
 """A typical step's features (1, prefill tokens, decode sequences, KV tokens): the fit works in
@@ -109,11 +109,10 @@ class FitSettings:
     """Floor of a step's time in its weight (a step reported as 0 s would weigh infinitely)."""
 
 
-def prior_from(cost: Mapping[str, float], name: str, prior_samples: float = 20.0) -> CostPrior:
-    """A seed from a profile's ``[cost]`` table (``controller/sim/profile.py``, ``CostModel.as_dict``);
-    its ``frontend_s`` is not a step cost and stays out."""
-    a, b, c, d = (float(cost[term]) for term in TERMS)
-    return CostPrior((a, b, c, d), name=name, prior_samples=prior_samples)
+def prior_from(cost: StepCoefficients, name: str, prior_samples: float = 20.0) -> CostPrior:
+    """A seed from a profile's step coefficients (``controller/profiles/load.py``, ``Profile.cost``)."""
+    coefficients = (cost.a_s, cost.b_s_per_prefill_token, cost.c_s_per_decode_seq, cost.d_s_per_kv_token)
+    return CostPrior(coefficients, name=name, prior_samples=prior_samples)
 
 
 def fittable(step: StepCost) -> bool:
@@ -289,8 +288,8 @@ class StepCostModel:
         return a, b, c, d
 
     def predict_step(self, prefill_tokens: int, decode_seqs: int, kv_tokens: int) -> float:
-        x = np.array([1.0, prefill_tokens, decode_seqs, kv_tokens]) / SCALES
-        return float(x @ self._theta)
+        """The fit's step time for these features (``StepCoefficients.step_s``)."""
+        return StepCoefficients(*self.coefficients).step_s(prefill_tokens, decode_seqs, kv_tokens)
 
     def estimate(self, now_mono: float) -> CostEstimate:
         """The fit as a policy reads it, ``ready`` and its reason at ``now_mono``."""

@@ -37,7 +37,7 @@ log = structlog.get_logger(__name__)
 class StepCost:
     """A step's cost figures, as the scheduler measures them inside the EngineCore.
 
-    ``kv_tokens`` counts as the twin's ``CostModel.kv_tokens_read`` does (each scheduled request's
+    ``kv_tokens`` counts as the twin's ``StepPlan.kv_tokens_read`` does (each scheduled request's
     computed tokens plus its new ones), so a fit compares with, and can be seeded from, a profile.
     """
 

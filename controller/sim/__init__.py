@@ -12,13 +12,13 @@ around ``SimHost``, an outcome ledger, one clock, and the driver: each request a
 vLLM's OpenAI handler does with the daemon's ``engine/frontend/client.GovernedEngineClient``, its context,
 the preflight ``check_admission``, then ``generate()``, with no admission code of its own; the daemon's
 warm-up runs on the engine before the workload when no ``cost_profile`` is named), ``twin.py`` (the one
-place that builds a simulation from a profile and the ``[control]`` / ``[admission]`` / ``[slo]`` tables),
-``profile.py`` and ``profiles/`` (step-cost model, engine limits, measured spread; ``bench calibrate``
-fits one), ``quantiles.py`` (spread tables), ``compare.py`` (``simulate --compare``), ``grid.py``
-(``simulate --grid``: a policy against vLLM's defaults and a grid of static settings, ratios from one
-run), ``cli.py`` (``simulate``). May import ``control/``, ``admission/``, ``config/``, ``load/`` and
-``results/``, and of ``engine/`` only the request path the daemon runs (``engine/frontend/client`` and
-``context``, ``engine/runtime/stats.report_finished``), never vLLM itself nor ``bench/``. Importing
+place that builds a simulation from a profile, ``controller/profiles/``, and the ``[control]`` /
+``[admission]`` / ``[slo]`` tables), ``compare.py`` (``simulate --compare``), ``grid.py`` (``simulate
+--grid``: a policy against vLLM's defaults and a grid of static settings, ratios from one run),
+``cli.py`` (``simulate``). May import ``control/``, ``admission/``, ``config/``, ``profiles/``,
+``load/`` and ``results/``, and of ``engine/`` only the request path the daemon runs
+(``engine/frontend/client`` and ``context``, ``engine/runtime/stats.report_finished``), never vLLM
+itself nor ``bench/``. Importing
 ``sim/run.py`` loads vLLM (through the client): ``bench calibrate`` imports the twin where it builds one,
 so the CLI starts without it.
 """

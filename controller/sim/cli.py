@@ -15,7 +15,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from controller.sim.profile import ProfileError
+from controller.profiles.load import ProfileError
 
 
 def add_simulate_parser(sub: Any) -> None:
@@ -137,7 +137,7 @@ def parse_params(items: list[str]) -> dict[str, Any]:
 def run_simulate(args: argparse.Namespace) -> int:
     from controller.config.load import ConfigError
     from controller.load.workload import WorkloadError
-    from controller.sim.profile import load_profile
+    from controller.profiles.load import load_profile
     from controller.sim.twin import build_simulation, with_config, write_result
     from policies.base import PolicyError
 

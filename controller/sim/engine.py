@@ -30,8 +30,8 @@ What is modelled, with the vLLM 0.32 source it follows (``vllm/v1/core/sched/sch
 Not modelled: speculative decoding, async scheduling's overlap (it is inside the cost
 model's fixed term), ``long_prefill_token_threshold`` (0 by default), the watermark.
 
-Each step's duration is the profile's ``CostModel``; the engine reports every step as one
-``EngineStep`` with both its parts: the ``stats`` that our real stat logger
+Each step's duration is the profile's ``StepCoefficients.step_s`` (``policies/cost.py``); the engine
+reports every step as one ``EngineStep`` with both its parts: the ``stats`` that our real stat logger
 (``controller/engine/runtime/stats.py``) builds from vLLM's ``SchedulerStats`` / ``IterationStats``,
 so the real ``TelemetryWindow`` and policies see the same signals, and the ``cost`` that our
 scheduler subclass measures inside the real EngineCore (``controller/engine/runtime/stepmeter.py``).
@@ -49,8 +49,9 @@ from controller.control.knobs import budget_bounds, cap_bounds, token_budget_bou
 from controller.control.steps import EngineStep, StepCost, StepStats
 from controller.load.sessions import within
 from controller.load.workload import RequestSpec
+from controller.profiles.load import EngineLimits
 from controller.sim.kvcache import BlockTable, KVCache
-from controller.sim.profile import CostModel, EngineLimits
+from policies.cost import StepCoefficients
 
 OWN_KEY = 1 << 62
 """A request's own content is keyed ``OWN_KEY + request_id``, apart from the workload's segment ids."""
@@ -168,7 +169,9 @@ class WaitingQueue:
 class SimEngine:
     """The engine core: ``add`` requests, ``plan`` a step, ``finish_step`` when its time has passed."""
 
-    def __init__(self, limits: EngineLimits, cost: CostModel, record_token_times: bool = False) -> None:
+    def __init__(
+        self, limits: EngineLimits, cost: StepCoefficients, record_token_times: bool = False
+    ) -> None:
         self.limits = limits
         self.cost = cost
         self.kv = KVCache(limits.num_blocks, limits.block_size, limits.enable_prefix_caching)

@@ -22,8 +22,8 @@ from typing import Any
 
 from controller.config.load import AdmissionConfig, ControlConfig
 from controller.load.workload import RequestSpec
+from controller.profiles.load import Profile
 from controller.sim.compare import KEYS, table
-from controller.sim.profile import Profile
 from controller.sim.twin import build_simulation, write_result
 from policies.slo_targets import SloTargets
 

@@ -17,7 +17,7 @@ records.
 
 Noise. With the mean model (a profile without ``[variance]``, or ``use_variance=False``) request ``i``
 reaches the gate at ``arrival_i + frontend_s`` and a step lasts ``step_s(plan)``. With a profile's
-measured tables (``controller/sim/quantiles.py``), one seeded ``random.Random(seed)`` draws, first the
+measured tables (``controller/profiles/quantiles.py``), one seeded ``random.Random(seed)`` draws, first the
 front-end delays of all requests in arrival order, then one multiplier per step::
 
     entry_i = arrival_i + F^-1(u_i)                    F: the [variance.frontend] table, u_i ~ U[0,1)
@@ -56,6 +56,8 @@ from controller.control.warmfit import plan, seed_from_warm_up
 from controller.engine.frontend import context
 from controller.engine.frontend.client import GateRefusal, GovernedEngineClient
 from controller.load.workload import RequestSpec, describe
+from controller.profiles.load import Profile
+from controller.profiles.quantiles import LoadTables, QuantileTable
 from controller.results.records import (
     RequestRecord,
     SeriesPoint,
@@ -66,8 +68,6 @@ from controller.results.records import (
 )
 from controller.sim.engine import SimEngine, SimRequest, StepPlan
 from controller.sim.llm import PromptTooLong, SimHost, SimLLM, SimOutput, SimParams
-from controller.sim.profile import Profile
-from controller.sim.quantiles import LoadTables, QuantileTable
 from policies.base import Observation
 from policies.slo_targets import SloTargets
 
@@ -284,13 +284,13 @@ class Simulation:
         """A front-end delay for a request arriving now, with ``self._in_flight`` others in flight
         less those parked in the gate's queues (module docstring)."""
         if u is None:
-            return self.profile.cost.frontend_s
+            return self.profile.frontend_s
         busy = self._in_flight - sum(self.gate.queued_by_class().values())
         if self._front_loaded is not None and busy >= 1:
             return self._front_loaded.table_for(busy).sample(u)
         if self._front_table is not None:
             return self._front_table.sample(u)
-        return self.profile.cost.frontend_s
+        return self.profile.frontend_s
 
     async def run(self, specs: Sequence[RequestSpec]) -> SimResult:
         wall0 = time.perf_counter()

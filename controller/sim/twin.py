@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from controller.config.load import AdmissionConfig, ControlConfig, load_config
+from controller.profiles.load import Profile
 from controller.results.records import write_run
-from controller.sim.profile import Profile
 from controller.sim.run import ControlSettings, SimResult, Simulation
 from policies.slo_targets import SloBound, SloTargets
 

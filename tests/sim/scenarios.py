@@ -9,11 +9,12 @@ from typing import Any
 
 from controller.config.load import AdmissionConfig, ControlConfig
 from controller.load.workload import RequestSpec, poisson
-from controller.sim.profile import CostModel, EngineLimits, Profile
+from controller.profiles.load import EngineLimits, Profile
 from controller.sim.run import SimResult
 from controller.sim.twin import build_simulation
+from policies.cost import StepCoefficients
 
-COST = CostModel(a_s=0.005, b_s_per_prefill_token=2e-5, c_s_per_decode_seq=1e-4, d_s_per_kv_token=1e-7)
+COST = StepCoefficients(a_s=0.005, b_s_per_prefill_token=2e-5, c_s_per_decode_seq=1e-4, d_s_per_kv_token=1e-7)
 LIMITS = EngineLimits(
     max_num_seqs=128,
     max_num_batched_tokens=2048,

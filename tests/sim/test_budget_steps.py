@@ -7,13 +7,16 @@ import dataclasses
 from controller.config.load import ControlConfig
 from controller.control.steps import EngineStep, StepCost, costs
 from controller.load.workload import poisson
+from controller.profiles.load import EngineLimits
 from controller.sim.engine import SimEngine, SimRequest
-from controller.sim.profile import CostModel, EngineLimits
 from controller.sim.run import ControlSettings, Simulation
 from policies.base import Decision, Observation, Policy
+from policies.cost import StepCoefficients
 from tests.sim.scenarios import PROFILE
 
-COST = CostModel(a_s=0.01, b_s_per_prefill_token=0.001, c_s_per_decode_seq=0.002, d_s_per_kv_token=1e-5)
+COST = StepCoefficients(
+    a_s=0.01, b_s_per_prefill_token=0.001, c_s_per_decode_seq=0.002, d_s_per_kv_token=1e-5
+)
 LIMITS = EngineLimits(
     max_num_seqs=8, max_num_batched_tokens=512, block_size=16, kv_cache_tokens=4096, max_model_len=1024
 )

@@ -7,10 +7,13 @@ import dataclasses
 import pytest
 
 from controller.control.steps import StepCost
+from controller.profiles.load import EngineLimits
 from controller.sim.engine import SimEngine, SimRequest
-from controller.sim.profile import CostModel, EngineLimits
+from policies.cost import StepCoefficients
 
-COST = CostModel(a_s=0.01, b_s_per_prefill_token=0.001, c_s_per_decode_seq=0.002, d_s_per_kv_token=1e-5)
+COST = StepCoefficients(
+    a_s=0.01, b_s_per_prefill_token=0.001, c_s_per_decode_seq=0.002, d_s_per_kv_token=1e-5
+)
 
 
 def engine(**limits: object) -> SimEngine:

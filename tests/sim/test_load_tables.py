@@ -18,8 +18,15 @@ from controller.bench.calibrate.run import (
     prompt_list,
 )
 from controller.load.workload import RequestSpec
-from controller.sim.profile import Profile, ProfileError, Variance, dump_profile, load_profile, parse_profile
-from controller.sim.quantiles import LoadTables, QuantileTable, parse_load_tables
+from controller.profiles.load import (
+    Profile,
+    ProfileError,
+    Variance,
+    dump_profile,
+    load_profile,
+    parse_profile,
+)
+from controller.profiles.quantiles import LoadTables, QuantileTable, parse_load_tables
 from tests.sim.scenarios import COST, LIMITS, PROFILE, simulate
 
 
@@ -149,7 +156,7 @@ def test_loaded_delays_are_what_the_engine_model_does_not_explain() -> None:
     measured = simulate(
         specs,
         "static",
-        profile=dataclasses.replace(PROFILE, cost=dataclasses.replace(COST, frontend_s=0.012)),
+        profile=dataclasses.replace(PROFILE, frontend_s=0.012),
     )
     ok = [r for r in measured.records if r.ttft_s is not None and r.e2e_s is not None]
     phase = LoadPhase(

@@ -13,12 +13,15 @@ import pytest
 from controller.cli import main
 from controller.config.load import ControlConfig
 from controller.load.sessions import SharedPrefix, shared_prefix
+from controller.profiles.load import EngineLimits, load_profile
 from controller.sim.engine import SimEngine, SimRequest, StepPlan
 from controller.sim.kvcache import BlockTable, KVCache
-from controller.sim.profile import CostModel, EngineLimits, load_profile
 from controller.sim.twin import build_simulation
+from policies.cost import StepCoefficients
 
-COST = CostModel(a_s=0.01, b_s_per_prefill_token=0.001, c_s_per_decode_seq=0.002, d_s_per_kv_token=1e-5)
+COST = StepCoefficients(
+    a_s=0.01, b_s_per_prefill_token=0.001, c_s_per_decode_seq=0.002, d_s_per_kv_token=1e-5
+)
 
 
 def engine(**limits: object) -> SimEngine:

@@ -10,15 +10,15 @@ import pytest
 
 from controller.bench.calibrate.fit import Sample, fit, nnls
 from controller.cli import main
-from controller.sim.cli import parse_params
-from controller.sim.profile import (
-    CostModel,
+from controller.profiles.load import (
     ProfileError,
     available_profiles,
     dump_profile,
     load_profile,
     parse_profile,
 )
+from controller.sim.cli import parse_params
+from policies.cost import StepCoefficients
 
 TRACES = Path(__file__).resolve().parents[2] / "traces"
 
@@ -58,7 +58,9 @@ def test_dump_and_parse_round_trip(tmp_path: Path) -> None:
 
 
 def test_the_fit_recovers_known_coefficients_from_noisy_samples() -> None:
-    true = CostModel(a_s=0.004, b_s_per_prefill_token=1e-5, c_s_per_decode_seq=9e-5, d_s_per_kv_token=5e-8)
+    true = StepCoefficients(
+        a_s=0.004, b_s_per_prefill_token=1e-5, c_s_per_decode_seq=9e-5, d_s_per_kv_token=5e-8
+    )
     rng = random.Random(0)
     samples = []
     for n in (1, 2, 4, 8, 16, 32, 64):

@@ -9,8 +9,7 @@ import pytest
 from controller.bench.calibrate.measure import Measurements, step_ratios
 from controller.bench.calibrate.run import variance
 from controller.load.workload import RequestSpec
-from controller.sim.profile import (
-    CostModel,
+from controller.profiles.load import (
     Profile,
     ProfileError,
     Variance,
@@ -18,7 +17,8 @@ from controller.sim.profile import (
     load_profile,
     parse_profile,
 )
-from controller.sim.quantiles import QuantileTable, parse_table
+from controller.profiles.quantiles import QuantileTable, parse_table
+from policies.cost import StepCoefficients
 from tests.sim.scenarios import PROFILE, simulate
 
 
@@ -74,8 +74,7 @@ def isolated(n: int, gap_s: float = 1.0) -> list[RequestSpec]:
 
 
 def with_variance(frontend: QuantileTable | None = None, step: QuantileTable | None = None) -> Profile:
-    cost = dataclasses.replace(PROFILE.cost, frontend_s=0.004)
-    return dataclasses.replace(PROFILE, cost=cost, variance=Variance(frontend=frontend, step=step))
+    return dataclasses.replace(PROFILE, frontend_s=0.004, variance=Variance(frontend=frontend, step=step))
 
 
 def ttfts(
@@ -130,7 +129,7 @@ def test_step_ratios_use_lockstep_gaps_of_an_uncoalesced_stream() -> None:
 
 
 def test_front_end_delays_are_ttft_minus_the_predicted_prefill_step() -> None:
-    cost = CostModel(a_s=0.002, b_s_per_prefill_token=1e-5, c_s_per_decode_seq=0, d_s_per_kv_token=0)
+    cost = StepCoefficients(a_s=0.002, b_s_per_prefill_token=1e-5, c_s_per_decode_seq=0, d_s_per_kv_token=0)
     step = cost.step_s(32, 0, 32)  # 2.32 ms
     m = Measurements([], [0.5, 1.5], frontend_ttfts=[step + 0.005, step - 0.001], frontend_prompt=32)
     v = variance(cost, m)

@@ -18,7 +18,7 @@ from controller.control import build as build_module
 from controller.control.samplers import FakeHostSource
 from controller.lifecycle.parts import Parts, build_parts
 from controller.lifecycle.reload import Reloader
-from controller.sim.profile import ProfileError
+from controller.profiles.load import ProfileError
 from tests.helpers import settle, write_config
 
 

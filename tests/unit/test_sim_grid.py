@@ -88,7 +88,7 @@ def test_the_bench_slo_becomes_the_daemons_when_the_config_has_none() -> None:
 
 
 def test_simulate_steers_to_its_slo_when_the_config_has_none() -> None:
-    from controller.sim.profile import load_profile
+    from controller.profiles.load import load_profile
     from controller.sim.twin import with_config
 
     _, control, admission, slo = with_config(load_profile("cpu-tiny"), None, "slo", {}, (1.0, 0.05))

@@ -22,6 +22,7 @@ from controller.control.stepcost import (
     prior_from,
 )
 from controller.control.steps import EngineStep
+from policies.cost import StepCoefficients
 
 TRUE = (0.003, 8e-6, 5e-5, 1e-7)
 """a_s, b per prefill token, c per decode sequence, d per KV token (cpu-tiny's order of magnitude)."""
@@ -70,8 +71,8 @@ def test_noiseless_steps_recover_the_coefficients() -> None:
     assert est.ready and est.reason == "ready"
     assert est.rel_error is not None and est.rel_error < 1e-6
     assert est.r2 is not None and est.r2 > 1 - 1e-9
-    assert est.predict_step(512, 32, 20_000) == pytest.approx(0.003 + 8e-6 * 512 + 5e-5 * 32 + 1e-7 * 20_000)
-    assert model.predict_step(512, 32, 20_000) == pytest.approx(est.predict_step(512, 32, 20_000))
+    assert est.step_s(512, 32, 20_000) == pytest.approx(0.003 + 8e-6 * 512 + 5e-5 * 32 + 1e-7 * 20_000)
+    assert model.predict_step(512, 32, 20_000) == est.step_s(512, 32, 20_000)
 
 
 def test_noisy_steps_recover_the_coefficients_within_their_spread() -> None:
@@ -147,8 +148,9 @@ def test_a_seed_holds_a_term_the_load_does_not_excite() -> None:
 
 
 def test_prior_from_a_profile_cost_table() -> None:
-    cost = {"a_s": 0.003, "b_s_per_prefill_token": 8e-6, "c_s_per_decode_seq": 5e-5,
-            "d_s_per_kv_token": 1e-7, "frontend_s": 0.004}  # fmt: skip
+    cost = StepCoefficients(
+        a_s=0.003, b_s_per_prefill_token=8e-6, c_s_per_decode_seq=5e-5, d_s_per_kv_token=1e-7
+    )
     assert prior_from(cost, "cpu-tiny") == CostPrior(TRUE, name="cpu-tiny")
 
 

@@ -1,4 +1,5 @@
-"""The calibration's fit: step-cost rows measured from a server -> the twin's :class:`CostModel`.
+"""The calibration's fit: step-cost rows measured from a server -> the step's coefficients
+(``policies/cost.StepCoefficients``) and the front end's HTTP overhead.
 
 ``step_s = a + b * prefill_tokens + c * decode_seqs + d * kv_tokens_read`` (plus an HTTP overhead that
 only a TTFT row carries) by non-negative least squares over rows scaled to relative error; the method is
@@ -13,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from controller.sim.profile import CostModel
+from policies.cost import StepCoefficients
 
 COLUMNS = ("a_s", "b_s_per_prefill_token", "c_s_per_decode_seq", "d_s_per_kv_token", "http_s")
 
@@ -49,8 +50,9 @@ def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return coef
 
 
-def fit(samples: Sequence[Sample]) -> tuple[CostModel, float, float]:
-    """The cost model, the fitted HTTP overhead of a TTFT, and R^2 over the samples."""
+def fit(samples: Sequence[Sample]) -> tuple[StepCoefficients, float, float]:
+    """The step's coefficients, the fitted HTTP overhead of a TTFT (a profile's ``frontend_s``), and R^2
+    over the samples."""
     if len(samples) < len(COLUMNS):
         raise ValueError(f"{len(samples)} samples: need at least {len(COLUMNS)} to fit {len(COLUMNS)} terms")
     x = np.array([s.row() for s in samples])
@@ -61,9 +63,8 @@ def fit(samples: Sequence[Sample]) -> tuple[CostModel, float, float]:
     pred = x @ coef
     ss_res = float(((y - pred) ** 2).sum())
     ss_tot = float(((y - y.mean()) ** 2).sum()) or 1.0
-    a, b, c, d, front = (float(v) for v in coef)
-    model = CostModel(a, b, c, d, frontend_s=front)
-    return model, float(coef[4]), 1.0 - ss_res / ss_tot
+    a, b, c, d = (float(v) for v in coef[:4])
+    return StepCoefficients(a, b, c, d), float(coef[4]), 1.0 - ss_res / ss_tot
 
 
 def median_sample(repeats: Sequence[Sample]) -> Sample:

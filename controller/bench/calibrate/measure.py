@@ -26,7 +26,8 @@ from controller.bench.calibrate.fit import COLUMNS, Sample, fit, median_sample
 from controller.bench.servers import Launched, ServerSpec, launched, load_base_config
 from controller.load.client import Target, payload, pooled_connector, post
 from controller.load.workload import RequestSpec
-from controller.sim.profile import CostModel, EngineLimits
+from controller.profiles.load import EngineLimits
+from policies.cost import StepCoefficients
 
 
 class Server:
@@ -193,7 +194,7 @@ async def measure(
                     log(f"decode N={n} P={prompt}: step {samples[-1].seconds * 1e3:.2f} ms")
         phases = []
         if plan.load_in_flight and len(samples) >= len(COLUMNS):
-            cost = fit(samples)[0]
+            cost, frontend_s, _ = fit(samples)
             for k, target in enumerate(plan.load_in_flight):
                 specs = load_workload(
                     cost,
@@ -203,6 +204,7 @@ async def measure(
                     server.rng,
                     plan.load_phase_s,
                     max_prompt=max(plan.prefill_prompts),
+                    frontend_s=frontend_s,
                 )
                 phases.append(await load_phase(server, specs))
                 ok = len(phases[-1].ttft_s)
@@ -212,23 +214,24 @@ async def measure(
 
 
 def load_workload(
-    cost: CostModel,
+    cost: StepCoefficients,
     limits: EngineLimits,
     in_flight: int,
     requests: int,
     rng: random.Random,
     seconds: float = 0.0,
     max_prompt: int = 1024,
+    frontend_s: float = 0.0,
 ) -> list[RequestSpec]:
     """Poisson arrivals, at least ``requests`` of them and for at least ``seconds``, at the rate that
     keeps ``in_flight`` requests in flight by Little's law with the fitted model: rate = in_flight /
-    (prefill + mean output * decode step). Prompts stay within ``max_prompt``, the longest prefill
-    point fitted: past it a CPU's prefill costs more a token than the linear fit says (attention),
-    and that error, compounded by the queue, would read as seconds of front-end delay."""
+    (``frontend_s`` + prefill + mean output * decode step). Prompts stay within ``max_prompt``, the
+    longest prefill point fitted: past it a CPU's prefill costs more a token than the linear fit says
+    (attention), and that error, compounded by the queue, would read as seconds of front-end delay."""
     hi = max(17, min(1024, max_prompt, limits.max_model_len // 2))
     mean_prompt, mean_out = (hi - 16) / math.log(hi / 16), 68.0
     decode = cost.step_s(0, in_flight, int(in_flight * (mean_prompt + mean_out / 2)))
-    latency = cost.frontend_s + cost.step_s(int(mean_prompt), 0, int(mean_prompt)) + mean_out * decode
+    latency = frontend_s + cost.step_s(int(mean_prompt), 0, int(mean_prompt)) + mean_out * decode
     rate = in_flight / latency
     specs: list[RequestSpec] = []
     t = rng.expovariate(rate)

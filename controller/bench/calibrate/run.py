@@ -1,6 +1,6 @@
 """``bench calibrate``: fit the twin's step-time cost model from a running vLLM server.
 
-Method. The cost model is linear in four step features (``controller/sim/profile.py``)::
+Method. The cost model is linear in four step features (``policies/cost.StepCoefficients``)::
 
     step_s = a + b * prefill_tokens + c * decode_seqs + d * kv_tokens_read
 
@@ -18,7 +18,7 @@ so two kinds of controlled load, measured from the client, give rows of a least-
   the KV read of the chunks, plus the server's fixed HTTP/tokenizer cost, which a fifth column (1 on
   TTFT rows only) absorbs so that it does not leak into ``a``.
 
-Spread (the profile's ``[variance]``, ``controller/sim/quantiles.py``). The fit gives mean costs;
+Spread (the profile's ``[variance]``, ``controller/profiles/quantiles.py``). The fit gives mean costs;
 two measurements give their distributions, stored as 101-point quantile tables:
 
 * Front end: ``frontend_probes`` single requests of ``frontend_prompt`` tokens and ``max_tokens = 1``,
@@ -63,7 +63,6 @@ import bisect
 import json
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -77,8 +76,9 @@ from controller.bench.calibrate.measure import (
     our_daemon,
 )
 from controller.config.load import AdmissionConfig
-from controller.sim.profile import CostModel, EngineLimits, Profile, ProfileError, Variance, dump_profile
-from controller.sim.quantiles import LoadTables, QuantileTable
+from controller.profiles.load import EngineLimits, Profile, ProfileError, Variance, dump_profile
+from controller.profiles.quantiles import LoadTables, QuantileTable
+from policies.cost import StepCoefficients
 
 LOAD_EDGES = (1, 2, 4, 8, 16, 32, 64)
 """Lowest in-flight count of each ``[variance.frontend_loaded]`` table."""
@@ -89,7 +89,7 @@ LOAD_MIN_SAMPLES = 100
 """A load level with fewer measured delays joins its neighbour (its p99 needs about 100)."""
 
 
-def variance(cost: CostModel, m: Measurements, limits: EngineLimits | None = None) -> Variance:
+def variance(cost: StepCoefficients, m: Measurements, limits: EngineLimits | None = None) -> Variance:
     """The quantile tables of the measured spread (empty where nothing was measured; the tables
     under load need the server's ``limits`` for the twin's replay)."""
     p = m.frontend_prompt
@@ -119,14 +119,14 @@ def in_flight_at_send(phase: LoadPhase) -> dict[int, int]:
 
 
 def loaded_delays(
-    cost: CostModel, limits: EngineLimits, phase: LoadPhase, ramp_s: float = LOAD_RAMP_S
+    cost: StepCoefficients, limits: EngineLimits, phase: LoadPhase, ramp_s: float = LOAD_RAMP_S
 ) -> list[tuple[int, float]]:
     """(requests in flight at its send, measured TTFT - the twin's TTFT) for each answered request
     sent after the first ``ramp_s`` seconds. The twin replays the whole phase as sent: mean model,
     no front end, no gate in the way."""
     from controller.sim.twin import build_simulation  # here: the twin's engine client loads vLLM
 
-    profile = Profile("calibration", replace(cost, frontend_s=0.0), limits)
+    profile = Profile("calibration", cost, limits)
     admission = AdmissionConfig(limit=4096, max_queue=len(phase.specs) + 1)
     sim = build_simulation(profile, admission=admission, drain_s=3600.0, use_variance=False)
     twin = {r.index: r.ttft_s for r in asyncio.run(sim.run(phase.specs)).records}
@@ -176,6 +176,7 @@ def build_profile(
             "rows": json.dumps(rows),
         },
         variance=variance(cost, m, limits),
+        frontend_s=http_s,
     )
 
 

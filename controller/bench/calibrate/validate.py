@@ -35,8 +35,8 @@ from controller.bench.calibrate.run import calibrate, describe_fit
 from controller.config.load import AdmissionConfig
 from controller.load.client import Target, model_info, run_open_loop
 from controller.load.workload import RequestSpec, clamp_lengths, read_azure_trace, trace_window
+from controller.profiles.load import Profile, load_profile
 from controller.results.records import RequestRecord, summarize, write_jsonl
-from controller.sim.profile import Profile, load_profile
 
 RATIO_KEYS = ("throughput_tok_s", "ttft_p50", "ttft_p99", "tpot_p50")
 FIGURES = ("requests", "ok", "throughput_tok_s", "ttft_p50", "ttft_p99", "tpot_p50", "duration_s")

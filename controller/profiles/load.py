@@ -1,6 +1,6 @@
-"""Hardware + model profiles of the twin: the step-time cost model and the engine's limits.
+"""The profile format: a hardware + model's step cost, the engine's limits and the measured spread.
 
-A profile is a TOML file. The shipped ones live in ``controller/sim/profiles/`` (package data, so
+A profile is a TOML file. The shipped ones live in ``controller/profiles/`` (package data, so
 ``pip install`` carries them) and are found by name; any other path is read as it is. Layout::
 
     name = "h200-8b"
@@ -9,7 +9,7 @@ A profile is a TOML file. The shipped ones live in ``controller/sim/profiles/`` 
     model = "meta-llama/Llama-3.1-8B-Instruct, bf16"
     sources = ["https://...", ...]          # where the coefficients come from
 
-    [cost]                                   # step_s = a + b*prefill + c*decode_seqs + d*kv_read
+    [cost]                                   # policies/cost.StepCoefficients: a + b*P + c*D + d*K
     frontend_s = 0.0                         # optional: front-end time added to each request
     a_s = 0.0045
     b_s_per_prefill_token = 6.0e-5
@@ -43,7 +43,7 @@ A profile is a TOML file. The shipped ones live in ``controller/sim/profiles/`` 
 
 Without ``[variance]`` the twin is the mean model: every request's front end takes ``frontend_s``
 and every step exactly ``step_s``. With it, the twin draws each request's front-end delay and each
-step's multiplier from the tables (``controller/sim/run.py``, ``controller/sim/quantiles.py``); with
+step's multiplier from the tables (``controller/sim/run.py``, ``controller/profiles/quantiles.py``); with
 ``[variance.frontend_loaded]`` a request that finds other requests in flight draws its front-end
 delay from the table of that load instead.
 
@@ -60,51 +60,15 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from controller.sim.quantiles import LoadTables, QuantileTable, parse_load_tables, parse_table
+from controller.profiles.quantiles import LoadTables, QuantileTable, parse_load_tables, parse_table
+from policies.cost import TERMS, StepCoefficients
 
-PROFILE_PACKAGE = "controller.sim.profiles"
+PROFILE_PACKAGE = "controller.profiles"
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 class ProfileError(ValueError):
     """A profile is missing or invalid; the message names the key and the fix."""
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """Duration of one engine step (one forward pass) in seconds::
-
-        step_s = a_s + b * prefill_tokens + c * decode_seqs + d * kv_tokens_read
-
-    ``prefill_tokens``: prompt (or recomputed) tokens scheduled in the step; ``decode_seqs``: requests
-    that decode one token; ``kv_tokens_read``: the context the step's attention reads (each scheduled
-    request's computed tokens plus its new ones). ``a`` is the fixed cost of a step (scheduling,
-    launch, sampling), ``b`` the matmul cost of a prompt token, ``c`` the per-sequence cost of a
-    decode (its matmul row, sampling, detokenising), ``d`` the attention cost per KV token read."""
-
-    a_s: float
-    """Fixed cost of a step (seconds)."""
-    b_s_per_prefill_token: float
-    """Seconds per prefill token."""
-    c_s_per_decode_seq: float
-    """Seconds per decoding sequence."""
-    d_s_per_kv_token: float
-    """Seconds per KV-cache token read by attention."""
-    frontend_s: float = 0.0
-    """Not a step cost: seconds a request spends in the server's front end (HTTP, parsing, the first
-    chunk's way back) on top of the engine's time to first token. The twin delays each request's
-    entry by it and counts it in TTFT, as a client does."""
-
-    def step_s(self, prefill_tokens: int, decode_seqs: int, kv_tokens_read: int) -> float:
-        return (
-            self.a_s
-            + self.b_s_per_prefill_token * prefill_tokens
-            + self.c_s_per_decode_seq * decode_seqs
-            + self.d_s_per_kv_token * kv_tokens_read
-        )
-
-    def as_dict(self) -> dict[str, float]:
-        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True)
@@ -199,7 +163,8 @@ class Variance:
 @dataclass(frozen=True)
 class Profile:
     name: str
-    cost: CostModel
+    cost: StepCoefficients
+    """The ``[cost]`` table's step coefficients: the twin's step time, the online fit's seed."""
     engine: EngineLimits
     description: str = ""
     hardware: str = ""
@@ -208,6 +173,10 @@ class Profile:
     fit: dict[str, Any] = field(default_factory=dict)
     variance: Variance = Variance()
     """Measured front-end and step-time distributions; empty for a derived profile."""
+    frontend_s: float = 0.0
+    """The ``[cost]`` table's ``frontend_s``, not a step cost: seconds a request spends in the server's
+    front end (HTTP, parsing, the first chunk's way back) on top of the engine's time to first token.
+    The twin delays each request's entry by it and counts it in TTFT, as a client does."""
     path: str = ""
     """Where the profile was read from."""
 
@@ -247,7 +216,7 @@ def parse_profile(text: str, where: str) -> Profile:
     cost_raw = data.get("cost")
     if not isinstance(cost_raw, dict):
         raise ProfileError(f"{where}: the [cost] table is missing (a_s, b_s_per_prefill_token, ...)")
-    cost_fields = [f.name for f in dataclasses.fields(CostModel)]
+    cost_fields = [*TERMS, "frontend_s"]
     coef: dict[str, float] = {}
     for key in cost_fields:
         value = cost_raw.get(key, 0.0 if key == "frontend_s" else None)
@@ -271,7 +240,7 @@ def parse_profile(text: str, where: str) -> Profile:
     variance = parse_variance(data.get("variance", {}), where)
     return Profile(
         name=str(data.get("name", Path(where).stem)),
-        cost=CostModel(**coef),
+        cost=StepCoefficients(*(coef[term] for term in TERMS)),
         engine=engine,
         description=str(data.get("description", "")),
         hardware=str(data.get("hardware", "")),
@@ -279,6 +248,7 @@ def parse_profile(text: str, where: str) -> Profile:
         sources=tuple(sources),
         fit=dict(fit) if isinstance(fit, dict) else {},
         variance=variance,
+        frontend_s=coef["frontend_s"],
         path=where,
     )
 
@@ -320,7 +290,7 @@ def dump_profile(profile: Profile) -> str:
     lines = [f"{k} = {value(getattr(profile, k))}" for k in ("name", "description", "hardware", "model")]
     lines.append(f"sources = {value(list(profile.sources))}")
     for table, items in (
-        ("cost", profile.cost.as_dict()),
+        ("cost", {**profile.cost.coefficients(), "frontend_s": profile.frontend_s}),
         ("engine", dataclasses.asdict(profile.engine)),
         ("fit", profile.fit),
     ):
