@@ -30,6 +30,7 @@ from controller.admission.ttft import TtftCheck
 from controller.bench.servers import serving, to_toml
 from controller.load.client import pooled_connector, post
 from policies.base import Observation, Policy
+from policies.slo_targets import SloTargets
 
 if TYPE_CHECKING:
     from controller.lifecycle.daemon import Daemon
@@ -356,6 +357,14 @@ class EngineKnobsInForce:
     token_budget_min: int = 16
     generation: int = 1
     ready: bool = True
+
+
+@dataclasses.dataclass
+class Steering:
+    """``[slo]`` and the policy in force, as the capacity meter reads them (the control core)."""
+
+    slo: SloTargets | None
+    policy: Policy
 
 
 @dataclasses.dataclass

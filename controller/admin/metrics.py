@@ -19,7 +19,6 @@ from controller.control.capacity import Capacity
 from controller.control.knobs import ADMISSION_LIMIT, BATCH_CAP, TOKEN_BUDGET
 from controller.control.loop import Change
 from controller.control.observe import EngineKnobs, GateReadings
-from controller.control.outcomes import OutcomeLedger
 from policies.base import Observation, Policy
 from policies.cost import CostEstimate
 
@@ -248,10 +247,6 @@ class Metrics:
             ["priority_class", "outcome"],
             registry=registry,
         )
-        self.outcomes = OutcomeLedger(self.count_outcome)
-        """Each request's outcome (``controller/control/outcomes.py``): fed by the gate's refusals
-        (``outcomes.GateOutcomes``, which ``build_core`` wires) and vLLM's finished requests; its
-        window's goodput is /state's."""
         self.restart_duration = Histogram(
             "autopilot_engine_restart_duration_seconds",
             "Drain start to the new engine serving.",
@@ -265,6 +260,8 @@ class Metrics:
         self.restart_duration.observe(duration_s)
 
     def count_outcome(self, cls: str, outcome: str) -> None:
+        """The outcome ledger's count (``control/outcomes.OutcomeLedger``, the control core's: fed by
+        the gate's refusals and vLLM's finished requests)."""
         self.requests_by_outcome.labels(cls, outcome).inc()
 
     def count_decisions(self, _obs: Observation, changes: list[Change]) -> None:

@@ -19,6 +19,7 @@ from controller.control.diagnosis import Diagnosis
 from controller.control.fitcheck import FitCheck
 from controller.control.knobs import ADMISSION_LIMIT, BATCH_CAP, TOKEN_BUDGET
 from controller.control.loop import ControlLoop
+from controller.control.outcomes import OutcomeLedger
 from controller.control.stepcost import CostReader
 from controller.control.telemetry import TelemetryWindow
 from controller.lifecycle.guard import Guard
@@ -54,6 +55,8 @@ class StatusParts(Protocol):
     def capacity(self) -> CapacityMeter: ...
     @property
     def fit_check(self) -> FitCheck: ...
+    @property
+    def outcomes(self) -> OutcomeLedger: ...
     @property
     def metrics(self) -> Metrics: ...
 
@@ -147,7 +150,7 @@ def state(d: StatusParts) -> dict[str, Any]:
         "slo": describe_slo(d.config.slo, d.config.admission.classes),
         "cost_model": cost_model(d),
         "capacity": d.capacity.last.as_dict(),
-        "outcomes": d.metrics.outcomes.state(),
+        "outcomes": d.outcomes.state(),
         "config": describe(d.config),
         "pending_config_changes": d.pending_changes,
     }

@@ -21,18 +21,20 @@ twin's driver) publishes each step as it comes, the tick pulls the EngineCore's 
 engine host) before it observes; the telemetry window watches the feed (each step at once: the liveness
 check, the gate's prefix-cache share and ``/state`` read it between ticks; a new engine resets it through
 the feed), the step-cost model and the fit check subscribe (each tick's steps, in time order).
-``build.py`` builds the control core from ``[control]``, ``[admission]`` and ``[slo]`` (``build_core`` ->
-``ControlCore``), for the daemon (``lifecycle/parts.py``) and the twin (``sim/run.py``) alike: the gate
-and its TTFT bounds under a policy that steers to ``[slo]`` (``ttft_for``, with ``[admission]
-ttft_wait_share``), the telemetry window, the step-cost model seeded from ``[control] cost_profile``
-(``cost_prior_for``), the policy (``ControlConfig.build_policy``), the normalize stage, the observer, the
-actuator, the capacity meter, the step feed and the loop; the caller passes its clock, its engine (a
-``CoreEngine``: the engine host, or the twin's ``SimHost``), its samplers, its outcome ledger and the
-gate's event sink, and subscribes its own consumers; a reload rebuilds the policy, the normalize stage and
-the TTFT bounds with the same functions. ``outcomes.py`` is how each request ended against its class's
-``[slo]`` (good, TTFT or TPOT missed, refused, failed: ``autopilot_requests_by_outcome_total``, the
+``build.py`` builds the control core from ``[control]``, ``[admission]`` and ``[slo]`` (``ControlCore``), for
+the daemon (``lifecycle/parts.py``) and the twin (``sim/run.py``) alike: the gate and its TTFT bounds under a
+policy that steers to ``[slo]`` (``ttft_for``, with ``[admission] ttft_wait_share``), the telemetry window,
+the outcome ledger, the step-cost model seeded from ``[control] cost_profile`` (``cost_prior_for``), the
+policy (``ControlConfig.build_policy``), the normalize stage, the observer, the actuator, the capacity meter,
+the step feed and the loop; the caller passes its clock, its engine (a ``CoreEngine``: the engine host, or the
+twin's ``SimHost``, built on the core's step feed and ledger), its samplers, its outcome metric and the gate's
+event sink, and subscribes its own consumers. The live tables enter through one door, at the first build and
+at every reload alike: ``ControlCore.prepare`` builds what they need (``CoreSettings``) and changes nothing,
+``ControlCore.apply`` assigns it; ``[slo]`` in force is ``ControlCore.settings.slo``, which the ledger and the
+capacity meter read. ``outcomes.py`` is how each request ended against its class's ``[slo]`` (good, TTFT or
+TPOT missed, refused, failed: ``autopilot_requests_by_outcome_total``, the
 window's goodput in ``/state``), fed by the engine's finished-request stats and the gate's refusals
-(``GateOutcomes``, the gate's event sink that ``build_core`` puts before the caller's, so the daemon and
+(``GateOutcomes``, the gate's event sink that ``ControlCore`` puts before the caller's, so the daemon and
 the twin count them alike), and its served and missed totals go into each ``Observation`` (the slo
 policy's mean margin learns from them; a request's own TTFT header decides its outcome, not those totals),
 with the answer lengths (the budget's mean-TPOT rule) and the prefill mix the requests ask (the

@@ -185,35 +185,51 @@ def new_arrivals(stats: GateStats) -> int:
     return stats.arrivals_total - stats.retries_total
 
 
+class Steering(Protocol):
+    """What the capacity is counted against, in force (``control/build.ControlCore``)."""
+
+    @property
+    def slo(self) -> SloTargets | None: ...
+    @property
+    def policy(self) -> Policy: ...
+
+
 class CapacityMeter:
-    """The loop subscriber that computes a ``Capacity`` each tick (``last``)."""
+    """The loop subscriber that computes a ``Capacity`` each tick (``last``), against ``steering``'s
+    ``[slo]`` and policy, read each tick (None: no SLO, no policy)."""
 
     def __init__(
         self,
         window: MixSource,
         gate: GateTotals,
+        steering: Steering | None = None,
         min_finished: int = 3,
         kv_min_running: int = 4,
         history: int | None = 0,
     ) -> None:
-        self.window, self.gate = window, gate
+        self.window, self.gate, self.steering = window, gate, steering
         self.history: deque[tuple[float, Capacity]] = deque(maxlen=history)
         """The last ``history`` ticks' figures, (tick time, figures); None keeps every tick (the twin)."""
         self.min_finished, self.kv_min_running = min_finished, kv_min_running
-        self.slo: SloTargets | None = None
-        self.policy: Policy | None = None
-        self.knee_share: float | None = None
-        """Without ``[slo]``: the policy's throughput knee, the batch the capacity is counted at."""
         self._arrivals: deque[tuple[float, int]] = deque()
         """(tick time, arrivals so far) over the window."""
         self._arrivals_at_start = new_arrivals(gate.stats())
         """The gate's arrivals when the meter started: none since reads offered 0 from the first tick."""
         self.last = Capacity(None, None, None, "not started")
 
-    def configure(self, slo: SloTargets | None, policy: Policy) -> None:
-        """``[slo]`` and the policy in force (at build and on every reload)."""
-        self.slo, self.policy = slo, policy
-        self.knee_share = policy.knee_share if slo is None else None
+    @property
+    def slo(self) -> SloTargets | None:
+        return None if self.steering is None else self.steering.slo
+
+    @property
+    def policy(self) -> Policy | None:
+        return None if self.steering is None else self.steering.policy
+
+    @property
+    def knee_share(self) -> float | None:
+        """Without ``[slo]``: the policy's throughput knee, the batch the capacity is counted at."""
+        policy = self.policy
+        return policy.knee_share if policy is not None and self.slo is None else None
 
     def on_tick(self, obs: Observation, _changes: object) -> None:
         self.last = self.measure(obs)

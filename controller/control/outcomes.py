@@ -28,7 +28,7 @@ the gate). TPOT is vLLM's ``mean_time_per_output_token`` (decode time over the t
 The served outcomes come from vLLM's stat logger (``engine/runtime/stats.py``), keyed by vLLM's
 request id; a request the ledger was not told about (``started``) is counted in ``unmatched`` only,
 never under a made-up class. Refusals come from the gate's events (``GateOutcomes``, which
-``control/build.build_core`` puts in front of the caller's own, so the daemon and the twin count them
+``control/build.ControlCore`` puts in front of the caller's own, so the daemon and the twin count them
 alike).
 """
 
@@ -108,9 +108,16 @@ class _Started:
 class OutcomeLedger:
     """Counts each request's outcome (``count(cls, outcome)``: the metric) and keeps the window's."""
 
-    def __init__(self, count: Callable[[str, str], None], window_s: float = 60.0, clock: Clock = monotonic):
+    def __init__(
+        self,
+        count: Callable[[str, str], None],
+        window_s: float = 60.0,
+        clock: Clock = monotonic,
+        slo: Callable[[], SloTargets | None] = lambda: None,
+    ):
         self._count, self.window_s, self._clock = count, window_s, clock
-        self.slo: SloTargets | None = None
+        self._slo = slo
+        """``[slo]`` in force, read at each judgement (the control core's: ``ControlCore.slo``)."""
         self._started: dict[str, _Started] = {}
         self._ended: deque[tuple[float, str, str]] = deque()
         """(time, class, outcome) of each request ended inside the window."""
@@ -136,10 +143,6 @@ class OutcomeLedger:
         """Requests refused with a 429 (a full queue, an expected wait past the bound, a deadline)
         since the ledger started: set against ``missed_total``, whether a careful margin costs more
         requests than it saves."""
-
-    def configure(self, slo: SloTargets | None) -> None:
-        """``[slo]`` in force (at build and on every reload)."""
-        self.slo = slo
 
     def started(
         self,
@@ -198,7 +201,7 @@ class OutcomeLedger:
         if error:
             outcome = "failed"
         else:
-            cls_bound = self.slo.for_class(entry.cls) if self.slo is not None else None
+            cls_bound = slo.for_class(entry.cls) if (slo := self._slo()) is not None else None
             bound = judged_bound(cls_bound, entry.own_ttft_s)
             if entry.first_token_s is not None:
                 engine_ttft_s = entry.first_token_s

@@ -5,9 +5,10 @@ Who calls whom, as wired here: the scheduler ticks the control loop; the loop ob
 moves knobs only through the ``Actuator``, then calls its subscribers in order: the capacity meter
 (``autopilot_saturation``), the diagnosis, the memory guard (which may start an engine restart) and
 the decisions metric. The loop and the parts it ticks through are the control core, built by
-``controller.control.build.build_core`` as the twin's is; the rest is the daemon's own. The admin
+``controller.control.build.ControlCore`` as the twin's is; the rest is the daemon's own. The admin
 server reads ``Parts`` through ``controller.admin.status``; the reload handler
-(``controller.lifecycle.reload``) swaps the live tables into them.
+(``controller.lifecycle.reload``) swaps the live tables in: the core's through its one door
+(``ControlCore.prepare`` then ``apply``, as at the first build), ``[guard]`` and the tick's interval here.
 """
 
 from __future__ import annotations
@@ -24,14 +25,16 @@ from controller.admin.metrics import GateMetrics, Metrics
 from controller.admission.gate import AdmissionGate
 from controller.config.load import Config
 from controller.control.actuator import Actuator
-from controller.control.build import build_core
+from controller.control.build import ControlCore
 from controller.control.capacity import CapacityMeter
 from controller.control.diagnosis import Diagnoser, Diagnosis
 from controller.control.fitcheck import FitCheck
 from controller.control.loop import Change, ControlLoop, Subscriber
 from controller.control.observe import Observer
+from controller.control.outcomes import OutcomeLedger
 from controller.control.samplers import GpuSource, HostReadingSource, HostSource, NvmlSource
 from controller.control.stepcost import CostReader
+from controller.control.steps import StepFeed
 from controller.control.telemetry import TelemetryWindow
 from controller.engine.runtime.args import serve_namespace
 from controller.engine.runtime.host import EngineHost
@@ -50,7 +53,10 @@ class Parts:
     """Everything the daemon runs, and the little state its views read."""
 
     config: Config
-    """The config in force: a reload replaces its live tables."""
+    """The config in force: a reload replaces its live tables (the core's own parts read theirs from
+    ``core.settings``, put in force in the same step)."""
+    core: ControlCore[EngineHost]
+    """The control core: its parts below, and the one door of the live tables into them (``apply``)."""
     registry: CollectorRegistry
     metrics: Metrics
     window: TelemetryWindow
@@ -73,6 +79,8 @@ class Parts:
     capacity: CapacityMeter
     """The SLO capacity and saturation, computed each tick (a loop subscriber), read by /state and
     the metrics."""
+    outcomes: OutcomeLedger
+    """How each request ended against ``[slo]`` (the core's ledger): /state and the observer read it."""
     fit_check: FitCheck
     """The step-cost model's starting fit against its live one over the steps served since (/state)."""
     file_engine: dict[str, Any] = field(default_factory=dict)
@@ -119,7 +127,7 @@ def build_parts(
     config: Config, gpu_source: GpuSource | None = None, host_source: HostReadingSource | None = None
 ) -> Parts:
     """The parts, wired; nothing starts (no engine, no listener, no task) until the daemon's startup.
-    The control core is ``control/build.build_core``'s, as the twin's; the daemon adds its engine
+    The control core is ``control/build.ControlCore``'s, as the twin's; the daemon adds its engine
     host, the NVML and host samplers, the metrics and the subscribers only it has."""
     registry = CollectorRegistry()
     metrics = Metrics(registry)
@@ -128,18 +136,21 @@ def build_parts(
     # NVML reads the GPUs of the engine in force (``host``, built just below), not every GPU here
     gpu = gpu_source or NvmlSource(engine=lambda: engine_devices(host.args))
     hostsrc = host_source or HostSource()
-    core = build_core(
-        config.control,
-        config.admission,
-        config.slo,
-        metrics.outcomes,
-        engine=lambda steps: EngineHost(args, steps, server.engine_poll_sleep_s),
+
+    def engine_host(steps: StepFeed, outcomes: OutcomeLedger) -> EngineHost:
+        built = EngineHost(args, steps, server.engine_poll_sleep_s)
+        built.outcomes = outcomes  # each finished request judged against [slo] (control/outcomes.py)
+        return built
+
+    core = ControlCore(
+        config,
+        engine=engine_host,
+        count_outcome=metrics.count_outcome,
         gpu=gpu,
         host=hostsrc,
         gate_events=GateMetrics(metrics),
     )
     host, gate, window, loop = core.engine, core.gate, core.window, core.loop
-    host.outcomes = metrics.outcomes  # each finished request judged against [slo] (control/outcomes.py)
     guard = Guard(
         config.guard,
         gate,
@@ -158,6 +169,7 @@ def build_parts(
     metrics.live.read_capacity(core.capacity)
     parts = Parts(
         config=config,
+        core=core,
         registry=registry,
         metrics=metrics,
         window=window,
@@ -176,6 +188,7 @@ def build_parts(
         tasks=tasks,
         cost=core.cost,
         capacity=core.capacity,
+        outcomes=core.outcomes,
         fit_check=fit_check,
         file_engine=dict(config.engine),
     )

@@ -28,16 +28,12 @@ from typing import Any
 
 import structlog
 
-from controller.admission.ttft import TtftBounds
 from controller.config.cli_layer import load_layered
 from controller.config.diff import ConfigDiff, diff_config, engine_overrides, merge_live
 from controller.config.load import Config, ConfigError
 from controller.config.secrets import redact
-from controller.control.build import cost_prior_for, normalizer_for, policy_for, ttft_for
-from controller.control.normalize import Normalizer
-from controller.control.stepcost import CostPrior
+from controller.control.build import CoreSettings
 from controller.lifecycle.parts import TICK_JOB, Parts
-from policies.base import Policy
 
 log = structlog.get_logger(__name__)
 
@@ -92,7 +88,7 @@ class Reloader:
         try:
             new = load_layered(p.config.path, p.config.overlay)  # the command line stays on top
             diff = self._diff(new)
-            change = self._plan(new, diff)  # everything that can fail, before anything changes
+            change = self._plan(new)  # everything that can fail, before anything changes
         except ConfigError as exc:
             return self._rejected(exc.errors)
         except Exception as exc:  # not UTF-8, a plug-in raising on import, ...: the old config stays
@@ -115,24 +111,15 @@ class Reloader:
             "deferred": deferred,
         }
 
-    def _plan(self, new: Config, diff: ConfigDiff) -> LiveChange:
+    def _plan(self, new: Config) -> LiveChange:
         """What the reload swaps in, every part of it built (a policy that raises, a cost profile
         gone since validation): applying it then only assigns."""
-        p, old = self.parts, self.parts.config
+        old = self.parts.config
         merged = merge_live(old, new)
-        control = None
-        if {"control", "slo"} & set(diff.live) or new.admission.limit != old.admission.limit:
-            built = policy_for(merged)
-            control = built, normalizer_for(merged.control, built)
-        policy = p.loop.policy if control is None else control[0]
-        new_profile = new.control.cost_profile != old.control.cost_profile and p.cost is not None
         tick = new.control.tick_s
         return LiveChange(
             config=merged,
-            control=control,
-            ttft=ttft_for(policy, new.slo, new.admission, p.cost),  # on the new [slo] and [admission]
-            reseed=new_profile,
-            cost_prior=cost_prior_for(new.control.cost_profile) if new_profile else None,
+            core=self.parts.core.prepare(merged),
             tick_s=tick if tick != old.control.tick_s else None,
         )
 
@@ -177,24 +164,13 @@ class Reloader:
                 break
 
     def _apply_live(self, change: LiveChange) -> None:
-        """Swap ``change`` in: assignments and the parts' own setters, nothing left to build."""
-        p, old, new = self.parts, self.parts.config, change.config
-        a = new.admission
+        """Swap ``change`` in: assignments and the parts' own setters, nothing left to build. The
+        core's live tables go through its one door (``ControlCore.apply``, as at the first build);
+        [guard] and the tick's interval are the daemon's own."""
+        p, new = self.parts, change.config
         p.config = new
-        p.gate.configure(a.classes, a.aging_s, a.max_queue)
-        if a.limit != old.admission.limit:
-            p.actuator.set_admission_limit(a.limit)
-        p.window.window_s = new.control.window_s
-        if change.control is not None:
-            p.loop.policy, p.loop.normalizer = change.control
-        p.gate.set_ttft(change.ttft)
-        if p.capacity is not None:
-            p.capacity.configure(new.slo, p.loop.policy)
-        p.metrics.outcomes.configure(new.slo)
-        p.loop.resize_history(new.control.history)
+        p.core.apply(change.core)
         p.guard.configure(new.guard)
-        if change.reseed and p.cost is not None:
-            p.cost.model.reset(change.cost_prior)  # a new seed (or none): start from it
         if change.tick_s is not None and p.scheduler.get_job(TICK_JOB) is not None:
             p.scheduler.reschedule_job(TICK_JOB, trigger="interval", seconds=change.tick_s)
 
@@ -205,13 +181,7 @@ class LiveChange:
 
     config: Config
     """The config in force after it: the new live tables, the current restart-only ones."""
-    control: tuple[Policy, Normalizer] | None
-    """The new policy and normalize stage, when [control], [slo] or the limit changed."""
-    ttft: TtftBounds
-    """The gate's TTFT bounds under the policy in force after it."""
-    reseed: bool
-    """The cost profile changed: the step-cost model starts over from ``cost_prior``."""
-    cost_prior: CostPrior | None
-    """The new profile's seed (None: no profile)."""
+    core: CoreSettings
+    """The control core's live settings, built from ``config`` (``ControlCore.prepare``)."""
     tick_s: float | None
     """The loop's new interval, when it changed."""

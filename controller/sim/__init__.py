@@ -7,7 +7,7 @@ hashes, LRU eviction of freed cached blocks), ``llm.py`` (the virtual vLLM: ``Si
 request with vLLM's request stats, and after each step its output handler and stat logger: the step to the
 core's step feed, each finished request to the outcome ledger through
 ``engine/runtime/stats.report_finished``; ``SimHost``, the engine host around it as the control core and
-the engine client reach it), ``run.py`` (the daemon's control core from ``control/build.build_core``
+the engine client reach it), ``run.py`` (the daemon's control core from ``control/build.ControlCore``
 around ``SimHost``, an outcome ledger, one clock, and the driver: each request a task that does what
 vLLM's OpenAI handler does with the daemon's ``engine/frontend/client.GovernedEngineClient``, its context,
 the preflight ``check_admission``, then ``generate()``, with no admission code of its own; the daemon's

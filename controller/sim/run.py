@@ -1,6 +1,6 @@
 """A simulation: the real gate, telemetry window, policy, normalize stage and control loop around the
 twin's engine, all on one virtual clock: the daemon's control core, built by the daemon's builder
-(``control/build.build_core``) around the engine behind the engine host's interface (``SimHost``).
+(``control/build.ControlCore``) around the engine behind the engine host's interface (``SimHost``).
 
 Only the engine is simulated: vLLM itself is the twin's ``SimLLM`` (``sim/llm.py``) over its
 ``SimEngine``, and each request is an asyncio task that does what vLLM's OpenAI handler does with our
@@ -48,9 +48,8 @@ from typing import Any
 from controller.admission.classes import PriorityRefused
 from controller.clock import FakeClock
 from controller.config.load import AdmissionConfig, ControlConfig
-from controller.control.build import build_core
+from controller.control.build import ControlCore
 from controller.control.loop import Change
-from controller.control.outcomes import OutcomeLedger
 from controller.control.steps import KEPT, EngineStep
 from controller.control.warmfit import plan, seed_from_warm_up
 from controller.engine.frontend import context
@@ -141,16 +140,13 @@ class Simulation:
         self.control = c = control or ControlSettings()
         self.clock = FakeClock(0.0)
         self.engine = SimEngine(profile.engine, profile.cost)
-        self.outcomes = OutcomeLedger(lambda _cls, _outcome: None, clock=self.clock)  # as the daemon's
-        core = build_core(
-            c.control,
-            c.admission,
-            c.slo,
-            self.outcomes,
-            engine=lambda steps: SimHost(SimLLM(self.engine, steps, self.outcomes)),
+        core = ControlCore(
+            c,
+            engine=lambda steps, outcomes: SimHost(SimLLM(self.engine, steps, outcomes)),
             clock=self.clock,
             capacity_history=None,  # every tick's saturation
         )
+        self.outcomes = core.outcomes
         self.llm = core.engine.llm
         # the engine never dies; vLLM's timestamps are on the virtual clock
         self.client = GovernedEngineClient(core.engine, core.gate, lambda: None, wall=self.clock)

@@ -1,6 +1,6 @@
 """The twin's wiring, written once: a :class:`Simulation` from a profile and the daemon's own tables.
 
-The twin's control core is the daemon's, built by ``control/build.build_core`` from the same tables
+The twin's control core is the daemon's, built by ``control/build.ControlCore`` from the same tables
 (``[control]``, ``[admission]``, ``[slo]``); every caller of the twin (``simulate``, ``simulate
 --compare``, ``bench validate``, the calibration's replay, the tests) builds through
 :func:`build_simulation` so the twin runs what the daemon would run with the same tables.

@@ -54,7 +54,7 @@ async def test_a_warm_up_fits_the_model_before_serving_and_the_next_start_reads_
         stored = json.loads(Path(warm["path"]).read_text())
         assert stored["coefficients"] == warm["coefficients"]
         results = await asyncio.gather(*(stream_completion(s, url(d, ""), 32) for _ in range(40)))
-        ledger = d.parts.metrics.outcomes
+        ledger = d.parts.outcomes
         await wait_for(  # the stat logger reports finished requests with the engine's next steps
             lambda: ledger.served_total + ledger.unmatched >= 40, 30, "every finished request reported"
         )

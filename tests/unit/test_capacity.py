@@ -14,11 +14,12 @@ from controller.clock import FakeClock
 from controller.control.capacity import CapacityMeter, fit_capacity
 from controller.control.steps import EngineStep, StepFeed, StepStats
 from controller.control.telemetry import FinishedMix, TelemetryWindow
+from policies.base import Policy
 from policies.cost import CostEstimate
 from policies.slo_policy import SloPolicy
 from policies.slo_targets import SloBound, SloTargets
 from policies.static import StaticPolicy
-from tests.helpers import EngineKnobsInForce, GateTotals, PolicyHolder, obs, write_config
+from tests.helpers import EngineKnobsInForce, GateTotals, PolicyHolder, Steering, obs, write_config
 
 COST = CostEstimate(
     a_s=0.010, b_s_per_prefill_token=1e-4, c_s_per_decode_seq=1e-3, d_s_per_kv_token=1e-6,
@@ -83,11 +84,12 @@ def _finish(window: TelemetryWindow, t: float, n: int, prefill: int = 200, outpu
     window.record(EngineStep(t, stats=stats))
 
 
-def _meter(clock: FakeClock) -> tuple[CapacityMeter, GateTotals, TelemetryWindow]:
+def _meter(
+    clock: FakeClock, slo: SloTargets | None = SLO, policy: Policy | None = None
+) -> tuple[CapacityMeter, GateTotals, TelemetryWindow]:
     window, gate = TelemetryWindow(10.0, clock), GateTotals()
-    meter = CapacityMeter(window, gate)
-    meter.configure(SLO, StaticPolicy(max_num_seqs=64, initial_limit=8))
-    return meter, gate, window
+    steering = Steering(slo, policy or StaticPolicy(max_num_seqs=64, initial_limit=8))
+    return CapacityMeter(window, gate, steering), gate, window
 
 
 def test_saturation_crosses_one_as_the_offered_load_rises() -> None:
@@ -145,8 +147,7 @@ def test_nothing_offered_reads_zero_even_without_a_capacity() -> None:
 
 def test_without_slo_there_is_no_capacity() -> None:
     clock = FakeClock(100.0)
-    meter, gate, _window = _meter(clock)
-    meter.configure(None, StaticPolicy(max_num_seqs=64, initial_limit=8))
+    meter, gate, _window = _meter(clock, slo=None)
     for _ in range(2):
         gate.arrive(2)
         meter.on_tick(obs(now_mono=clock(), cost=COST), [])
@@ -156,8 +157,7 @@ def test_without_slo_there_is_no_capacity() -> None:
 
 def test_without_slo_the_slo_policy_counts_capacity_at_its_throughput_knee() -> None:
     clock = FakeClock(100.0)
-    meter, gate, window = _meter(clock)
-    meter.configure(None, SloPolicy(max_num_seqs=64, initial_limit=8, knee_share=0.2))
+    meter, gate, window = _meter(clock, None, SloPolicy(max_num_seqs=64, initial_limit=8, knee_share=0.2))
     for _ in range(2):
         gate.arrive(2)
         _finish(window, clock(), 3)
@@ -175,8 +175,7 @@ def test_the_slo_policy_plans_the_mean_step_to_its_mean_margin() -> None:
     static = StaticPolicy(max_num_seqs=64, initial_limit=8)
     assert policy.mean_step_share == 0.5 and static.mean_step_share == 1
     clock = FakeClock(100.0)
-    meter, gate, window = _meter(clock)
-    meter.configure(SLO, policy)
+    meter, gate, window = _meter(clock, SLO, policy)
     for _ in range(2):
         gate.arrive(2)
         _finish(window, clock(), 3)
@@ -200,7 +199,7 @@ def test_the_window_measures_the_mix_of_the_requests_that_finished_in_it() -> No
 
 
 async def test_the_daemon_computes_it_each_tick_and_shows_it(tmp_path: Path) -> None:
-    """The wiring: a loop subscriber, configured from [slo] and the policy, again on reload; /state's
+    """The wiring: a loop subscriber that reads [slo] and the policy in force, a reload's too; /state's
     ``capacity`` block and the gauges read it. (Loading a config imports vLLM: a few seconds.)"""
     from controller.admin.status import state
     from controller.config.load import load_config

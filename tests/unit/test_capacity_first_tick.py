@@ -13,7 +13,7 @@ from controller.control.telemetry import TelemetryWindow
 from policies.cost import CostEstimate
 from policies.slo_targets import SloBound, SloTargets
 from policies.static import StaticPolicy
-from tests.helpers import EngineKnobsInForce, GateTotals, PolicyHolder, obs
+from tests.helpers import EngineKnobsInForce, GateTotals, PolicyHolder, Steering, obs
 
 SLO = SloTargets(SloBound(ttft_s=2.0, tpot_s=0.050))
 POLICY = StaticPolicy(max_num_seqs=64, initial_limit=8)
@@ -25,8 +25,7 @@ COST = CostEstimate(
 
 
 def _meter(gate: GateTotals, slo: SloTargets | None) -> tuple[CapacityMeter, CollectorRegistry]:
-    meter = CapacityMeter(TelemetryWindow(10.0, FakeClock(100.0)), gate)
-    meter.configure(slo, POLICY)
+    meter = CapacityMeter(TelemetryWindow(10.0, FakeClock(100.0)), gate, Steering(slo, POLICY))
     registry = CollectorRegistry()
     live = Metrics(registry).live  # the gauges read at each scrape, as the daemon's do
     live.read_from(gate, EngineKnobsInForce(), PolicyHolder(POLICY))

@@ -2,7 +2,7 @@
 
 vLLM's utility calls wait on a future that only the EngineCore's answer resolves. The fake engine
 client here behaves so: while ``hung``, a call's future stays pending for ever. The control core is
-the daemon's own (``build_core``) around the real ``EngineHost``; the deadline's timer is a fake the
+the daemon's own (``ControlCore``) around the real ``EngineHost``; the deadline's timer is a fake the
 test lets pass, so no wall-clock time goes by.
 """
 
@@ -16,10 +16,9 @@ from typing import Any
 from controller.admin.status import health, loop_stall
 from controller.clock import FakeClock
 from controller.config.load import AdmissionConfig, ControlConfig
-from controller.control.build import ControlCore, build_core
+from controller.control.build import ControlCore
 from controller.control.loop import ControlLoop
 from controller.control.normalize import Normalizer
-from controller.control.outcomes import OutcomeLedger
 from controller.control.steps import StepFeed
 from controller.engine.runtime.calls import CALL_DEADLINE_MIN_S, EngineCalls, EngineUnanswered
 from controller.engine.runtime.host import EngineHost
@@ -109,12 +108,12 @@ def control_core(cores: list[Core], deadlines: Deadlines) -> tuple[ControlCore[E
     times a subscriber (as the memory guard is) saw a tick."""
     queue = [llm(core) for core in cores]
     args = argparse.Namespace(max_num_seqs=8, max_num_batched_tokens=256, model="m")
-    core = build_core(
-        ControlConfig(policy="hysteresis"),
-        AdmissionConfig(limit=8),
-        None,
-        OutcomeLedger(lambda _c, _o: None),
-        engine=lambda steps: EngineHost(
+    tables = SimpleNamespace(
+        control=ControlConfig(policy="hysteresis"), admission=AdmissionConfig(limit=8), slo=None
+    )
+    core = ControlCore(
+        tables,
+        engine=lambda steps, _outcomes: EngineHost(
             args, steps, builder=lambda _a: queue.pop(0), two_engines_fit=True, call_timer=deadlines.wait
         ),
     )

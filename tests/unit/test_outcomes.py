@@ -6,6 +6,7 @@ on a fake clock."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -53,10 +54,11 @@ def test_a_429_is_refused_and_a_503_failed(reason: str, outcome: str) -> None:
     assert refusal_outcome(reason) == outcome
 
 
-def _ledger(clock: FakeClock) -> tuple[OutcomeLedger, list[tuple[str, str]]]:
+def _ledger(
+    clock: FakeClock, slo: Callable[[], SloTargets | None] = lambda: SLO
+) -> tuple[OutcomeLedger, list[tuple[str, str]]]:
     counted: list[tuple[str, str]] = []
-    ledger = OutcomeLedger(lambda cls, outcome: counted.append((cls, outcome)), window_s=10.0, clock=clock)
-    ledger.configure(SLO)
+    ledger = OutcomeLedger(lambda cls, outcome: counted.append((cls, outcome)), 10.0, clock, slo)
     return ledger, counted
 
 
@@ -108,7 +110,8 @@ def test_a_request_is_judged_by_the_tighter_of_its_own_ttft_and_its_classs(
 
 def test_the_ledger_counts_a_miss_of_the_requests_own_ttft_bound() -> None:
     """interactive's bound is 1 s TTFT, 50 ms TPOT; the header's TPOT is not the ledger's to judge."""
-    ledger, counted = _ledger(FakeClock())
+    in_force: list[SloTargets | None] = [SLO]  # [slo] as the control core holds it
+    ledger, counted = _ledger(FakeClock(), lambda: in_force[0])
     ledger.started("a", "interactive", before_engine_s=0.1, ttft_s=0.5)
     ledger.started("b", "interactive", before_engine_s=0.1)
     ledger.started("c", "interactive", before_engine_s=0.1, ttft_s=5.0)
@@ -120,7 +123,7 @@ def test_the_ledger_counts_a_miss_of_the_requests_own_ttft_bound() -> None:
     assert counted == [("interactive", o) for o in ("ttft_missed", "good", "ttft_missed", "tpot_missed")]
     # "a" missed its own bound only: its outcome, not the loop's count (``test_own_bounds_steer_...``)
     assert (ledger.served_total, ledger.missed_total, ledger.queued_missed_total) == (4, 2, 0)
-    ledger.configure(None)  # without [slo], a request's own TTFT bound is its only one
+    in_force[0] = None  # without [slo] (a reload removed it), a request's own TTFT bound is its only one
     ledger.started("e", "batch", before_engine_s=0.0, ttft_s=0.2)
     ledger.started("f", "batch", before_engine_s=0.0, ttft_s=0.2)
     ledger.started("g", "batch", before_engine_s=0.0)
@@ -176,13 +179,14 @@ def _outcome(registry: CollectorRegistry, cls: str, outcome: str) -> float | Non
 def test_the_gates_refusals_and_served_requests_are_counted_by_class_and_outcome() -> None:
     registry = CollectorRegistry()
     metrics = Metrics(registry)
-    events = GateOutcomes(metrics.outcomes, GateMetrics(metrics))  # as build_core wires them
+    ledger = OutcomeLedger(metrics.count_outcome)
+    events = GateOutcomes(ledger, GateMetrics(metrics))  # as ControlCore wires them
     events.rejected("batch", "queue_full")
     events.rejected("batch", "shed")
     events.timed_out("interactive", 5.0)
     events.rejected("interactive", "engine_unavailable")
-    metrics.outcomes.started("r1", "interactive", 0.2)
-    metrics.outcomes.served("r1", 0.3, None)
+    ledger.started("r1", "interactive", 0.2)
+    ledger.served("r1", 0.3, None)
     assert _outcome(registry, "batch", "refused") == 2
     assert _outcome(registry, "interactive", "refused") == 1
     assert _outcome(registry, "interactive", "failed") == 1
@@ -226,7 +230,7 @@ def test_state_shows_the_windows_outcomes(tmp_path: Path) -> None:
     from controller.lifecycle.parts import build_parts
 
     parts = build_parts(load_config(write_config(tmp_path / "config.toml")))
-    GateOutcomes(parts.metrics.outcomes).rejected("interactive", "queue_full")
+    GateOutcomes(parts.outcomes).rejected("interactive", "queue_full")
     shown = state(parts)["outcomes"]
     assert shown["by_class"]["interactive"]["refused"] == 1 and shown["attainment"] == 0.0
     assert shown["goodput_rps"] == 0.0 and shown["unmatched"] == 0
@@ -239,7 +243,7 @@ def test_each_observation_carries_the_served_missed_and_refused_totals(tmp_path:
 
     path = write_config(tmp_path / "config.toml", slo={"ttft_s": 1.0, "tpot_s": 0.05})
     parts = build_parts(load_config(path))
-    ledger = parts.metrics.outcomes
+    ledger = parts.outcomes
     for rid, tpot in (("a", 0.01), ("b", 0.2)):
         ledger.started(rid, "interactive", before_engine_s=0.0)
         ledger.served(rid, engine_ttft_s=0.1, tpot_s=tpot)
@@ -251,7 +255,7 @@ def test_each_observation_carries_the_served_missed_and_refused_totals(tmp_path:
 
 
 def test_the_daemons_gate_counts_its_refusals_in_the_ledger_and_the_metrics(tmp_path: Path) -> None:
-    """``build_core`` puts the ledger's ``GateOutcomes`` before the daemon's metrics on the gate: a
+    """``ControlCore`` puts the ledger's ``GateOutcomes`` before the daemon's metrics on the gate: a
     refusal is counted once in each, by the gate itself."""
     from controller.config.load import load_config
     from controller.lifecycle.parts import build_parts
@@ -260,7 +264,7 @@ def test_the_daemons_gate_counts_its_refusals_in_the_ledger_and_the_metrics(tmp_
     parts.gate.refuse_new(GateRejected("no engine", 503, 1, "engine_unavailable"))
     with pytest.raises(GateRejected):
         parts.gate.check_admission(0)
-    assert parts.metrics.outcomes.state()["by_class"]["interactive"]["failed"] == 1
+    assert parts.outcomes.state()["by_class"]["interactive"]["failed"] == 1
     assert _outcome(parts.registry, "interactive", "failed") == 1
 
 

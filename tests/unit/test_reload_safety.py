@@ -46,6 +46,7 @@ def live_tables(p: Parts) -> dict[str, Any]:
         "policy": p.loop.policy,
         "normalizer": p.loop.normalizer,
         "history": p.loop.history.maxlen,
+        "slo": p.core.slo,
         "guard": p.guard.s,
         "stall_timeout_s": p.guard.stall.timeout_s,
         "cost_prior": p.cost.model.prior if p.cost is not None else None,
@@ -77,16 +78,14 @@ async def test_a_reload_whose_cost_profile_fails_to_build_changes_no_live_table(
 async def test_a_reload_whose_policy_fails_to_build_changes_no_live_table(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from controller.lifecycle import reload as reload_module
-
     p = parts_for(tmp_path, control={"policy": "static"})
     before = live_tables(p)
     rewrite(p, admission={"limit": 5}, control={"policy": "static", "history": 7}, guard={"cooldown_s": 1.0})
 
-    def fails(_config: Any) -> Any:
+    def fails(*_args: Any) -> Any:
         raise ValueError("the policy refused its parameters")
 
-    monkeypatch.setattr(reload_module, "policy_for", fails)
+    monkeypatch.setattr(build_module, "policy_for", fails)
     result = await Reloader(p).reload()
     assert result["ok"] is False
     assert live_tables(p) == before
@@ -281,3 +280,31 @@ async def test_the_reload_endpoint_answers_503_while_the_daemon_starts_or_drains
         assert response.status == status
         assert await response.json() == answer
         assert (response.headers.get("Retry-After") is not None) == (status == 503)
+
+
+# -- the live tables go through the control core's one door ------------------------------------------
+
+
+async def test_a_reloaded_slo_is_the_one_the_ledger_the_meter_and_the_policy_read(tmp_path: Path) -> None:
+    p = parts_for(tmp_path, control={"policy": "slo"}, slo={"ttft_s": 2.0, "tpot_s": 0.1})
+    p.outcomes.started("before", "interactive", before_engine_s=0.0)
+    assert p.outcomes.served("before", engine_ttft_s=1.5, tpot_s=0.01) == "good"  # within 2 s
+    rewrite(p, control={"policy": "slo"}, slo={"ttft_s": 1.0, "tpot_s": 0.05})
+    assert (await Reloader(p).reload())["ok"] is True
+    slo = p.config.slo
+    assert slo is not None and slo.default.ttft_s == 1.0
+    assert p.core.slo is slo and p.capacity.slo is slo and p.loop.policy.slo is slo
+    p.outcomes.started("after", "interactive", before_engine_s=0.0)
+    assert p.outcomes.served("after", engine_ttft_s=1.5, tpot_s=0.01) == "ttft_missed"  # past 1 s
+
+
+async def test_a_reload_that_leaves_the_policys_tables_alone_keeps_the_policy(tmp_path: Path) -> None:
+    p = parts_for(tmp_path, control={"policy": "slo"}, slo={"ttft_s": 2.0, "tpot_s": 0.1})
+    policy, normalizer = p.loop.policy, p.loop.normalizer
+    rewrite(p, control={"policy": "slo"}, slo={"ttft_s": 2.0, "tpot_s": 0.1}, guard={"cooldown_s": 1.0})
+    assert (await Reloader(p).reload())["ok"] is True
+    assert p.loop.policy is policy and p.loop.normalizer is normalizer  # what it learnt stays
+    assert p.guard.s.cooldown_s == 1.0 and p.core.settings.control == p.config.control
+    rewrite(p, admission={"limit": 5}, control={"policy": "slo"}, slo={"ttft_s": 2.0, "tpot_s": 0.1})
+    assert (await Reloader(p).reload())["ok"] is True
+    assert p.loop.policy is not policy and p.gate.stats().limit == 5  # started at the new limit

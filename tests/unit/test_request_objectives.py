@@ -320,8 +320,8 @@ class CountingServing(bounds_app.FakeServing):
 async def test_the_ledger_judges_a_request_by_its_own_ttft_bound_where_it_is_tighter() -> None:
     """interactive's [slo] TTFT bound is 1 s: a first token 0.3 s into the engine is good by it, and
     missed by a header's 200 ms; a header's looser 5 s changes nothing."""
-    ledger = OutcomeLedger(lambda cls, outcome: None, clock=FakeClock())
-    ledger.configure(SloTargets(SloBound(2.0, 0.1), (("interactive", SloBound(1.0, 0.05)),)))
+    slo = SloTargets(SloBound(2.0, 0.1), (("interactive", SloBound(1.0, 0.05)),))
+    ledger = OutcomeLedger(lambda cls, outcome: None, clock=FakeClock(), slo=lambda: slo)
     host = FakeHost(FirstTokenLLM())
     host.outcomes = ledger  # type: ignore[attr-defined]
     gate = AdmissionGate(4, 100, CLASSES)
