@@ -18,8 +18,10 @@ expected-wait check; ``AfterSlot``, the measured time from a slot to the first t
 (the engine's own queue at its median, the rest at p90, over 10 s), which the engine client reports per
 request and which joins every prediction and shortens the queue deadline; the time a request has spent in
 the server since the middleware's ``RequestContext``, ``engine/frontend/context.py``, counts too),
-``order.py`` (who gets the next slot: strict priority with aging, a heavy request at the head holding back
-the classes after it; a slot's weight capped at what its class can ever hold), ``gate.py``
+``handle.py`` (``Admission``, one request's handle from ``AdmissionGate.enter``: its preflight, each
+call's admission, slot and release, its close; the only place a request's slot or pending place goes
+back), ``order.py`` (who gets the next slot: strict priority with aging, a heavy request at the head
+holding back the classes after it; a slot's weight capped at what its class can ever hold), ``gate.py``
 (``AdmissionGate``: the limit in sequences, weighted slots granted all at once or none, pending places
 counted per sequence, reserved shares, early refusal with ``Retry-After`` (400 for an ``n`` that overflows
 the queue limits on an idle gate), shedding, the 503 states (shutdown, restart budget spent, no engine

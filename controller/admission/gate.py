@@ -32,6 +32,7 @@ from contextlib import asynccontextmanager
 from controller.admission.classes import DEFAULT_CLASSES, CompletionRate, GateEvents, NoEvents, PriorityClass
 from controller.admission.deadlines import Deadlines
 from controller.admission.errors import OWN_BOUND, GateRejected, shutting_down
+from controller.admission.handle import Admission, Call
 from controller.admission.order import capped, next_queue
 from controller.admission.queues import ClassQueue, GateStats, Slot, Waiter
 from controller.admission.retries import RefusedIds
@@ -39,15 +40,16 @@ from controller.admission.shedding import shed_order
 from controller.admission.ttft import NO_BOUNDS, AfterSlot, TtftBounds, TtftCheck
 from controller.clock import Clock, monotonic
 
-__all__ = ["AdmissionGate", "GateRejected", "GateStats", "Slot"]
+__all__ = ["Admission", "AdmissionGate", "Call", "GateRejected", "GateStats", "Slot"]
 
 
 class AdmissionGate:
     """A runtime-adjustable concurrency limit with per-class strict-priority queues.
 
-    ``check_admission`` runs before a response starts (vLLM calls it from its handlers); it counts
-    the request as *pending* in its class until ``acquire`` sees it, because a burst passes
-    admission before anything reaches the gate.
+    A request enters once (``enter``) and holds an ``Admission`` handle (``handle.py``) for its
+    life. Its calls' admission runs before a response starts (vLLM calls ``generate`` from its
+    handlers); an admitted call counts as *pending* in its class until it queues for its slot,
+    because a burst passes admission before anything reaches the gate.
     """
 
     PENDING_TTL_S = 30.0
@@ -166,36 +168,61 @@ class AdmissionGate:
         for q in self._order:
             q.expire_pending(self._clock() - self.PENDING_TTL_S)
 
+    def enter(
+        self,
+        arrived_mono: float | None = None,
+        ttft_bound_s: float | None = None,
+        request_id: str | None = None,
+    ) -> Admission:
+        """A request enters the gate: its one ``Admission`` handle (``handle.py``), whose methods are
+        its preflight, each call's admission, each call's slot and their release, and whose ``close``
+        at the request's end gives back what it still holds. ``arrived_mono``: when it reached the
+        server (a TTFT bound counts from then); ``ttft_bound_s``: its own TTFT bound (a gateway's
+        header); ``request_id``: the client's ``X-Request-Id``."""
+        return Admission(self, arrived_mono, ttft_bound_s, request_id)
+
     def check_admission(
         self,
         priority: int = 0,
         n: int = 1,
-        calls: int = 1,
         prompt_tokens: int | None = None,
         arrived_mono: float | None = None,
-        later_call: bool = False,
-        ttft_done: bool = False,
         ttft_bound_s: float | None = None,
-        early: bool = False,
     ) -> float | None:
-        """Refuse now (raise ``GateRejected``) or count the request as pending in its class: ``n``
-        is what it will generate (prompts x sequences each), ``calls`` the pending places it holds
-        until ``acquire`` takes them (the engine client: one per sequence of its call);
-        ``prompt_tokens`` (where known) adds its own prefill to its predicted wait, and under TTFT
-        bounds the time since it ``arrived_mono`` counts too (``set_ttft``, ``ttft.AfterSlot``).
-        ``later_call``: a further call of a request admitted before, not an arrival; ``ttft_done``: its
-        request has held a slot (its TTFT has happened): no expected wait refuses it, bounds still do.
-        ``ttft_bound_s``: the request's own TTFT bound (a gateway's header), which only tightens its
-        class's (``TtftBounds.bound_s``).
-        ``early``: vLLM's preflight, before the prompt is rendered (``calls`` 0): refuse what is sure
-        to be refused, but shed no waiter for room, since the check with the prompt's length may still
-        refuse the request; that check sheds. Nor does it count the arrival: the first call's check
-        does, or ``refused(arrival=True)`` where this one refuses, so that a request vLLM refuses
-        after its preflight (a prompt past ``max_model_len``) is no demand.
+        """Refuse now (raise ``GateRejected``) or count an arriving one-call request as pending in its
+        class, one place, until ``acquire`` takes it: ``n`` is what it will generate (prompts x
+        sequences each); ``prompt_tokens`` (where known) adds its own prefill to its predicted wait,
+        and under TTFT bounds the time since it ``arrived_mono`` counts too (``set_ttft``,
+        ``ttft.AfterSlot``). ``ttft_bound_s``: the request's own TTFT bound (a gateway's header),
+        which only tightens its class's (``TtftBounds.bound_s``). A request with several calls, a
+        preflight or a slot held before a later call enters the gate instead (``enter``).
 
         Returns its predicted TTFT, counted from ``arrived_mono``, where a TTFT bound holds it (None
         otherwise): the engine client tells ``ttft_check`` what it measured against it, and the
         expected-wait check adds the class's correction (``ttft.TtftCheck``)."""
+        return self._check(priority, n, 1, prompt_tokens, arrived_mono, ttft_bound_s)
+
+    def _check(
+        self,
+        priority: int,
+        n: int,
+        places: int,
+        prompt_tokens: int | None = None,
+        arrived_mono: float | None = None,
+        ttft_bound_s: float | None = None,
+        later_call: bool = False,
+        ttft_done: bool = False,
+        early: bool = False,
+    ) -> float | None:
+        """``check_admission`` for a request in any stage (the ``Admission`` handle's): ``places``
+        the pending places it holds until it queues; ``later_call``: a further call of a request
+        admitted before, not an arrival; ``ttft_done``: its request has held a slot (its TTFT has
+        happened): no expected wait refuses it, bounds still do. ``early``: vLLM's preflight, before
+        the prompt is rendered (``places`` 0): refuse what is sure to be refused, but shed no waiter
+        for room, since the check with the prompt's length may still refuse the request; that check
+        sheds. Nor does it count the arrival: the first call's check does, or
+        ``refused(arrival=True)`` where this one refuses, so that a request vLLM refuses after its
+        preflight (a prompt past ``max_model_len``) is no demand."""
         q = self._queue_of(priority)
         self._check_fits(q, n)
         self.arrivals_total += not later_call and not early
@@ -212,7 +239,7 @@ class AdmissionGate:
             self._check_wait(q, position, own, n, own_s, ttft_bound_s, early, correction)
         elif ttft_bound_s is not None and own_s is not None and bound is not None:
             self._check_own_bound(q, n, bound, own_s)
-        q.pending.extend([self._clock()] * calls)
+        q.pending.extend([self._clock()] * places)
         if bound is None or own_s is None or later_call:
             return None
         rate = self.service_rate()
@@ -230,7 +257,7 @@ class AdmissionGate:
     def take_retry(self, request_id: str | None) -> bool:
         """A request with the client's id ``request_id`` (``X-Request-Id``) arrives: True when it
         takes one of the tries a recent refusal of its id excuses (``RefusedIds.take``). The engine
-        client keeps the answer with the request and hands it to ``refused``."""
+        request's ``Admission`` keeps the answer and hands it to ``refused``."""
         return request_id is not None and self.refused_ids.take(request_id)
 
     def refused(self, request_id: str | None, retry: bool = False, arrival: bool = False) -> None:
@@ -238,7 +265,7 @@ class AdmissionGate:
         request. ``retry``: its arrival took an excused try (``take_retry``) and it was never admitted
         to a slot: it counts in ``retries_total``, not as new demand, and excuses nothing more; any
         other refused request with an id excuses the next tries of its id (``RefusedIds.refused``).
-        ``arrival``: the refusal of vLLM's preflight (``check_admission(early=True)``), which counted
+        ``arrival``: the refusal of vLLM's preflight (``Admission.preflight``), which counted
         no arrival: it is counted here, and it takes an excused try as any arrival does."""
         if arrival:
             self.arrivals_total += 1
@@ -367,8 +394,8 @@ class AdmissionGate:
         return bool(victims)
 
     def cancel_pending(self, priority: int, count: int = 1) -> None:
-        """The request passed check_admission but ends with ``count`` of its generate() calls never
-        made (a 4xx from vLLM)."""
+        """The request passed check_admission but ends with ``count`` of its pending places never
+        taken (a 4xx from vLLM, the client gone: ``Admission.close``)."""
         q = self._queue_of(priority)
         for _ in range(min(count, len(q.pending))):
             q.pending.pop()
@@ -376,20 +403,34 @@ class AdmissionGate:
     async def acquire(
         self,
         priority: int = 0,
-        from_pending: bool = True,
         arrived_mono: float | None = None,
         weight: int = 1,
         ttft_bound_s: float | None = None,
         prompt_tokens: int | None = None,
     ) -> Slot:
-        """Wait for a slot in strict class order; raise ``GateRejected`` past the class deadline.
+        """Wait for a slot in strict class order; raise ``GateRejected`` past the class deadline. It
+        takes up to ``weight`` of its class's pending places (a request that passed
+        ``check_admission``; an ``Admission``'s call takes its own, ``Admission.acquire``).
         ``arrived_mono``: when the request reached the server (a TTFT bound counts from then);
         ``weight``: how much of the limit it holds, granted all at once or not at all (``_weight``);
-        ``from_pending``: it takes that many of its class's pending places; ``ttft_bound_s``: the
-        request's own TTFT bound, which only tightens its class's (its queue deadline);
-        ``prompt_tokens``: what it prefills, where known (its rank in a ``shortest`` class)."""
+        ``ttft_bound_s``: the request's own TTFT bound, which only tightens its class's (its queue
+        deadline); ``prompt_tokens``: what it prefills, where known (its rank in a ``shortest``
+        class)."""
+        return await self._acquire(priority, weight, arrived_mono, weight, ttft_bound_s, prompt_tokens)
+
+    async def _acquire(
+        self,
+        priority: int,
+        places: int,
+        arrived_mono: float | None = None,
+        weight: int = 1,
+        ttft_bound_s: float | None = None,
+        prompt_tokens: int | None = None,
+    ) -> Slot:
+        """``acquire`` for a request that takes ``places`` of its class's pending places as it
+        queues, granted or refused (the ``Admission`` handle's)."""
         q = self._queue_of(priority)
-        for _ in range(min(weight, len(q.pending)) if from_pending else 0):  # one place per sequence
+        for _ in range(min(places, len(q.pending))):  # one place per sequence
             q.pending.popleft()
         if self._refuse_queued is not None:
             raise self._refuse_queued.fresh()

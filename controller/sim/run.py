@@ -190,13 +190,14 @@ class Simulation:
         except PriorityRefused as exc:
             self._fail(spec, t0, "failed", 400, str(exc))
             return
-        context.current.set(context.RequestContext(priority, resolved=True, bounds=bounds, arrived_mono=t0))
+        request = context.RequestContext(priority, resolved=True, bounds=bounds, arrived_mono=t0)
         final: SimOutput | None = None
         try:
-            self.client.check_admission()  # vLLM's preflight, before it renders the prompt
-            prompt, params = self.llm.render(spec), SimParams(spec.output_tokens)
-            async for output in self.client.generate(prompt, params, str(spec.index), priority=priority):
-                final = output  # as vLLM's handler keeps the last (the twin's one, final output)
+            with context.entered(request, self.gate):  # as the middleware enters the gate
+                self.client.check_admission()  # vLLM's preflight, before it renders the prompt
+                prompt, params = self.llm.render(spec), SimParams(spec.output_tokens)
+                async for output in self.client.generate(prompt, params, str(spec.index), priority=priority):
+                    final = output  # as vLLM's handler keeps the last (the twin's one, final output)
         except GateRefusal as exc:
             self._fail(spec, t0, "refused", exc.http_status.value, exc.message)
             return

@@ -25,20 +25,20 @@ LIMIT, MAX_QUEUE, MIN_PRIORITY = 4, 6, 1
 
 
 class Watched:
-    """The daemon's gate with its ``acquire`` calls recorded."""
+    """The daemon's gate with each call's queueing for a slot recorded (``Admission.acquire``)."""
 
     def __init__(self, d: Daemon) -> None:
         self.gate = d.parts.gate
         self.calls: list[dict[str, Any]] = []
-        original = self.gate.acquire
+        original = self.gate._acquire
 
-        async def acquire(priority: int = 0, *args: Any, **kwargs: Any) -> Any:
+        async def acquire(priority: int, *args: Any, **kwargs: Any) -> Any:
             stats = self.gate.stats()
             waiting = stats.queued + stats.pending
             self.calls.append({"priority": priority, "weight": kwargs.get("weight", 1), "waiting": waiting})
             return await original(priority, *args, **kwargs)
 
-        self.gate.acquire = acquire  # type: ignore[method-assign]
+        self.gate._acquire = acquire  # type: ignore[method-assign]
 
     def idle(self) -> bool:
         stats = self.gate.stats()

@@ -161,13 +161,13 @@ async def test_admission_counts_a_prompt_as_vllm_prefills_it(daemon: Daemon) -> 
     vLLM reports as the request's prompt tokens, with no tokenizing of our own (the early check, at
     vLLM's ``_preflight``, comes before any tokenizing and has none)."""
     gate, seen = daemon.parts.gate, []
-    original = gate.check_admission
+    original = gate._check  # every check of a request's Admission (preflight, each call)
 
-    def check_admission(*args: Any, **kwargs: Any) -> None:
+    def check(*args: Any, **kwargs: Any) -> None:
         seen.append(kwargs.get("prompt_tokens"))
         original(*args, **kwargs)
 
-    gate.check_admission = check_admission  # type: ignore[method-assign]
+    gate._check = check  # type: ignore[method-assign]
     uses = type(gate.ttft).uses_prompt_length
     type(gate.ttft).uses_prompt_length = property(lambda self: True)  # type: ignore[method-assign]
     try:
@@ -178,5 +178,5 @@ async def test_admission_counts_a_prompt_as_vllm_prefills_it(daemon: Daemon) -> 
                 reported = (await r.json())["usage"]["prompt_tokens"]
     finally:
         type(gate.ttft).uses_prompt_length = uses  # type: ignore[method-assign]
-        del gate.check_admission
+        del gate._check
     assert seen == [None, reported]  # the early check before vLLM renders it, then its call

@@ -47,7 +47,7 @@ async def post(d: Daemon, headers: dict[str, str]) -> tuple[int, dict[str, str],
 
 async def test_a_tight_ttft_header_refuses_a_request_its_class_would_queue(daemon: Daemon) -> None:
     gate = daemon.parts.gate
-    held = await gate.acquire(0, from_pending=False)
+    held = await gate.acquire(0)
     try:
         queued = asyncio.create_task(post(daemon, {}))
         await wait_for(lambda: gate.stats().queued == 1, 30.0, "the header-less request to queue")
@@ -73,7 +73,7 @@ async def test_a_malformed_ttft_header_is_answered_400_by_vllm(daemon: Daemon) -
 
 async def test_llm_ds_objective_header_moves_a_request_into_that_class(daemon: Daemon) -> None:
     gate = daemon.parts.gate
-    held = await gate.acquire(0, from_pending=False)
+    held = await gate.acquire(0)
     try:
         named = asyncio.create_task(post(daemon, {"x-llm-d-inference-objective": "interactive"}))
         await wait_for(

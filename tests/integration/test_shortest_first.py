@@ -49,7 +49,7 @@ async def test_the_short_prompt_queued_second_is_served_first(daemon: Daemon) ->
             await r.json()
         finished.append(label)
 
-    held = await gate.acquire(0, from_pending=False)
+    held = await gate.acquire(0)
     try:
         long = asyncio.create_task(post("long", LONG))
         await wait_for(lambda: gate.stats().queued == 1, 30.0, "the long prompt to queue")

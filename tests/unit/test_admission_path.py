@@ -269,19 +269,16 @@ async def test_a_later_call_of_a_served_request_is_not_refused_by_its_ttft_bound
     gate = AdmissionGate(1, 100, CLASSES, clock=clock)
     gate.set_ttft(TtftBounds({"interactive": 2.0}))
     client = GovernedEngineClient(FakeHost(CountingLLM()), gate, lambda: None)  # type: ignore[arg-type]
-    token = context.current.set(context.RequestContext(arrived_mono=clock()))
-    try:
+    with context.entered(context.RequestContext(arrived_mono=clock()), gate):
         client.check_admission()
         first = [x async for x in client.generate("p", None, "step-0")]
         clock.advance(10.0)  # the request is long past its 2 s bound: its first token came in time
-        held = await gate.acquire(0, from_pending=False)
+        held = await gate.acquire(0)
         step = asyncio.create_task(anext(client.generate("p", None, "step-1")))
         await settle()
         assert not step.done() and gate.stats().queued == 1  # waiting, not refused at once
         gate.release(held)
         await asyncio.wait_for(step, timeout=5.0)
-    finally:
-        context.current.reset(token)
     assert len(first) == 4
 
 
@@ -325,26 +322,19 @@ async def test_check_admission_refuses_before_vllm_renders_and_counts_nothing() 
     no place until its calls."""
     gate, events = make_gate(limit=1, max_queue=0)
     client = GovernedEngineClient(FakeHost(CountingLLM()), gate, lambda: None)  # type: ignore[arg-type]
-    held = await gate.acquire(0, from_pending=False)
+    held = await gate.acquire(0)
     refused = context.RequestContext()
-    token = context.current.set(refused)
-    try:
+    with context.entered(refused, gate):
         try:
             client.check_admission()
             raise AssertionError("admitted past a full gate")
         except GateRefusal as exc:
             assert exc.http_status == 429 and refused.refusal is not None
-    finally:
-        context.current.reset(token)
     gate.release(held)
-    admitted = context.RequestContext()
-    token = context.current.set(admitted)
-    try:
+    with context.entered(context.RequestContext(), gate):
         client.check_admission()
         assert (gate.stats().pending, gate.stats().arrivals_total) == (0, 1)  # the refused one
         outputs = [x async for x in client.generate("p", SimpleNamespace(n=1), "r")]
-    finally:
-        context.current.reset(token)
     assert len(outputs) == 4 and gate.stats().arrivals_total == 2  # the refused one and this one
     assert [cls for cls, _ in events.rejected] == ["interactive"]
 
@@ -355,7 +345,7 @@ async def test_a_pooling_request_passes_the_gate_as_a_generating_one() -> None:
     gate = AdmissionGate(1, 0, (PriorityClass("all", max_queue=0, queue_deadline_s=1e6),), clock=FakeClock())
     llm = CountingLLM()
     async with make_app(gate, llm) as http:
-        held = await gate.acquire(from_pending=False)
+        held = await gate.acquire()
         r = await http.post("/v1/embeddings", json={"input": ["a"]})
         assert r.status_code == 429, r.text
         gate.refuse_all(GateRejected("restart budget spent", 503, 60, "engine_unavailable"))
@@ -382,7 +372,7 @@ async def test_a_request_vllm_refuses_after_its_preflight_is_no_demand() -> None
             r = await http.post("/v1/completions", json={"fail_after_preflight": True})
             assert r.status_code == 400, r.text
         assert gate.stats().arrivals_total == 0
-        held = await gate.acquire(from_pending=False)
+        held = await gate.acquire()
         r = await http.post("/v1/completions", json={})
         assert r.status_code == 429, r.text
         gate.release(held)
@@ -397,7 +387,7 @@ async def test_a_refused_request_tried_again_by_its_id_is_a_retry_not_an_arrival
     ``retries_total``."""
     clock = FakeClock()
     gate = AdmissionGate(1, 0, (PriorityClass("all", max_queue=0, queue_deadline_s=1e6),), clock=clock)
-    held = await gate.acquire(from_pending=False)
+    held = await gate.acquire()
     async with make_app(gate, CountingLLM()) as http:
         for request_id in ("r1", "r1", "r2", "r1"):
             r = await http.post("/v1/completions", json={}, headers={"x-request-id": request_id})
@@ -417,7 +407,7 @@ async def test_one_id_reused_for_every_request_hides_no_admitted_and_few_refused
     refusal of a retry excuses no more); every one it admits counts."""
     clock = FakeClock()
     gate = AdmissionGate(1, 0, (PriorityClass("all", max_queue=0, queue_deadline_s=1e6),), clock=clock)
-    held = await gate.acquire(from_pending=False)
+    held = await gate.acquire()
     async with make_app(gate, CountingLLM()) as http:
         for _ in range(20):
             r = await http.post("/v1/completions", json={}, headers={"x-request-id": "same"})
@@ -450,7 +440,7 @@ async def test_a_request_refused_in_the_queue_tried_again_is_a_retry() -> None:
     the door."""
     clock = FakeClock()
     gate = AdmissionGate(1, 1, (PriorityClass("all", max_queue=1, queue_deadline_s=1.0),), clock=clock)
-    held = await gate.acquire(from_pending=False)
+    held = await gate.acquire()
     async with make_app(gate, CountingLLM()) as http:
         for _ in range(2):
             queued = asyncio.create_task(

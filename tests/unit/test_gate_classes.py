@@ -45,7 +45,7 @@ class Requests:
 
     async def _run(self, label: str, priority: int) -> None:
         try:
-            self.slots[label] = await self.gate.acquire(priority, from_pending=False)
+            self.slots[label] = await self.gate.acquire(priority)
         except GateRejected as exc:
             self.refused[label] = exc
             return
@@ -64,7 +64,7 @@ async def make_rate(gate: AdmissionGate, clock: FakeClock, per_s: float) -> None
     """Completions ``1/per_s`` apart over the gate's 10 s rate window, the first exactly 10 s ago:
     a measured rate of ``per_s``."""
     for _ in range(round(10 * per_s)):
-        slot = await gate.acquire(0, from_pending=False)
+        slot = await gate.acquire(0)
         gate.release(slot)
         clock.advance(1.0 / per_s)
 
@@ -322,14 +322,15 @@ async def test_the_preflight_sheds_nobody_and_the_calls_own_check_does() -> None
     await reqs.add("hold", 0)
     await reqs.add("x0", 10)
     await reqs.add("x1", 10)
-    gate.check_admission(5, calls=0, early=True)  # room only by shedding: passes, sheds nobody
+    request = gate.enter()
+    request.preflight(5)  # room only by shedding: passes, sheds nobody
     await settle()
     assert reqs.refused == {} and events.rejected == []
-    gate.check_admission(5, later_call=True)  # its call, the prompt's length known: sheds x1
+    request.admit(5)  # its call, the prompt's length known: sheds x1
     await settle()
     assert reqs.refused["x1"].reason == "shed"
     with pytest.raises(GateRejected) as exc:
-        gate.check_admission(10, calls=0, early=True)  # nobody below bulk to shed: refused at once
+        gate.enter().preflight(10)  # nobody below bulk to shed: refused at once
     assert exc.value.reason == "queue_full"
     assert not reqs.tasks["x0"].done()
 

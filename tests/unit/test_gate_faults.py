@@ -53,7 +53,7 @@ async def test_a_thousand_refusals_leave_no_growing_traceback() -> None:
             gate.check_admission(0)
         caught.append(info.value)
         with pytest.raises(GateRejected) as info:
-            await gate.acquire(0, from_pending=False)
+            await gate.acquire(0)
         caught.append(info.value)
     assert error.__traceback__ is None
     assert max(_depth(exc) for exc in caught) <= 3
@@ -183,12 +183,13 @@ async def test_the_pending_prompts_of_a_later_request_count_against_the_queue() 
     does not fit beside it."""
     gate = small_gate()
     held = [await gate.acquire(0), await gate.acquire(0)]
-    gate.check_admission(0, 12, calls=12)
+    request = gate.enter()
+    request.admit(0, 12)
     with pytest.raises(GateRejected) as info:
-        gate.check_admission(0, 12, calls=12)
+        gate.enter().admit(0, 12)
     assert info.value.status == 429
     assert gate.stats().pending == 12
-    gate.cancel_pending(0, 12)
+    request.close()
     assert gate.stats().pending == 0
     for slot in held:
         gate.release(slot)
@@ -436,13 +437,9 @@ async def test_under_a_ttft_bound_a_request_the_engine_died_under_still_waits_fo
     host.in_flight[-1] = ("beside", llm)  # type: ignore[assignment]  # not alone: not blamed on it
     client._attempts.started(-1, llm)
     request = context.RequestContext(arrived_mono=monotonic() - 10.0)  # its bound passed long ago
-    token = context.current.set(request)
-    try:
-        task = asyncio.create_task(_outputs(client))
-    finally:
-        context.current.reset(token)
+    task = asyncio.create_task(_outputs(client, request, gate))
     await asyncio.sleep(0)  # a free slot: granted at once, no queue, no deadline
-    other = asyncio.create_task(gate.acquire(0, from_pending=False))  # queues behind it
+    other = asyncio.create_task(gate.acquire(0))  # queues behind it
     await asyncio.sleep(0)
     llm.streams[-1].outputs.put_nowait(EngineDeadError())  # died before its first output
     slot = await other  # the dead attempt's slot went to the request queued behind it
@@ -452,17 +449,24 @@ async def test_under_a_ttft_bound_a_request_the_engine_died_under_still_waits_fo
     llm.streams[-1].outputs.put_nowait(SimpleNamespace(finished=True))
     assert [o.finished for o in await asyncio.wait_for(task, 1.0)] == [True]
     with pytest.raises(GracefulHTTPError):  # a first attempt that queues past its bound: 429
-        token = context.current.set(context.RequestContext(arrived_mono=monotonic() - 10.0))
-        try:
-            blocker = await gate.acquire(0, from_pending=False)
-            await asyncio.wait_for(_outputs(client), 1.0)
-        finally:
-            context.current.reset(token)
+        blocker = await gate.acquire(0)
+        await asyncio.wait_for(
+            _outputs(client, context.RequestContext(arrived_mono=monotonic() - 10.0), gate), 1.0
+        )
     gate.release(blocker)
 
 
-async def _outputs(client: GovernedEngineClient) -> list[Any]:
-    return [o async for o in client.generate("p", None, "r")]
+async def _outputs(
+    client: GovernedEngineClient,
+    request: context.RequestContext | None = None,
+    gate: AdmissionGate | None = None,
+) -> list[Any]:
+    """One call read to its end: ``request``'s, as vLLM's handler reads it inside the middleware,
+    or, without one, a caller's of our own."""
+    if request is None or gate is None:
+        return [o async for o in client.generate("p", None, "r")]
+    with context.entered(request, gate):
+        return [o async for o in client.generate("p", None, "r")]
 
 
 async def test_pending_places_return_on_a_route_whose_entry_point_is_not_wrapped() -> None:

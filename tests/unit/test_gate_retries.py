@@ -22,7 +22,7 @@ ROOMY = (PriorityClass("all", max_queue=10, queue_deadline_s=1e6),)
 async def full_gate(clock: FakeClock) -> AdmissionGate:
     """A gate whose one slot is taken and whose queue holds none: every arrival is refused."""
     gate = AdmissionGate(1, 0, ONE_CLASS, clock=clock)
-    await gate.acquire(from_pending=False)  # the slot a long request holds
+    await gate.acquire()  # the slot a long request holds
     return gate
 
 
@@ -85,7 +85,7 @@ async def test_an_admitted_arrival_of_a_refused_id_is_new_demand() -> None:
     It takes one of the excused tries all the same."""
     clock = FakeClock()
     gate = AdmissionGate(1, 0, ONE_CLASS, clock=clock)
-    held = await gate.acquire(from_pending=False)
+    held = await gate.acquire()
     arrive(gate, "r1")
     gate.release(held)
     before = new_arrivals(gate.stats())
@@ -94,7 +94,7 @@ async def test_an_admitted_arrival_of_a_refused_id_is_new_demand() -> None:
         gate.check_admission()
         gate.release(await gate.acquire())
     assert new_arrivals(gate.stats()) - before == 3
-    held = await gate.acquire(from_pending=False)
+    held = await gate.acquire()
     arrive(gate, "r1")  # the last excused try, refused: a retry
     arrive(gate, "r1")  # none left: new demand, whose refusal excuses the next ones
     assert counts(gate) == (6, 1)
@@ -120,8 +120,9 @@ def test_an_id_the_gate_admitted_is_not_a_retry() -> None:
 def test_a_later_call_of_a_request_is_not_an_arrival() -> None:
     clock = FakeClock()
     gate = AdmissionGate(1, 10, ROOMY, clock=clock)
-    gate.check_admission()
-    gate.check_admission(later_call=True)
+    request = gate.enter()
+    request.admit(0)
+    request.admit(0)  # its second call
     assert counts(gate) == (1, 0)
 
 

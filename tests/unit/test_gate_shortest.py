@@ -28,7 +28,7 @@ class Waiting:
 
     async def _run(self, label: str, priority: int, tokens: int) -> None:
         try:
-            self.slots[label] = await self.gate.acquire(priority, from_pending=False, prompt_tokens=tokens)
+            self.slots[label] = await self.gate.acquire(priority, prompt_tokens=tokens)
         except GateRejected as exc:
             self.refused[label] = exc
             return
@@ -52,7 +52,7 @@ async def busy_gate(cls: PriorityClass, per_s: float = 2.0) -> tuple[AdmissionGa
     clock = FakeClock()
     gate = AdmissionGate(1, 1000, (cls, BATCH), clock=clock)
     for _ in range(round(10 * per_s)):
-        gate.release(await gate.acquire(0, from_pending=False))
+        gate.release(await gate.acquire(0))
         clock.advance(1.0 / per_s)
     waiting = Waiting(gate)
     await waiting.add("hold", 1)

@@ -42,9 +42,9 @@ async def gate_at_rate(per_s: float) -> tuple[AdmissionGate, FakeClock]:
     clock = FakeClock()
     gate = AdmissionGate(1, 1000, (ROOMY, BATCH), clock=clock)
     for _ in range(round(10 * per_s)):
-        gate.release(await gate.acquire(0, from_pending=False))
+        gate.release(await gate.acquire(0))
         clock.advance(1.0 / per_s)
-    await gate.acquire(0, from_pending=False)
+    await gate.acquire(0)
     return gate, clock
 
 
@@ -84,13 +84,13 @@ async def test_a_queue_behind_long_requests_is_predicted_at_their_pace_not_the_a
     clock = FakeClock()
     gate = AdmissionGate(2, 100, (dataclasses.replace(ROOMY, queue_deadline_s=1.5),), clock=clock)
     for _ in range(6):
-        slot = await gate.acquire(0, from_pending=False)
+        slot = await gate.acquire(0)
         clock.advance(1.0)
         gate.release(slot)
         clock.advance(1.0)
     assert gate.completion_rate() == pytest.approx(5 / 9)  # completions at 3, 5, .., 11 s; now 12 s
     for _ in range(2):
-        await gate.acquire(0, from_pending=False)
+        await gate.acquire(0)
     assert gate.service_rate() == pytest.approx(2.0)  # 2 in flight / 1 s held
     gate.check_admission(0)  # position 1: 0.5 s (the completion rate alone: 1.8 s > 1.5 s)
     gate.check_admission(0)  # position 2: 1.0 s
@@ -104,7 +104,7 @@ async def test_a_queue_behind_long_requests_is_predicted_at_their_pace_not_the_a
 async def test_a_queued_request_past_its_share_of_the_bound_gets_429() -> None:
     gate, clock = await gate_at_rate(10.0)
     gate.set_ttft(TtftBounds({"interactive": 1.0}, wait_share=0.8))
-    waiter = asyncio.ensure_future(gate.acquire(0, from_pending=False))
+    waiter = asyncio.ensure_future(gate.acquire(0))
     await asyncio.sleep(0)
     clock.advance(0.79)
     assert gate.expire_overdue() == 0

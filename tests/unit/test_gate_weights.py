@@ -88,10 +88,11 @@ async def test_a_heavy_head_is_not_starved_by_lighter_requests_of_a_lower_class(
 
 def test_arrivals_count_each_request_once_whatever_its_n_or_outcome() -> None:
     gate = AdmissionGate(1, 1, ONE_CLASS, clock=FakeClock())
-    gate.check_admission(0, 1)  # takes the free slot's place
+    request = gate.enter()
+    request.admit(0, 1)  # takes the free slot's place
     with pytest.raises(GateRejected):
         gate.check_admission(0, 2)  # refused: 2 sequences, one request, behind the one pending
-    gate.check_admission(0, 1, later_call=True)  # a further call of an admitted request
+    request.admit(0, 1)  # a further call of the admitted request
     stats = gate.stats()
     assert stats.arrivals_total == 2
     assert stats.rejected_total == 2  # refusals still count what was refused
@@ -103,7 +104,7 @@ def test_an_n_that_no_idle_gate_admits_is_answered_400_naming_the_bound_and_the_
     largest n that fits is admitted (it runs alone under a slot capped at the limit)."""
     gate = AdmissionGate(64, 1024, clock=FakeClock())  # interactive: max_queue 256
     with pytest.raises(GateRejected) as refused:
-        gate.check_admission(0, 16_384, calls=0, early=True)
+        gate.enter().preflight(0, 16_384)
     assert (refused.value.status, refused.value.reason) == (400, "too_many_sequences")
     assert "at most 320 sequences" in refused.value.message
     assert "[admission.classes.interactive] max_queue = 256" in refused.value.message
@@ -111,7 +112,7 @@ def test_an_n_that_no_idle_gate_admits_is_answered_400_naming_the_bound_and_the_
         gate.check_admission(0, 321)
     stats = gate.stats()
     assert (stats.arrivals_total, stats.rejected_total, stats.pending) == (0, 0, 0)  # no demand, no overload
-    gate.check_admission(0, 320, calls=0)
+    gate.check_admission(0, 320)
     assert gate.stats().arrivals_total == 1
 
 

@@ -81,7 +81,7 @@ async def test_a_stalled_engine_is_marked_failed_and_recovered_by_the_watcher() 
     event, and moves the engine's quiet time on the fake clock."""
     clock, engine, reasons = FakeClock(), FakeEngine(), []
     g = gate(clock)
-    slot = await g.acquire(0, from_pending=False)  # a request inside the engine
+    slot = await g.acquire(0)  # a request inside the engine
     age, checked, restarted = [0.0], asyncio.Event(), asyncio.Event()
 
     def last_step_age() -> float:
@@ -128,7 +128,7 @@ async def test_new_requests_get_503_with_retry_after_while_no_engine_can_serve()
     guard = Guard(
         GuardConfig(backoff_initial_s=4.0), g, engine, lambda _r, _d: None, clock, lambda: None, sleep
     )
-    held = await g.acquire(0, from_pending=False)  # the one slot, in the engine that dies
+    held = await g.acquire(0)  # the one slot, in the engine that dies
     g.check_admission(0)
     queued = asyncio.create_task(g.acquire(0))  # queued before the crash: keeps its place
     await settle()
@@ -156,7 +156,7 @@ async def test_a_request_queued_through_a_long_restart_gets_503_after_max_restar
     g = gate(clock, deadline_s=5.0)
     g.set_restart_wait(10.0)
     g.pause()
-    waiter = asyncio.create_task(g.acquire(0, from_pending=False))
+    waiter = asyncio.create_task(g.acquire(0))
     await settle()
     clock.advance(14.0)  # 5 s deadline + 10 s of restart not yet spent
     assert g.expire_overdue() == 0
@@ -173,7 +173,7 @@ async def test_a_short_restart_still_does_not_count_against_the_queue_deadline()
     g = gate(clock, deadline_s=5.0)
     g.set_restart_wait(10.0)
     g.pause()
-    waiter = asyncio.create_task(g.acquire(0, from_pending=False))
+    waiter = asyncio.create_task(g.acquire(0))
     await settle()
     clock.advance(8.0)
     g.resume()

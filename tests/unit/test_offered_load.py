@@ -25,7 +25,7 @@ def meter_of(gate: AdmissionGate, clock: FakeClock) -> CapacityMeter:
 async def test_queued_clients_that_leave_are_not_negative_arrivals() -> None:
     clock = FakeClock()
     gate = AdmissionGate(1, 1000, ONE_CLASS, clock=clock)
-    held = await gate.acquire(from_pending=False)
+    held = await gate.acquire()
     waiting = []
     for _ in range(50):
         gate.check_admission()

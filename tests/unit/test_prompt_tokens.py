@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from controller.admission.classes import PriorityClass
-from controller.admission.gate import AdmissionGate
+from controller.admission.gate import Admission, AdmissionGate, Call
 from controller.admission.ttft import TtftBounds
 from controller.clock import FakeClock
 from controller.engine.frontend import context
@@ -28,14 +28,22 @@ def client_of(gate: AdmissionGate) -> GovernedEngineClient:
     return GovernedEngineClient(FakeHost(llm), gate, lambda: None)  # type: ignore[arg-type]
 
 
-def call(client: GovernedEngineClient, request: context.RequestContext, prompt: Any) -> context.Call:
-    """One ``generate()`` call of ``request`` as vLLM's handler makes it (never iterated here)."""
-    token = context.current.set(request)
+def call(client: GovernedEngineClient, request: context.RequestContext, prompt: Any) -> Call:
+    """One ``generate()`` call of ``request`` as vLLM's handler makes it (never iterated here, and
+    the request still open: its call holds its place)."""
+    return admitted(client, request, prompt).calls[-1]
+
+
+def admitted(client: GovernedEngineClient, request: context.RequestContext, prompt: Any) -> Admission:
+    """The ``Admission`` of ``request`` after its ``generate()`` call (or its refusal)."""
+    admission = client.gate.enter(request.arrived_mono, request.objectives.ttft_s, request.request_id)
+    tokens = context.current.set(request), context.admission.set(admission)
     try:
         client.generate(prompt, SimpleNamespace(n=1), "id")
     finally:
-        context.current.reset(token)
-    return request.calls[-1]
+        context.current.reset(tokens[0])
+        context.admission.reset(tokens[1])
+    return admission
 
 
 def rendered(tokens: int) -> dict[str, Any]:
@@ -50,16 +58,16 @@ async def test_a_long_prompt_is_refused_by_its_predicted_ttft_and_a_short_one_wa
     interactive = PriorityClass("interactive", max_priority=0, max_queue=10, queue_deadline_s=30.0)
     gate = AdmissionGate(1, 100, (interactive,), clock=clock)
     for _ in range(20):  # 2 completions a second measured
-        gate.release(await gate.acquire(0, from_pending=False))
+        gate.release(await gate.acquire(0))
         clock.advance(0.5)
-    held = await gate.acquire(0, from_pending=False)  # the one slot is busy: a new request queues
+    held = await gate.acquire(0)  # the one slot is busy: a new request queues
     gate.set_ttft(TtftBounds({"interactive": 2.0}, SlowPrefill()))
     client = client_of(gate)
     long, short = context.RequestContext(arrived_mono=clock()), context.RequestContext(arrived_mono=clock())
     with pytest.raises(GateRefusal) as refused:
         call(client, long, rendered(40))
     assert "expected wait 0.5s + 4.00s to its first token" in str(refused.value.message)
-    assert long.refusal is not None and long.refusal[0] == 429 and long.calls == []
+    assert long.refusal is not None and long.refusal.status == 429 and gate.stats().pending == 0
     assert call(client, short, rendered(2)).prompt_tokens == 2
     assert gate.stats().pending == 1
     gate.release(held)

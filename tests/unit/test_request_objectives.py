@@ -43,9 +43,9 @@ async def gate_at_rate(per_s: float) -> tuple[AdmissionGate, FakeClock]:
     clock = FakeClock()
     gate = AdmissionGate(1, 1000, (INTERACTIVE, BATCH), clock=clock)
     for _ in range(round(10 * per_s)):
-        gate.release(await gate.acquire(0, from_pending=False))
+        gate.release(await gate.acquire(0))
         clock.advance(1.0 / per_s)
-    await gate.acquire(0, from_pending=False)
+    await gate.acquire(0)
     return gate, clock
 
 

@@ -38,9 +38,9 @@ async def test_at_the_drain_deadline_queued_requests_get_503_and_running_ones_ar
     p = d.parts
     p.server = NeverDoneServer()
     d._server_task = asyncio.create_task(asyncio.Event().wait())
-    slot = await p.gate.acquire(0, from_pending=False)  # one request running in the engine...
+    slot = await p.gate.acquire(0)  # one request running in the engine...
     p.host.in_flight[7] = ("req-7", None)  # type: ignore[assignment]
-    queued = asyncio.create_task(p.gate.acquire(0, from_pending=False))  # ...and one queued
+    queued = asyncio.create_task(p.gate.acquire(0))  # ...and one queued
     await settle()
     p.gate.stop_admitting()
     t0 = time.monotonic()

