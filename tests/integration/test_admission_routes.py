@@ -66,7 +66,7 @@ def watched(daemon: Daemon) -> Iterator[Watched]:
     w = Watched(daemon)
     assert w.idle()
     yield w
-    del w.gate.acquire  # the gate's own method again
+    del w.gate._acquire  # the gate's own method again
 
 
 def completion(**fields: Any) -> dict[str, Any]:

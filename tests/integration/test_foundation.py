@@ -163,9 +163,9 @@ async def test_admission_counts_a_prompt_as_vllm_prefills_it(daemon: Daemon) -> 
     gate, seen = daemon.parts.gate, []
     original = gate._check  # every check of a request's Admission (preflight, each call)
 
-    def check(*args: Any, **kwargs: Any) -> None:
+    def check(*args: Any, **kwargs: Any) -> Any:
         seen.append(kwargs.get("prompt_tokens"))
-        original(*args, **kwargs)
+        return original(*args, **kwargs)
 
     gate._check = check  # type: ignore[method-assign]
     uses = type(gate.ttft).uses_prompt_length
