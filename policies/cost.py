@@ -56,6 +56,10 @@ class StepCoefficients:
         """The four coefficients by term name."""
         return {term: float(getattr(self, term)) for term in TERMS}
 
+    def vector(self) -> tuple[float, float, float, float]:
+        """The four coefficients in ``TERMS`` order: a fit's parameter vector (``StepCostModel``)."""
+        return self.a_s, self.b_s_per_prefill_token, self.c_s_per_decode_seq, self.d_s_per_kv_token
+
 
 def knee_batch(a_s: float, per_seq_s: float, share: float) -> int:
     """The smallest batch whose throughput ``N / (a + s*N)`` reaches ``1 - share`` of its peak

@@ -73,7 +73,7 @@ class AdmissionGate:
         self.aging_s = aging_s
         self._clock = clock
         self._events: GateEvents = events or NoEvents()
-        self.ttft, self._configured = NO_BOUNDS, list(classes)  # set_ttft's bounds; as configured
+        self.ttft, self._configured = NO_BOUNDS, list(classes)  # configure's bounds; classes as configured
         self._order: list[ClassQueue] = [ClassQueue(c) for c in classes]
         self._in_flight: Counter[str] = Counter()
         self._in_flight_total = 0
@@ -104,13 +104,25 @@ class AdmissionGate:
         self._limit = limit
         self._wake()
 
-    def configure(self, classes: Sequence[PriorityClass], aging_s: float, max_queue: int) -> None:
-        """Apply a reloaded ``[admission]``: waiters move to their new class, keeping their place in
-        time; deadlines are re-armed against the new class. Pending counts of a class that no
-        longer exists are dropped."""
+    def configure(
+        self,
+        classes: Sequence[PriorityClass] | None = None,
+        aging_s: float | None = None,
+        max_queue: int | None = None,
+        *,
+        ttft: TtftBounds | None = None,
+    ) -> None:
+        """Apply a reloaded ``[admission]`` and the TTFT bounds the policy steers by (``ttft.py``:
+        deadlines cut to the bounds, refusal by predicted TTFT); what is None stays as it is. Waiters
+        move to their new class, keeping their place in time; deadlines are re-armed against the new
+        class and bounds. Pending counts of a class that no longer exists are dropped. The one setter
+        of the gate's settings, at the first build and every reload (``ControlCore.apply``)."""
+        if ttft is not None:
+            self.ttft = ttft
+        if classes is not None:
+            self._configured = list(classes)
         old = {q.spec.name: q for q in self._order}
-        self._configured = list(classes)
-        self._order = [ClassQueue(c) for c in self.ttft.bounded(classes)]
+        self._order = [ClassQueue(c) for c in self.ttft.bounded(self._configured)]
         for q in self._order:
             if q.spec.name in old:
                 q.pending = old[q.spec.name].pending
@@ -122,14 +134,12 @@ class AdmissionGate:
                 if w.timer is not None:
                     w.timer.cancel()
                 self._deadlines.arm(w)
-        self.aging_s, self.max_queue = aging_s, max_queue
+        if aging_s is not None:
+            self.aging_s = aging_s
+        if max_queue is not None:
+            self.max_queue = max_queue
         self.expire_overdue()
         self._wake()
-
-    def set_ttft(self, ttft: TtftBounds) -> None:
-        """SLO steering (``ttft.py``): deadlines cut to the TTFT bounds, refusal by predicted TTFT."""
-        self.ttft = ttft
-        self.configure(self._configured, self.aging_s, self.max_queue)
 
     @property
     def classes(self) -> list[PriorityClass]:
@@ -192,7 +202,7 @@ class AdmissionGate:
         """Refuse now (raise ``GateRejected``) or count an arriving one-call request as pending in its
         class, one place, until ``acquire`` takes it: ``n`` is what it will generate (prompts x
         sequences each); ``prompt_tokens`` (where known) adds its own prefill to its predicted wait,
-        and under TTFT bounds the time since it ``arrived_mono`` counts too (``set_ttft``,
+        and under TTFT bounds the time since it ``arrived_mono`` counts too (``configure``,
         ``ttft.AfterSlot``). ``ttft_bound_s``: the request's own TTFT bound (a gateway's header),
         which only tightens its class's (``TtftBounds.bound_s``). A request with several calls, a
         preflight or a slot held before a later call enters the gate instead (``enter``).

@@ -193,12 +193,11 @@ class ControlCore(Generic[E]):
         """Put ``settings`` in force: assignments and the parts' own setters, nothing left to build."""
         old, a, c = self._settings, settings.admission, settings.control
         self._settings = settings
-        self.gate.configure(a.classes, a.aging_s, a.max_queue)
+        self.gate.configure(a.classes, a.aging_s, a.max_queue, ttft=settings.ttft)
         if old is None or a.limit != old.admission.limit:
             self.actuator.set_admission_limit(a.limit)
         self.window.window_s = c.window_s
         self.loop.policy, self.loop.normalizer = settings.policy, settings.normalizer
-        self.gate.set_ttft(settings.ttft)
         self.loop.resize_history(c.history)
         if settings.reseed:
             self.cost.model.reset(settings.cost_prior)

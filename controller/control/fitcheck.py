@@ -25,7 +25,7 @@ import numpy as np
 
 from controller.control.stepcost import fittable
 from controller.control.steps import EngineStep, costs
-from policies.cost import TERMS
+from policies.cost import StepCoefficients
 
 CAPACITY = 5000
 """Steps kept: about five minutes of a 2-core CPU serving SmolLM2 (15 steps a second), a few
@@ -44,7 +44,7 @@ class FitCheck:
         """Each kept step's features: 1, prefill tokens, decode sequences, KV tokens."""
         self._y = np.zeros(capacity)
         """Each kept step's measured seconds."""
-        self.start_fit: tuple[float, float, float, float] | None = None
+        self.start_fit: StepCoefficients | None = None
         """The coefficients the model started from (None: it started empty, nothing to check)."""
         self.seen = 0
         """Steps taken in since ``start`` (the ring holds the last ``capacity`` of them)."""
@@ -53,10 +53,10 @@ class FitCheck:
     def capacity(self) -> int:
         return len(self._y)
 
-    def start(self, coefficients: Sequence[float] | None) -> None:
+    def start(self, coefficients: StepCoefficients | None) -> None:
         """The model's starting fit, once the warm-up (or the seed) set it: what was seen before is
         the warm-up's own steps, or none, and is dropped."""
-        self.start_fit = None if coefficients is None else _four(coefficients)
+        self.start_fit = coefficients
         self.seen = 0
 
     def update(self, steps: Sequence[EngineStep]) -> None:
@@ -69,16 +69,16 @@ class FitCheck:
             self._y[i] = s.step_s
             self.seen += 1
 
-    def median_error(self, coefficients: Sequence[float], kind: str = "all") -> float | None:
+    def median_error(self, coefficients: StepCoefficients, kind: str = "all") -> float | None:
         """Median ``|x . coefficients - measured| / measured`` over the kept steps of ``kind``
         (``KINDS``); None without one."""
         x, y = self._kept(kind)
         if len(y) == 0:
             return None
-        pred = x @ np.array(_four(coefficients))
+        pred = x @ np.array(coefficients.vector())
         return float(np.median(np.abs(pred - y) / y))
 
-    def best_fit(self) -> tuple[float, float, float, float] | None:
+    def best_fit(self) -> StepCoefficients | None:
         """The coefficients of this form closest to the kept steps in relative least squares (the
         loss the model minimises, unconstrained and unforgetting): the floor a fit of this form
         reaches on them, which tells the start fit's bias from the steps' own noise."""
@@ -86,13 +86,13 @@ class FitCheck:
         if len(y) < 4:
             return None
         coefficients, *_ = np.linalg.lstsq(x / y[:, None], np.ones(len(y)), rcond=None)
-        return _four(coefficients)
+        return StepCoefficients(*(float(v) for v in coefficients))
 
-    def report(self, live: Sequence[float]) -> dict[str, Any]:
+    def report(self, live: StepCoefficients) -> dict[str, Any]:
         """For /state: the steps seen since the start, and the start, live and best fits' median
         errors over the kept ones, in all and per kind of step (which term is off)."""
         best = self.best_fit()
-        fits = {"start_fit": self.start_fit, "live_fit": _four(live), "best_fit": best}
+        fits = {"start_fit": self.start_fit, "live_fit": live, "best_fit": best}
         return {
             "steps_since_start": self.seen,
             "steps_measured": min(self.seen, self.capacity),
@@ -100,7 +100,7 @@ class FitCheck:
                 f"{name}_median_rel_error": None if c is None else self.median_error(c)
                 for name, c in fits.items()
             },
-            "best_fit": None if best is None else dict(zip(TERMS, best, strict=True)),
+            "best_fit": None if best is None else best.coefficients(),
             "by_kind": {
                 kind: {
                     "steps": len(self._kept(kind)[1]),
@@ -118,8 +118,3 @@ class FitCheck:
         prefill = x[:, 1] > 0
         rows = prefill if kind == "prefill" else ~prefill
         return x[rows], y[rows]
-
-
-def _four(coefficients: Sequence[float]) -> tuple[float, float, float, float]:
-    a, b, c, d = (float(v) for v in coefficients)
-    return a, b, c, d

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from controller.control.steps import EngineStep, StepCost, costs
-from policies.cost import TERMS, CostEstimate, StepCoefficients
+from policies.cost import CostEstimate, StepCoefficients
 
 SCALES = np.array([1.0, 1024.0, 64.0, 65536.0])
 """A typical step's features (1, prefill tokens, decode sequences, KV tokens): the fit works in
@@ -67,8 +67,7 @@ twelve requests that then missed their TTFT."""
 class CostPrior:
     """A seed: a profile's ``[cost]`` coefficients and the weight they start with."""
 
-    coefficients: tuple[float, float, float, float]
-    """a_s, b_s_per_prefill_token, c_s_per_decode_seq, d_s_per_kv_token."""
+    coefficients: StepCoefficients
     name: str = ""
     """The profile's name, shown in /state."""
     prior_samples: float = 20.0
@@ -111,8 +110,7 @@ class FitSettings:
 
 def prior_from(cost: StepCoefficients, name: str, prior_samples: float = 20.0) -> CostPrior:
     """A seed from a profile's step coefficients (``controller/profiles/load.py``, ``Profile.cost``)."""
-    coefficients = (cost.a_s, cost.b_s_per_prefill_token, cost.c_s_per_decode_seq, cost.d_s_per_kv_token)
-    return CostPrior(coefficients, name=name, prior_samples=prior_samples)
+    return CostPrior(cost, name=name, prior_samples=prior_samples)
 
 
 def fittable(step: StepCost) -> bool:
@@ -135,7 +133,7 @@ class StepCostModel:
             self._theta = np.zeros(4)
             self._p = np.eye(4) * NO_PRIOR_VAR
         else:
-            theta = np.array(prior.coefficients, dtype=float) * SCALES
+            theta = np.array(prior.coefficients.vector(), dtype=float) * SCALES
             spread = np.maximum(theta, 0.1 * float(theta.sum()) or 1e-3)  # a 0 term is not certain
             self._theta, self._p = theta, np.diag(spread**2 / prior.prior_samples)
         self.samples = self.rejected = self.last_decode_seqs = 0
@@ -283,13 +281,13 @@ class StepCostModel:
         return 0 if self.prior is not None else self.settings.min_samples
 
     @property
-    def coefficients(self) -> tuple[float, float, float, float]:
-        a, b, c, d = (float(v) for v in self._theta / SCALES)
-        return a, b, c, d
+    def coefficients(self) -> StepCoefficients:
+        """The fit now, in the twin's and the policies' vocabulary."""
+        return StepCoefficients(*(float(v) for v in self._theta / SCALES))
 
     def predict_step(self, prefill_tokens: int, decode_seqs: int, kv_tokens: int) -> float:
         """The fit's step time for these features (``StepCoefficients.step_s``)."""
-        return StepCoefficients(*self.coefficients).step_s(prefill_tokens, decode_seqs, kv_tokens)
+        return self.coefficients.step_s(prefill_tokens, decode_seqs, kv_tokens)
 
     def estimate(self, now_mono: float) -> CostEstimate:
         """The fit as a policy reads it, ``ready`` and its reason at ``now_mono``."""
@@ -302,7 +300,7 @@ class StepCostModel:
             reason = f"cost model: last sample {age:.0f} s ago > {s.max_age_s:g} s"
         else:
             reason = "ready"
-        coef = dict(zip(TERMS, self.coefficients, strict=True))
+        coef = self.coefficients.coefficients()
         return CostEstimate(
             **coef,
             samples=self.samples,
@@ -409,6 +407,6 @@ class CostReader:
         d = self.model.last_decode_seqs
         if self._budget is None or d <= 0:
             return max(0.0, self.model.predict_step(prompt_tokens, 0, 0))
-        a, b, c, _ = self.model.coefficients
+        k = self.model.coefficients
         steps = math.ceil(prompt_tokens / max(1, self._budget() - d))
-        return max(0.0, steps * (a + c * d) + b * prompt_tokens)
+        return max(0.0, steps * (k.a_s + k.c_s_per_decode_seq * d) + k.b_s_per_prefill_token * prompt_tokens)

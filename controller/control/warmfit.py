@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from controller.control.stepcost import CostPrior, FitSettings, StepCostModel
 from controller.control.steps import EngineStep, costs
+from policies.cost import StepCoefficients
 
 PRIOR_SAMPLES = 20.0
 """The warm-up fit weighs as much as this many served steps."""
@@ -59,7 +60,7 @@ def plan(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> 
     return phases
 
 
-def fit_steps(steps: Sequence[EngineStep]) -> tuple[tuple[float, float, float, float], float | None]:
+def fit_steps(steps: Sequence[EngineStep]) -> tuple[StepCoefficients, float | None]:
     """The step-cost model fitted to ``steps`` alone (no forgetting, no prior), and its median
     relative error over them."""
     model = StepCostModel(FitSettings(forgetting=1.0, mix_forgetting=1.0, max_rejects=len(steps) + 1))
@@ -75,7 +76,7 @@ def fit_steps(steps: Sequence[EngineStep]) -> tuple[tuple[float, float, float, f
 
 def seed_from_warm_up(
     model: StepCostModel, steps: Sequence[EngineStep], seconds: float
-) -> tuple[tuple[float, float, float, float], float | None]:
+) -> tuple[StepCoefficients, float | None]:
     """Seed ``model`` with the fit of a warm-up's ``steps`` (``seconds`` long) as a prior of
     ``PRIOR_SAMPLES`` steps, as the daemon and the twin both do; the fit and its median error."""
     coefficients, error = fit_steps(steps)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ from controller.control.stepcost import CostPrior, StepCostModel
 from controller.control.warmfit import PRIOR_SAMPLES, plan, seed_from_warm_up
 from controller.engine.runtime import warmup
 from controller.engine.runtime.host import EngineHost
-from policies.cost import TERMS
+from policies.cost import TERMS, StepCoefficients
 
 log = structlog.get_logger(__name__)
 
@@ -68,20 +67,15 @@ def state_path(key: dict[str, Any], directory: Path) -> Path:
     return directory / f"stepcost-{digest}.json"
 
 
-def _named(coefficients: Sequence[float]) -> dict[str, float]:
-    return dict(zip(TERMS, (float(c) for c in coefficients), strict=True))
-
-
-def read_state(path: Path, key: dict[str, Any]) -> tuple[float, float, float, float] | None:
+def read_state(path: Path, key: dict[str, Any]) -> StepCoefficients | None:
     """The stored fit, when the file is this version's and its key is this engine's; else None."""
     try:
         data = json.loads(path.read_text())
         if data.get("version") != STATE_FILE_VERSION or data.get("key") != key:
             return None
-        a, b, c, d = (float(data["coefficients"][term]) for term in TERMS)
+        return StepCoefficients(*(float(data["coefficients"][term]) for term in TERMS))
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return a, b, c, d
 
 
 def write_state(path: Path, key: dict[str, Any], warm: WarmStart) -> None:
@@ -108,7 +102,7 @@ async def warm_start(
     if stored is not None:
         model.reset(CostPrior(stored, name=f"state file {path}", prior_samples=PRIOR_SAMPLES))
         warm = WarmStart(
-            "state_file", "a warm-up fit this engine made before", _named(stored), path=str(path)
+            "state_file", "a warm-up fit this engine made before", stored.coefficients(), path=str(path)
         )
         log.info("warm_start", **warm.as_dict())
         return warm
@@ -130,7 +124,7 @@ async def warm_start(
     warm = WarmStart(
         source="warm-up",
         detail=f"phases {', '.join(ran.phases)}{skipped}",
-        coefficients=_named(coefficients),
+        coefficients=coefficients.coefficients(),
         steps=len(steps),
         seconds=round(ran.seconds, 2),
         median_rel_error=error,

@@ -267,7 +267,7 @@ async def test_a_later_call_of_a_served_request_is_not_refused_by_its_ttft_bound
     request's arrival long ago."""
     clock = FakeClock()
     gate = AdmissionGate(1, 100, CLASSES, clock=clock)
-    gate.set_ttft(TtftBounds({"interactive": 2.0}))
+    gate.configure(ttft=TtftBounds({"interactive": 2.0}))
     client = GovernedEngineClient(FakeHost(CountingLLM()), gate, lambda: None)  # type: ignore[arg-type]
     with context.entered(context.RequestContext(arrived_mono=clock()), gate):
         client.check_admission()

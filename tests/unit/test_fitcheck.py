@@ -9,8 +9,9 @@ import pytest
 
 from controller.control.fitcheck import FitCheck
 from controller.control.steps import EngineStep
+from policies.cost import StepCoefficients
 
-START = (0.01, 0.001, 0.003, 0.0)
+START = StepCoefficients(0.01, 0.001, 0.003, 0.0)
 """a = 10 ms, 1 ms per prefill token, 3 ms per decoding sequence, nothing per KV token."""
 STEPS = [
     EngineStep.measured(1.0, 10, 0, 0, 0.025),  # predicted 0.02: 20 % off
@@ -22,7 +23,7 @@ STEPS = [
     EngineStep.measured(7.0, 0, 1, 10, 0.012),  # predicted 0.013: 1/12 off
     EngineStep.measured(8.0, 0, 2, 300, 0.014),  # predicted 0.016: 1/7 off
 ]
-LIVE = (0.01, 0.0015, 0.002, 0.0)
+LIVE = StepCoefficients(0.01, 0.0015, 0.002, 0.0)
 """Predicts the five kept steps exactly: it is also their best fit."""
 
 
@@ -35,7 +36,7 @@ def test_each_fit_is_judged_by_its_median_relative_error_over_the_kept_steps() -
     assert report["start_fit_median_rel_error"] == pytest.approx(0.2)  # of 0.2, 0.25, 0.25, 1/12, 1/7
     assert report["live_fit_median_rel_error"] == pytest.approx(0.0)
     assert report["best_fit_median_rel_error"] == pytest.approx(0.0, abs=1e-9)
-    assert list(report["best_fit"].values()) == pytest.approx(LIVE, abs=1e-9)
+    assert list(report["best_fit"].values()) == pytest.approx(LIVE.vector(), abs=1e-9)
     prefill, decode = report["by_kind"]["prefill"], report["by_kind"]["decode_only"]
     assert prefill["steps"] == 2 and prefill["start_fit"] == pytest.approx(0.225)  # b is off
     assert decode["steps"] == 3 and decode["start_fit"] == pytest.approx(1 / 7)  # and c

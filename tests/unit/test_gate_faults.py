@@ -431,7 +431,7 @@ async def test_under_a_ttft_bound_a_request_the_engine_died_under_still_waits_fo
     promise), even when its bound has passed meanwhile, instead of getting 429."""
     llm = ControlledLLM()
     gate = AdmissionGate(1, 100, (PriorityClass("all", max_queue=100, queue_deadline_s=5.0),))
-    gate.set_ttft(TtftBounds({"all": 1.0}, wait_share=0.8))
+    gate.configure(ttft=TtftBounds({"all": 1.0}, wait_share=0.8))
     host = engine_host(llm)
     client = GovernedEngineClient(host, gate, lambda: None)
     host.in_flight[-1] = ("beside", llm)  # type: ignore[assignment]  # not alone: not blamed on it

@@ -23,6 +23,7 @@ from controller.control.stepcost import CostPrior, CostReader, StepCostModel
 from controller.control.steps import EngineStep
 from controller.engine.frontend.client import GovernedEngineClient, engine_queue_s
 from policies.base import build_policy
+from policies.cost import StepCoefficients
 from policies.slo_targets import SloBound, SloTargets
 from tests.helpers import FakeHost
 
@@ -53,17 +54,17 @@ def test_bounds_cut_the_deadlines_to_the_share_of_the_ttft_bound() -> None:
     assert [c.queue_deadline_s for c in ttft.bounded((ROOMY, BATCH))] == [0.8, 60.0]
     assert NO_BOUNDS.bounded((ROOMY,)) == [ROOMY]
     gate = AdmissionGate(1, 10, (ROOMY, BATCH))
-    gate.set_ttft(ttft)
+    gate.configure(ttft=ttft)
     assert [c.queue_deadline_s for c in gate.classes] == [0.8, 60.0]
     gate.configure((ROOMY, BATCH), 0.0, 10)  # a reload keeps the bounds
     assert [c.queue_deadline_s for c in gate.classes] == [0.8, 60.0]
-    gate.set_ttft(NO_BOUNDS)
+    gate.configure(ttft=NO_BOUNDS)
     assert [c.queue_deadline_s for c in gate.classes] == [5.0, 60.0]
 
 
 async def test_the_own_prefill_counts_in_the_predicted_ttft() -> None:
     gate, _ = await gate_at_rate(10.0)
-    gate.set_ttft(TtftBounds({"interactive": 1.0}, Prefill(), wait_share=0.8))
+    gate.configure(ttft=TtftBounds({"interactive": 1.0}, Prefill(), wait_share=0.8))
     for _ in range(5):  # positions 1..5: 0.1 .. 0.5 s of wait
         gate.check_admission(0, prompt_tokens=2000)  # + 0.2 s prefill: at most 0.7 s <= 0.8 s
     gate.check_admission(0)  # position 6: 0.6 s, no prompt length known: no prefill term
@@ -103,7 +104,7 @@ async def test_a_queue_behind_long_requests_is_predicted_at_their_pace_not_the_a
 
 async def test_a_queued_request_past_its_share_of_the_bound_gets_429() -> None:
     gate, clock = await gate_at_rate(10.0)
-    gate.set_ttft(TtftBounds({"interactive": 1.0}, wait_share=0.8))
+    gate.configure(ttft=TtftBounds({"interactive": 1.0}, wait_share=0.8))
     waiter = asyncio.ensure_future(gate.acquire(0))
     await asyncio.sleep(0)
     clock.advance(0.79)
@@ -142,16 +143,16 @@ def test_beside_decoding_streams_a_prompt_is_predicted_in_budget_sized_chunks() 
     """The engine gives a prompt ``T - D`` tokens a step beside ``D`` decodes, and each step pays the
     base and the decodes again: on a CPU (75 ms a step) that, not the prefill, is most of a long
     prompt's time under a small budget."""
-    model = StepCostModel(prior=CostPrior((0.074, 0.008, 0.0075, 0.0), name="cpu"))
+    model = StepCostModel(prior=CostPrior(StepCoefficients(0.074, 0.008, 0.0075, 0.0), name="cpu"))
     budget = [20]
     reader = CostReader(model, lambda: 0.0, lambda: budget[0])
     model.update([EngineStep.measured(0.0, 0, 4, 400, 0.104)])  # four streams decode
-    a, b, c, _ = model.coefficients
+    a, b, c, _ = model.coefficients.vector()
     assert reader.prefill_s(100) == pytest.approx(7 * (a + 4 * c) + 100 * b)  # ceil(100 / 16) steps
     budget[0] = 2048
     assert reader.prefill_s(100) == pytest.approx(a + 4 * c + 100 * b)  # one chunk
     model.update([EngineStep.measured(0.1, 100, 0, 100, 0.874)])  # nothing decodes: the prompt alone
-    a, b, c, _ = model.coefficients
+    a, b, c, _ = model.coefficients.vector()
     assert reader.prefill_s(100) == pytest.approx(a + 100 * b)
 
 
@@ -176,7 +177,7 @@ def test_the_time_after_the_slot_is_measured_beyond_the_prefill_and_under_bounds
     clock = FakeClock()
     gate = AdmissionGate(4, 100, (ROOMY,), clock=clock)
     gate.after_slot.first_token(1.0, 1000)  # no TTFT bounds (no SLO steering): not a sample
-    gate.set_ttft(TtftBounds({"interactive": 2.0}, Prefill(), wait_share=0.8))
+    gate.configure(ttft=TtftBounds({"interactive": 2.0}, Prefill(), wait_share=0.8))
     for k in range(19):  # 0.1 s of prefill each, then 0.10 .. 0.28 s more
         gate.after_slot.first_token(0.2 + 0.01 * k, 1000)
     assert gate.after_slot.seconds() == 0.0  # 19 samples: too few to tell
@@ -185,7 +186,7 @@ def test_the_time_after_the_slot_is_measured_beyond_the_prefill_and_under_bounds
     assert gate.after_slot.own_s(1000) == pytest.approx(0.1 + 0.27)
     clock.advance(11.0)
     assert gate.after_slot.seconds() == 0.0  # the 10 s window forgot them
-    gate.set_ttft(NO_BOUNDS)
+    gate.configure(ttft=NO_BOUNDS)
     assert gate.after_slot.own_s(1000) == 0.0  # no estimator, no bound: nothing after the wait
 
 
@@ -193,7 +194,7 @@ def test_the_engines_queue_counts_at_its_median_the_rest_at_the_high_quantile() 
     """A burst admitted past what runs waits inside the engine: a minority of the window, it leaves
     the lag the gate adds to every prediction; a queue every request meets stays in it."""
     gate = AdmissionGate(4, 100, (ROOMY,), clock=FakeClock())
-    gate.set_ttft(TtftBounds({"interactive": 5.0}, Prefill(), wait_share=0.8))
+    gate.configure(ttft=TtftBounds({"interactive": 5.0}, Prefill(), wait_share=0.8))
     for k in range(14):  # 0.1 s of prefill each; 0.2 .. 0.33 s beyond it; no engine queue
         gate.after_slot.first_token(0.3 + 0.01 * k, 1000)
     for k in range(6):  # a burst: 3.6 .. 3.85 s after the slot, 3.4 .. 3.65 s of it in the engine's queue
@@ -221,7 +222,7 @@ async def test_the_time_after_the_slot_joins_the_prediction_and_cuts_the_queue_d
     the gate refuses one whose wait plus that misses the deadline, and never grants a slot to one
     that waited past its 1 s bound less 0.3 s (its first token would come after the bound)."""
     gate, clock = await gate_at_rate(10.0)
-    gate.set_ttft(TtftBounds({"interactive": 1.0}, Prefill(), wait_share=0.8))
+    gate.configure(ttft=TtftBounds({"interactive": 1.0}, Prefill(), wait_share=0.8))
     for _ in range(20):
         gate.after_slot.first_token(0.3, None)
     for _ in range(3):  # positions 1..3: 0.1 .. 0.3 s of wait + 0.1 s prefill + 0.3 s: at most 0.7 s
@@ -253,7 +254,7 @@ class Outputs:
 
 async def test_the_engine_client_tells_the_gate_each_first_token_from_vllms_own_figure() -> None:
     gate = AdmissionGate(4, 100, (ROOMY,))
-    gate.set_ttft(TtftBounds({"interactive": 5.0}))
+    gate.configure(ttft=TtftBounds({"interactive": 5.0}))
     first = SimpleNamespace(finished=False, metrics=SimpleNamespace(first_token_latency=0.25))
     for engine in (
         Outputs(first, SimpleNamespace(finished=True, metrics=None)),  # streamed: vLLM's figure
@@ -281,7 +282,7 @@ async def test_the_engines_ttft_counts_from_the_call_not_from_vllms_render() -> 
     so counting from the render counted the gate's wait twice (a 1.5 s wait judged 3.25 s)."""
     wall = FakeClock(5000.0)
     gate = AdmissionGate(4, 100, (ROOMY,))
-    gate.set_ttft(TtftBounds({"interactive": 5.0}))
+    gate.configure(ttft=TtftBounds({"interactive": 5.0}))
     rendered = SimpleNamespace(arrival_time=wall() - 1.5, first_token_latency=1.75)
     first = SimpleNamespace(finished=False, metrics=rendered)
     host = FakeHost(Outputs(first, SimpleNamespace(finished=True, metrics=None)))
@@ -297,7 +298,7 @@ async def test_under_a_ttft_bound_the_time_since_the_request_reached_the_server_
     """The front end's parsing and tokenizing before the gate is part of the client's TTFT: the
     prediction adds it, and a queued request's deadline counts from the arrival, not the enqueue."""
     gate, clock = await gate_at_rate(10.0)
-    gate.set_ttft(TtftBounds({"interactive": 1.0}, wait_share=0.8))
+    gate.configure(ttft=TtftBounds({"interactive": 1.0}, wait_share=0.8))
     arrived = clock() - 0.65
     gate.check_admission(0, arrived_mono=arrived)  # position 1: 0.65 s spent + 0.1 s wait <= 0.8 s
     with pytest.raises(GateRejected) as exc:
@@ -310,7 +311,7 @@ async def test_under_a_ttft_bound_the_time_since_the_request_reached_the_server_
     with pytest.raises(GateRejected) as exc:
         await waiter
     assert "deadline of 0.8s since it reached the server" in exc.value.message
-    gate.set_ttft(NO_BOUNDS)  # without a bound a queue deadline is the time in the queue alone
+    gate.configure(ttft=NO_BOUNDS)  # without a bound a queue deadline is the time in the queue alone
     waiter = asyncio.ensure_future(gate.acquire(0, arrived_mono=clock() - 10.0))
     await asyncio.sleep(0)
     clock.advance(4.0)
@@ -323,7 +324,7 @@ def test_a_request_whose_own_bound_its_prefill_passes_is_refused_even_with_a_fre
     request missed for certain, and its miss steered every client's margin."""
     clock = FakeClock()
     gate = AdmissionGate(4, 100, (ROOMY, BATCH), clock=clock)
-    gate.set_ttft(TtftBounds({"interactive": 1.0}, Prefill(), wait_share=0.8))
+    gate.configure(ttft=TtftBounds({"interactive": 1.0}, Prefill(), wait_share=0.8))
     assert gate.ttft.bound_s("interactive", 0.001) == 0.1  # a header below the floor is held to 0.1 s
     with pytest.raises(GateRejected) as exc:
         gate.check_admission(0, prompt_tokens=2000, ttft_bound_s=0.001)  # 0.2 s of prefill > 0.1 s
@@ -339,7 +340,7 @@ async def test_the_predicted_ttft_is_corrected_by_what_admitted_requests_measure
     of what it admitted missed the bound it was admitted under. Each admitted request's measured
     TTFT is set against its prediction; the p90 of the residuals is added to the next ones."""
     gate, _ = await gate_at_rate(10.0)
-    gate.set_ttft(TtftBounds({"interactive": 1.0}, Prefill(), wait_share=0.8))
+    gate.configure(ttft=TtftBounds({"interactive": 1.0}, Prefill(), wait_share=0.8))
     predicted = gate.check_admission(0, prompt_tokens=2000)  # position 1: 0.1 s + 0.2 s prefill
     assert predicted == pytest.approx(0.3)
     assert gate.check_admission(0, prompt_tokens=2000, ttft_bound_s=None) == pytest.approx(0.4)

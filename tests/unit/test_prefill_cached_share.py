@@ -10,6 +10,7 @@ from controller.clock import FakeClock
 from controller.control.stepcost import CostPrior, CostReader, StepCostModel
 from controller.control.steps import EngineStep, StepStats
 from controller.control.telemetry import TelemetryWindow
+from policies.cost import StepCoefficients
 
 
 def sample(t: float, prompt: int, prefill: int) -> EngineStep:
@@ -28,7 +29,7 @@ def test_the_window_reports_the_share_of_prompt_tokens_the_cache_served() -> Non
 
 
 def model() -> StepCostModel:
-    m = StepCostModel(prior=CostPrior((0.01, 0.001, 0.002, 0.0), name="test"))
+    m = StepCostModel(prior=CostPrior(StepCoefficients(0.01, 0.001, 0.002, 0.0), name="test"))
     m.update([EngineStep.measured(1.0, 100, 0, 0, 0.11)])  # one step: a seeded fit is trusted
     return m
 

@@ -61,7 +61,7 @@ async def test_a_long_prompt_is_refused_by_its_predicted_ttft_and_a_short_one_wa
         gate.release(await gate.acquire(0))
         clock.advance(0.5)
     held = await gate.acquire(0)  # the one slot is busy: a new request queues
-    gate.set_ttft(TtftBounds({"interactive": 2.0}, SlowPrefill()))
+    gate.configure(ttft=TtftBounds({"interactive": 2.0}, SlowPrefill()))
     client = client_of(gate)
     long, short = context.RequestContext(arrived_mono=clock()), context.RequestContext(arrived_mono=clock())
     with pytest.raises(GateRefusal) as refused:
@@ -78,13 +78,13 @@ async def test_without_slo_steering_no_length_is_read() -> None:
     gate = AdmissionGate(1, 100, (PriorityClass("interactive", max_priority=0),))
     client = client_of(gate)
     assert call(client, context.RequestContext(), rendered(3)).prompt_tokens is None
-    gate.set_ttft(TtftBounds({"interactive": 2.0}, SlowPrefill()))
+    gate.configure(ttft=TtftBounds({"interactive": 2.0}, SlowPrefill()))
     assert call(client, context.RequestContext(), rendered(3)).prompt_tokens == 3
 
 
 async def test_an_input_without_token_ids_has_no_prefill_term() -> None:
     gate = AdmissionGate(1, 100, (PriorityClass("interactive", max_priority=0),))
-    gate.set_ttft(TtftBounds({"interactive": 2.0}, SlowPrefill()))
+    gate.configure(ttft=TtftBounds({"interactive": 2.0}, SlowPrefill()))
     client = client_of(gate)
     assert call(client, context.RequestContext(), {"prompt": "raw text"}).prompt_tokens is None
     assert call(client, context.RequestContext(), "raw text").prompt_tokens is None

@@ -106,7 +106,7 @@ async def test_a_tighter_header_refuses_a_request_its_class_would_queue() -> Non
 
 async def test_a_header_looser_than_the_class_bound_changes_nothing() -> None:
     gate, _ = await gate_at_rate(10.0)
-    gate.set_ttft(TtftBounds({"interactive": 1.0}, wait_share=0.75))
+    gate.configure(ttft=TtftBounds({"interactive": 1.0}, wait_share=0.75))
     assert gate.ttft.bound_s("interactive", 30.0) == 1.0
     for _ in range(7):  # up to 0.75 s, the class's share of its 1 s bound
         gate.check_admission(0, ttft_bound_s=30.0)
@@ -117,7 +117,7 @@ async def test_a_header_looser_than_the_class_bound_changes_nothing() -> None:
 
 async def test_under_a_class_bound_the_header_takes_the_same_share_of_its_own() -> None:
     gate, _ = await gate_at_rate(10.0)
-    gate.set_ttft(TtftBounds({"interactive": 1.0}, wait_share=0.75))
+    gate.configure(ttft=TtftBounds({"interactive": 1.0}, wait_share=0.75))
     assert gate.ttft.bound_s("interactive", 0.5) == 0.5
     assert gate.ttft.queue_deadline_s(gate.classes[0], 0.5) == 0.375
     for _ in range(3):

@@ -59,7 +59,7 @@ def feed(model: StepCostModel, steps: Sequence[EngineStep]) -> None:
 
 
 def rel_errors(model: StepCostModel, coef: Sequence[float] = TRUE) -> list[float]:
-    return [abs(got / want - 1) for got, want in zip(model.coefficients, coef, strict=True)]
+    return [abs(got / want - 1) for got, want in zip(model.coefficients.vector(), coef, strict=True)]
 
 
 def test_noiseless_steps_recover_the_coefficients() -> None:
@@ -126,7 +126,7 @@ def test_steps_that_did_nothing_or_have_no_time_are_skipped() -> None:
 
 def test_a_seed_is_a_prior_that_data_overrides() -> None:
     wrong = tuple(1.5 * c for c in TRUE)
-    model = StepCostModel(prior=CostPrior(wrong, name="cpu-tiny"))
+    model = StepCostModel(prior=CostPrior(StepCoefficients(*wrong), name="cpu-tiny"))
     est = model.estimate(now_mono=0.0)
     # a seed is trusted before any step (the knobs are sized before the first request)
     assert est.seed == "cpu-tiny" and est.samples == 0 and est.ready
@@ -141,9 +141,9 @@ def test_a_seed_is_a_prior_that_data_overrides() -> None:
 
 def test_a_seed_holds_a_term_the_load_does_not_excite() -> None:
     """Decode-only load: nothing measures the prefill cost, so the seed's stays, exactly."""
-    seeded = StepCostModel(prior=CostPrior(TRUE))
+    seeded = StepCostModel(prior=CostPrior(StepCoefficients(*TRUE)))
     feed(seeded, make_steps(5000, prefill=False))
-    assert seeded.coefficients[1] == pytest.approx(TRUE[1], rel=1e-9)
+    assert seeded.coefficients.vector()[1] == pytest.approx(TRUE[1], rel=1e-9)
     assert max(rel_errors(seeded)) < 1e-6
 
 
@@ -151,7 +151,7 @@ def test_prior_from_a_profile_cost_table() -> None:
     cost = StepCoefficients(
         a_s=0.003, b_s_per_prefill_token=8e-6, c_s_per_decode_seq=5e-5, d_s_per_kv_token=1e-7
     )
-    assert prior_from(cost, "cpu-tiny") == CostPrior(TRUE, name="cpu-tiny")
+    assert prior_from(cost, "cpu-tiny") == CostPrior(StepCoefficients(*TRUE), name="cpu-tiny")
 
 
 def test_outliers_are_rejected_and_counted() -> None:
@@ -186,7 +186,7 @@ def test_slow_prefills_after_a_start_without_them_are_learnt_not_rejected() -> N
     model = StepCostModel()
     feed(model, make_steps(300, cpu, seed=10, prefill=False))
     feed(model, make_steps(1000, cpu, seed=11, t0=3.0, noise=0.05))
-    assert model.coefficients[1] == pytest.approx(cpu[1], rel=0.05)
+    assert model.coefficients.vector()[1] == pytest.approx(cpu[1], rel=0.05)
     assert model.rejected <= model.settings.max_rejects
 
 
@@ -196,8 +196,8 @@ def test_coefficients_never_go_negative() -> None:
     steps = make_steps(5000, no_kv, noise=0.3, seed=5)
     for i in range(0, len(steps), TICK):
         model.update(steps[i : i + TICK])
-        assert min(model.coefficients) >= 0.0
-    assert model.coefficients[3] < 1e-8
+        assert min(model.coefficients.vector()) >= 0.0
+    assert model.coefficients.vector()[3] < 1e-8
 
 
 def test_stable_over_100k_updates_with_a_long_stretch_without_prefill() -> None:
@@ -209,12 +209,12 @@ def test_stable_over_100k_updates_with_a_long_stretch_without_prefill() -> None:
     vals = np.linalg.eigvalsh(model._p)
     cap = model._cap()
     assert np.isfinite(vals).all() and vals.min() > 0 and vals.max() <= cap * (1 + 1e-9)
-    b_before = model.coefficients[1]
+    b_before = model.coefficients.vector()[1]
     model.update(make_steps(20, noise=0.2, seed=8, t0=800.0))
-    assert model.coefficients[1] == pytest.approx(b_before, rel=0.5)
+    assert model.coefficients.vector()[1] == pytest.approx(b_before, rel=0.5)
     feed(model, make_steps(20_000, noise=0.2, seed=9, t0=801.0))
     assert max(rel_errors(model)) < 0.25  # the noise's own spread (c and d are correlated)
-    assert all(math.isfinite(c) and c >= 0 for c in model.coefficients)
+    assert all(math.isfinite(c) and c >= 0 for c in model.coefficients.vector())
     assert model.samples + model.rejected == 100_020
 
 
@@ -246,7 +246,7 @@ def test_kv_per_decoding_sequence_is_a_ratio_of_sums_not_a_mean_of_each_steps_ra
 def test_the_pace_is_the_wall_clock_of_the_decoding_steps_over_the_fit() -> None:
     """Steps measured as the seed predicts, each after a 1 ms gap: the pace is the wall clock (the
     step and its gap) over the prediction, summed over the decoding steps; prefills alone count not."""
-    model = StepCostModel(prior=CostPrior(TRUE, name="true"))
+    model = StepCostModel(prior=CostPrior(StepCoefficients(*TRUE), name="true"))
     steps = make_steps(1000, prefill=False)
     assert model.estimate(0.0).pace is None
     feed(model, steps[:50])
@@ -256,7 +256,7 @@ def test_the_pace_is_the_wall_clock_of_the_decoding_steps_over_the_fit() -> None
         EngineStep.measured(s.t_mono, c.prefill_tokens, c.decode_seqs, c.kv_tokens, c.step_s, 0.001)
         for s, c in zip(steps, costs, strict=True)
     ]
-    model = StepCostModel(prior=CostPrior(TRUE, name="true"))
+    model = StepCostModel(prior=CostPrior(StepCoefficients(*TRUE), name="true"))
     feed(model, gapped)
     lam = model.settings.forgetting
     weights = [lam ** (len(gapped) - 1 - i) for i in range(len(gapped))]

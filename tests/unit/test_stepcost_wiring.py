@@ -16,6 +16,7 @@ from controller.admission.classes import PriorityClass
 from controller.config.load import load_config
 from controller.control.stepcost import CostPrior, CostReader, StepCostModel
 from controller.control.steps import EngineStep
+from policies.cost import StepCoefficients
 from tests.helpers import write_config
 
 
@@ -62,7 +63,7 @@ def test_the_observer_carries_the_estimate_at_the_observation_time() -> None:
             return None
 
     clock = FakeClock(100.0)
-    model = StepCostModel(prior=CostPrior((0.003, 8e-6, 5e-5, 1e-7)))
+    model = StepCostModel(prior=CostPrior(StepCoefficients(0.003, 8e-6, 5e-5, 1e-7)))
     model.update([EngineStep.measured(99.0, 0, 4, 400, 0.0033)])
     gate = AdmissionGate(8, 16, [PriorityClass("default")], aging_s=0.0)
     observer = Observer(TelemetryWindow(10.0, clock), gate, Knobs(), NoGpu(), FakeHostSource(), model)
