@@ -1,12 +1,15 @@
-"""The comparison table of run summaries, the order run directories are listed in, and a summary's
-few lines for the terminal.
+"""The tables of run summaries (the servers' comparison, the twin's configurations), the order run
+directories are listed in, and a summary's line or few lines for the terminal.
 
-Shared by ``compare``, ``sweep``, ``report``, ``bench run`` and ``targets``, which all print or embed them.
+Shared by ``compare``, ``sweep``, ``report``, ``bench run``, ``targets`` and ``simulate`` (its run, ``--grid``
+and ``--compare``), which all print or embed them. A table is a tuple of :class:`Column` rendered by
+:func:`render_table`; every figure goes through :func:`cell`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,40 +17,83 @@ from controller.results.records import SUMMARY, read_summary
 
 VLLM_SERVE = "vllm-serve"
 
-COLUMNS: tuple[tuple[str, str, str], ...] = (
-    ("tok/s", "throughput_tok_s", ".1f"),
-    ("goodput req/s", "goodput_rps", ".2f"),
-    ("SLO met", "slo_attainment", ".0%"),
-    ("TTFT p50 s", "ttft_p50", ".3f"),
-    ("TTFT p99 s", "ttft_p99", ".3f"),
-    ("TPOT p50 ms", "tpot_p50", "ms"),
-    ("TPOT p99 ms", "tpot_p99", "ms"),
-    ("ITL max ms", "itl_max", "ms"),
-    ("preempt", "preemptions", "d"),
-    ("KV mean", "kv_usage_mean", ".2f"),
-    ("refused", "refused", "d"),
-    ("failed", "failed", "d"),
-    ("RSS max GiB", "rss_max_bytes", "gib"),
+
+@dataclass(frozen=True)
+class Column:
+    """One column of a summary table: its header and the figure it shows, a key of the row and its
+    :func:`cell` format; ``more`` figures share the cell after " / " (a p50 and its p99)."""
+
+    header: str
+    key: str
+    fmt: str = ""
+    more: tuple[tuple[str, str], ...] = ()
+
+    def text(self, row: Mapping[str, Any]) -> str:
+        return " / ".join(cell(row.get(key), fmt) for key, fmt in ((self.key, self.fmt), *self.more))
+
+
+COLUMNS: tuple[Column, ...] = (
+    Column("tok/s", "throughput_tok_s", ".1f"),
+    Column("goodput req/s", "goodput_rps", ".2f"),
+    Column("SLO met", "slo_attainment", ".0%"),
+    Column("TTFT p50 s", "ttft_p50", ".3f"),
+    Column("TTFT p99 s", "ttft_p99", ".3f"),
+    Column("TPOT p50 ms", "tpot_p50", "ms"),
+    Column("TPOT p99 ms", "tpot_p99", "ms"),
+    Column("ITL max ms", "itl_max", "ms"),
+    Column("preempt", "preemptions", "d"),
+    Column("KV mean", "kv_usage_mean", ".2f"),
+    Column("refused", "refused", "d"),
+    Column("failed", "failed", "d"),
+    Column("RSS max GiB", "rss_max_bytes", "gib"),
 )
+"""The servers' table (:func:`table`): absolute figures, before the ratios."""
 RATIOS: tuple[tuple[str, str], ...] = (
     ("tok/s x", "throughput_tok_s"),
     ("goodput x", "goodput_rps"),
     ("TTFT p99 x", "ttft_p99"),
 )
 
+SIM_COLUMNS: tuple[Column, ...] = (
+    Column("config", "config"),
+    Column("goodput req/s", "goodput_rps", ".2f"),
+    Column("SLO met", "slo_attainment", ".1%"),
+    Column("tok/s", "throughput_tok_s", ".0f"),
+    Column("TTFT p50 / p99 s", "ttft_p50", ".3f", more=(("ttft_p99", ".2f"),)),
+    Column("TPOT p99 ms", "tpot_p99", "ms.0f"),
+    Column("preemptions", "engine_preemptions", "d"),
+    Column("limit changes", "limit_changes", "d"),
+    Column("max gate queue", "queue_depth_max", "d"),
+)
+"""The twin's table (``simulate --compare`` and ``--grid``): one row per configuration, its name in
+``config``."""
 
-def cell(value: Any, fmt: str = ".3f") -> str:
-    """A figure for a table or the terminal: "-" when unknown; formats ``ms`` (seconds shown as ms),
-    ``gib`` (bytes as GiB), ``d`` (an integer, from an int or float), else ``format(value, fmt)``."""
+
+def cell(value: Any, fmt: str = ".3f", unit: str = "") -> str:
+    """A figure for a table or the terminal, ``unit`` after it: "-" when unknown; formats ``ms``
+    (seconds shown as ms, ``.1f`` unless a spec follows: ``ms.0f``), ``gib`` (bytes as GiB, ``.2f``),
+    ``d`` (an integer, from an int or float), else ``format(value, fmt)`` (``""``: as ``str``)."""
     if value is None:
         return "-"
-    if fmt == "ms":
-        return f"{value * 1000:.1f}"
+    if fmt.startswith("ms"):
+        return format(value * 1000, fmt[2:] or ".1f") + unit
     if fmt == "gib":
-        return f"{value / 2**30:.2f}"
+        return f"{value / 2**30:.2f}{unit}"
     if fmt == "d":
-        return str(int(value))
-    return format(value, fmt)
+        return f"{int(value)}{unit}"
+    return format(value, fmt) + unit
+
+
+def markdown(head: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    """A markdown table of cells already written out."""
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(cells) + " |" for cells in rows]
+    return "\n".join(lines)
+
+
+def render_table(columns: Sequence[Column], rows: Iterable[Mapping[str, Any]]) -> str:
+    """A markdown table of ``rows`` (summaries, or rows cut from them), one line each."""
+    return markdown([c.header for c in columns], ([c.text(row) for c in columns] for row in rows))
 
 
 def best_static(summaries: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
@@ -68,14 +114,14 @@ def table(
 ) -> str:
     """A markdown table: absolute figures, then ratios to ``ref`` (default: the best static server)."""
     ref = ref if ref is not None else best_static(summaries)
-    head = ["server", *(c[0] for c in COLUMNS), *(r[0] for r in RATIOS)]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    head = ["server", *(c.header for c in COLUMNS), *(r[0] for r in RATIOS)]
+    rows = []
     for s in summaries:
         cells = [str(s["target"]) + (f" ({note})" if s is ref else "")]
-        cells += [cell(s.get(key), fmt) for _, key, fmt in COLUMNS]
+        cells += [c.text(s) for c in COLUMNS]
         cells += [cell(ratio(s.get(key), ref.get(key) if ref else None), ".2f") for _, key in RATIOS]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append(cells)
+    return markdown(head, rows)
 
 
 def _rank(summary: dict[str, Any]) -> int:
@@ -103,4 +149,16 @@ def format_summary(s: dict[str, Any]) -> str:
         f"TPOT p50/p99 {cell(s['tpot_p50'], '.4f')}/{cell(s['tpot_p99'], '.4f')} s, "
         f"KV mean/max {cell(s['kv_usage_mean'], '.2f')}/{cell(s['kv_usage_max'], '.2f')}, "
         f"preemptions {cell(s['preemptions'], 'd')}"
+    )
+
+
+def format_sim_summary(s: dict[str, Any]) -> str:
+    """A twin run's line for the terminal (``simulate``): its summary as ``SimResult.summary`` writes it."""
+    ms = [cell(s[key], "ms.0f", " ms") for key in ("ttft_p50", "ttft_p99", "tpot_p99")]
+    return (
+        f"{s.get('policy', '?')}: {s['requests']} requests ({s['refused']} refused, {s['failed']} failed), "
+        f"goodput {s['goodput_rps']:.2f} req/s, throughput {s['throughput_tok_s']:.0f} tok/s, "
+        f"TTFT p50/p99 {ms[0]}/{ms[1]}, TPOT p99 {ms[2]}, "
+        f"preemptions {s['engine_preemptions']}, limit changes {s['limit_changes']}, "
+        f"{s['duration_s']:.0f} s simulated in {s['sim_wall_s']:.1f} s"
     )

@@ -138,6 +138,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     from controller.config.load import ConfigError
     from controller.load.workload import WorkloadError
     from controller.profiles.load import load_profile
+    from controller.results.tables import format_sim_summary
     from controller.sim.twin import build_simulation, with_config, write_result
     from policies.base import PolicyError
 
@@ -195,7 +196,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     )
     summary = result.summary(args.slo_ttft, args.slo_tpot)
     write_result(args.out, result, summary)
-    print(format_summary(summary))
+    print(format_sim_summary(summary))
     if not args.no_report:
         from controller.results.report import render
 
@@ -223,19 +224,6 @@ def _specs(args: argparse.Namespace) -> list[Any]:
         return specs
     specs, args.workload_desc = trace_specs(args)
     return specs
-
-
-def format_summary(s: dict[str, Any]) -> str:
-    def ms(v: float | None) -> str:
-        return "-" if v is None else f"{v * 1e3:.0f} ms"
-
-    return (
-        f"{s.get('policy', '?')}: {s['requests']} requests ({s['refused']} refused, {s['failed']} failed), "
-        f"goodput {s['goodput_rps']:.2f} req/s, throughput {s['throughput_tok_s']:.0f} tok/s, "
-        f"TTFT p50/p99 {ms(s['ttft_p50'])}/{ms(s['ttft_p99'])}, TPOT p99 {ms(s['tpot_p99'])}, "
-        f"preemptions {s['engine_preemptions']}, limit changes {s['limit_changes']}, "
-        f"{s['duration_s']:.0f} s simulated in {s['sim_wall_s']:.1f} s"
-    )
 
 
 def _quiet_logs() -> None:

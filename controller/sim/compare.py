@@ -13,13 +13,14 @@ import argparse
 import asyncio
 import dataclasses
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from controller.config.load import AdmissionConfig, ControlConfig
 from controller.load.workload import RequestSpec
 from controller.profiles.load import Profile
+from controller.results.tables import SIM_COLUMNS, render_table
 from controller.sim.run import SimResult
 from controller.sim.twin import build_simulation, write_result
 from policies.slo_targets import SloTargets
@@ -48,25 +49,8 @@ KEYS = (
     "queue_depth_max",
     "sim_wall_s",
 )
-CELLS: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
-    ("config", lambda r: str(r["config"])),
-    ("goodput req/s", lambda r: f"{r['goodput_rps']:.2f}"),
-    ("SLO met", lambda r: f"{r['slo_attainment']:.1%}"),
-    ("tok/s", lambda r: f"{r['throughput_tok_s']:.0f}"),
-    ("TTFT p50 / p99 s", lambda r: f"{r['ttft_p50']:.3f} / {r['ttft_p99']:.2f}"),
-    ("TPOT p99 ms", lambda r: f"{r['tpot_p99'] * 1e3:.0f}"),
-    ("preemptions", lambda r: str(r["engine_preemptions"])),
-    ("limit changes", lambda r: str(r["limit_changes"])),
-    ("max gate queue", lambda r: str(r["queue_depth_max"])),
-)
-"""The table's columns: header and cell of one summary row."""
-
-
-def table(rows: Sequence[dict[str, Any]]) -> str:
-    """The markdown table of the comparison, one row per configuration."""
-    lines = ["| " + " | ".join(h for h, _ in CELLS) + " |", "|---" * len(CELLS) + "|"]
-    lines += ["| " + " | ".join(cell(r) for _, cell in CELLS) + " |" for r in rows]
-    return "\n".join(lines)
+"""A configuration's row of ``compare.json`` and ``grid.json`` (and of their tables): these keys of its
+summary, after its name in ``config``."""
 
 
 def run_compare(
@@ -113,7 +97,7 @@ def run_compare(
         "token_scale": args.token_scale,
     }
     (args.out / "compare.json").write_text(json.dumps({"meta": meta, "runs": rows}, indent=2) + "\n")
-    text = table(rows)
+    text = render_table(SIM_COLUMNS, rows)
     (args.out / "compare.md").write_text(text + "\n")
     title = f"{profile.name}, {args.workload_desc}, SLO TTFT {args.slo_ttft} s / TPOT {args.slo_tpot} s"
     plot_bars(rows, args.out / "goodput.png", title)

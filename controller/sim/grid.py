@@ -23,7 +23,8 @@ from typing import Any
 from controller.config.load import AdmissionConfig, ControlConfig
 from controller.load.workload import RequestSpec
 from controller.profiles.load import Profile
-from controller.sim.compare import KEYS, table
+from controller.results.tables import SIM_COLUMNS, render_table
+from controller.sim.compare import KEYS
 from controller.sim.twin import build_simulation, write_result
 from policies.slo_targets import SloTargets
 
@@ -127,7 +128,7 @@ def run_grid(
     }
     body = {"meta": meta, "runs": rows, "best": best["config"], "ratios": ratios}
     (args.out / "grid.json").write_text(json.dumps(body, indent=2) + "\n")
-    lines = [table(rows), "", *(f"- {k}: {v:.3f}" for k, v in ratios.items())]
+    lines = [render_table(SIM_COLUMNS, rows), "", *(f"- {k}: {v:.3f}" for k, v in ratios.items())]
     (args.out / "grid.md").write_text("\n".join(lines) + "\n")
     print("\n" + "\n".join(lines))
     return 0

@@ -45,6 +45,30 @@ def test_table_cells_for_missing_values() -> None:
     assert "| - |" in row  # no TTFT: a dash, and no ratio against a zero goodput
 
 
+def test_twin_table_joins_p50_and_p99_and_dashes_what_is_unknown() -> None:
+    row = {
+        "config": "slo",
+        "goodput_rps": 1.7,
+        "slo_attainment": 0.312,
+        "throughput_tok_s": 86.6,
+        "ttft_p50": 0.6806,
+        "ttft_p99": None,
+        "tpot_p99": 0.0851,
+        "engine_preemptions": 0,
+        "limit_changes": 21,
+        "queue_depth_max": None,
+    }
+    head, rule, line = tables.render_table(tables.SIM_COLUMNS, [row]).splitlines()
+    assert line == "| slo | 1.70 | 31.2% | 87 | 0.681 / - | 85 | 0 | 21 | - |"
+    assert head.count("|") == rule.count("|") == len(tables.SIM_COLUMNS) + 1
+
+
+def test_cell_scales_seconds_to_milliseconds_and_puts_the_unit_only_after_a_figure() -> None:
+    assert tables.cell(0.0851, "ms") == "85.1"
+    assert tables.cell(0.0851, "ms.0f", " ms") == "85 ms"
+    assert tables.cell(None, "ms.0f", " ms") == "-"
+
+
 def _args(**kw: Any) -> argparse.Namespace:
     base = {"targets": "all", "best": None, "best_from": None, "policy_param": None}
     return argparse.Namespace(**{**base, **kw})
