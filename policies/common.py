@@ -2,7 +2,10 @@
 and the cap follower (the parameters and steps every cap-moving policy shares).
 
 Parameters arrive from ``[control.params]`` in config.toml, so they may be any TOML value: every check
-names the key, the value and what would be accepted (STYLE.md practice 7).
+names the key, the value and what would be accepted (STYLE.md practice 7). The ``check_*`` functions are
+the project's one check of a value: constructor parameters (the policies, the normalize stage) call them
+and raise their ``PolicyError``; a config table's key (``controller/config/fields.py``'s ``Key``) runs them
+and adds the table's name and the key's doc to the message.
 """
 
 from __future__ import annotations
@@ -20,29 +23,56 @@ KV_SOURCES = ("mean", "latest", "max")
 
 def check_float(name: str, value: object, lo: float, hi: float = math.inf, *, lo_open: bool = False) -> float:
     """A finite number in [lo, hi] (or (lo, hi] with ``lo_open``); TOML integers are accepted."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise PolicyError(f"{name} = {value!r}: must be a number, and finite")
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise PolicyError(f"{name} = {value!r}: must be float")
+    if not math.isfinite(value):  # NaN is neither below nor above a bound
+        raise PolicyError(f"{name} = {value!r}: not a finite number; {_wanted(lo, hi, lo_open)}")
     if value > hi or value < lo or (lo_open and value == lo):
-        low = f"> {lo}" if lo_open else f">= {lo}"
-        high = "" if hi == math.inf else f" and <= {hi}"
-        raise PolicyError(f"{name} = {value!r}: must be {low}{high}")
+        raise PolicyError(f"{name} = {value!r}: out of range; {_wanted(lo, hi, lo_open)}")
     return float(value)
 
 
-def check_int(name: str, value: object, lo: int, hi: int | None = None) -> int:
+def check_int(name: str, value: object, lo: float, hi: float = math.inf) -> int:
     """An integer in [lo, hi]."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise PolicyError(f"{name} = {value!r}: must be an integer")
-    if value < lo or (hi is not None and value > hi):
-        high = "" if hi is None else f" and <= {hi}"
-        raise PolicyError(f"{name} = {value!r}: must be >= {lo}{high}")
+        raise PolicyError(f"{name} = {value!r}: must be int")
+    if value < lo or value > hi:
+        raise PolicyError(f"{name} = {value!r}: out of range; {_wanted(lo, hi)}")
     return value
 
 
 def check_choice(name: str, value: object, choices: Sequence[str]) -> str:
+    """One of ``choices`` (a TOML list or table is refused, not hashed)."""
     if not isinstance(value, str) or value not in choices:
-        raise PolicyError(f"{name} = {value!r}: use one of {', '.join(repr(c) for c in choices)}")
+        raise PolicyError(f"{name} = {value!r}: must be one of {', '.join(repr(c) for c in choices)}")
     return value
+
+
+def check_str(name: str, value: object) -> str:
+    """Any string."""
+    if not isinstance(value, str):
+        raise PolicyError(f"{name} = {value!r}: must be str")
+    return value
+
+
+def check_step(name: str, value: object) -> float:
+    """The most a value may move at once: 0 (no limit), a fraction below 1 (of the value in force) or a
+    whole number (absolute); 2.5 is neither."""
+    step = check_float(name, value, 0.0)
+    if step >= 1 and step != int(step):
+        raise PolicyError(
+            f"{name} = {value!r}: not a whole number; use a whole number, or a fraction below 1"
+        )
+    return step
+
+
+def _wanted(lo: float, hi: float, lo_open: bool = False) -> str:
+    """The fix of a value out of [lo, hi]: "use a value in [lo, hi]", or one side where the other is open."""
+    if lo == -math.inf:
+        return "use a finite value" if hi == math.inf else f"use a value <= {hi}"
+    if hi == math.inf:
+        return f"use a value {'>' if lo_open else '>='} {lo}"
+    return f"use a value in {'(' if lo_open else '['}{lo}, {hi}]"
 
 
 def is_stale(obs: Observation, stale_after_s: float) -> bool:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from policies.base import Decision, Observation, Policy, PolicyError
+from policies.base import Decision, Observation, Policy
+from policies.common import check_choice, check_int
 
 PRESETS: dict[str, dict[str, int]] = {
     # The usual tuning advice: small batches for chat latency, large ones for batch throughput.
@@ -42,18 +43,14 @@ class StaticPolicy(Policy):
     ) -> None:
         base: dict[str, int] = {"max_num_active_seqs": max_num_seqs, "admission_limit": initial_limit}
         if preset is not None:
-            if not isinstance(preset, str) or preset not in PRESETS:  # a TOML list is unhashable
-                raise PolicyError(f"preset = {preset!r}: use one of {', '.join(PRESETS)}")
-            base = dict(PRESETS[preset])
+            base = dict(PRESETS[check_choice("preset", preset, tuple(PRESETS))])
         for key, value in (
             ("max_num_active_seqs", max_num_active_seqs),
             ("admission_limit", admission_limit),
             ("max_num_scheduled_tokens", max_num_scheduled_tokens),
         ):
             if value is not None:
-                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                    raise PolicyError(f"{key} = {value!r}: must be an integer >= 1")
-                base[key] = value
+                base[key] = check_int(key, value, 1)
         self.preset = preset
         self.batch_cap = base["max_num_active_seqs"]
         self.admission_limit = base["admission_limit"]

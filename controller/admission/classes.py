@@ -1,18 +1,17 @@
-"""Priority classes of the admission gate, their validation, and the measured completion rate.
+"""Priority classes of the admission gate, the priority a request may ask for, and the measured
+completion rate.
 
 A class owns a contiguous range of vLLM's ``priority`` values (lower is more urgent). Classes are
 ranked by their range: the class with the lowest priorities is served first and shed last. No vLLM
-import: config.py builds these from ``[admission.classes]``, the gate uses them as they are.
+import: ``controller/config/classes_table.py`` builds these from ``[admission.classes]`` (and checks
+them), the gate uses them as they are.
 """
 
 from __future__ import annotations
 
-import itertools
-import re
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from controller.clock import Clock
 
@@ -122,110 +121,6 @@ DEFAULT_CLASSES: tuple[PriorityClass, ...] = (
     PriorityClass("interactive", max_priority=0, max_queue=256, queue_deadline_s=5.0),
     PriorityClass("batch", min_priority=1, max_queue=1024, queue_deadline_s=60.0),
 )
-
-_KEYS: dict[str, tuple[type, float, float, str]] = {
-    "min_priority": (int, -(2**31), 2**31 - 1, "lowest priority of the class (inclusive)"),
-    "max_priority": (int, -(2**31), 2**31 - 1, "highest priority of the class (inclusive)"),
-    "max_queue": (int, 0, 1_000_000, "requests of the class that may wait for a slot"),
-    "queue_deadline_s": (float, 0.001, 86_400, "longest wait for a slot, in seconds"),
-    "reserved_share": (float, 0.0, 1.0, "fraction of the admission limit only this class may use"),
-    "slo_ttft_s": (float, 0.001, 86_400, "this class's time-to-first-token bound, overriding [slo] ttft_s"),
-    "slo_tpot_s": (float, 0.0001, 60, "this class's time-per-output-token bound, overriding [slo] tpot_s"),
-}
-CHOICE_KEYS: dict[str, tuple[tuple[str, ...], str]] = {
-    "order": (
-        ("arrival", "shortest"),
-        "who of the class's waiters goes first: arrival, or the shortest prompt",
-    ),
-}
-"""Keys whose value is one of a few names: (the names, the doc)."""
-_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
-
-
-def parse_classes(raw: Any, errors: list[str]) -> tuple[PriorityClass, ...]:
-    """``[admission.classes]`` -> classes ordered by priority range; problems go to ``errors``."""
-    import difflib
-
-    if not isinstance(raw, dict) or not raw:
-        errors.append("[admission] classes must be tables: write [admission.classes.NAME] per class")
-        return DEFAULT_CLASSES
-    classes = []
-    for name, table in raw.items():
-        where = f"[admission.classes.{name}]"
-        if not _NAME.match(name):
-            errors.append(f"{where}: class names are metric labels; use lowercase letters, digits, '_'")
-        if not isinstance(table, dict):
-            errors.append(f"{where}: must be a table of {', '.join([*_KEYS, *CHOICE_KEYS])}")
-            continue
-        kwargs: dict[str, Any] = {}
-        for key, value in table.items():
-            if key in CHOICE_KEYS:
-                names, doc = CHOICE_KEYS[key]
-                if value in names:
-                    kwargs[key] = value
-                else:
-                    choices = ", ".join(map(repr, names))
-                    errors.append(f"{where} {key} = {value!r}: must be one of {choices} ({doc})")
-                continue
-            if key not in _KEYS:
-                known = [*_KEYS, *CHOICE_KEYS]
-                close = difflib.get_close_matches(key, known, n=1)
-                hint = f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(known)}"
-                errors.append(f"{where} unknown key '{key}': {hint}")
-                continue
-            want, lo, hi, doc = _KEYS[key]
-            ok = isinstance(value, want) or (want is float and isinstance(value, int))
-            if not ok or isinstance(value, bool):
-                errors.append(f"{where} {key} = {value!r}: must be {want.__name__} ({doc})")
-            elif not lo <= value <= hi:
-                errors.append(f"{where} {key} = {value!r}: out of range; use a value in [{lo}, {hi}] ({doc})")
-            else:
-                kwargs[key] = float(value) if want is float else value
-        classes.append(PriorityClass(name, **kwargs))
-    if not classes:
-        return DEFAULT_CLASSES  # every table was unusable: reported above
-    errors.extend(_range_errors(classes))
-    return tuple(sorted(classes, key=_lower_bound))
-
-
-def _lower_bound(c: PriorityClass) -> float:
-    return float("-inf") if c.min_priority is None else c.min_priority
-
-
-def _range_errors(classes: Sequence[PriorityClass]) -> list[str]:
-    """The ranges must cover every priority exactly once, so each request has one class."""
-    errors = []
-    for c in classes:
-        if c.min_priority is not None and c.max_priority is not None and c.min_priority > c.max_priority:
-            errors.append(
-                f"[admission.classes.{c.name}] min_priority = {c.min_priority} > max_priority = "
-                f"{c.max_priority}: swap them"
-            )
-    if errors:
-        return errors
-    ordered = sorted(classes, key=_lower_bound)
-    if ordered[0].min_priority is not None:
-        errors.append(
-            f"[admission.classes.{ordered[0].name}] min_priority = {ordered[0].min_priority}: lower "
-            "priorities would have no class; drop min_priority from the most urgent class"
-        )
-    if ordered[-1].max_priority is not None:
-        errors.append(
-            f"[admission.classes.{ordered[-1].name}] max_priority = {ordered[-1].max_priority}: higher "
-            "priorities would have no class; drop max_priority from the least urgent class"
-        )
-    for a, b in itertools.pairwise(ordered):
-        if a.max_priority is None or b.min_priority is None or b.min_priority != a.max_priority + 1:
-            errors.append(
-                f"[admission.classes.{a.name}] and [admission.classes.{b.name}]: their priority ranges "
-                f"must meet without gap or overlap; set {b.name}.min_priority = {a.name}.max_priority + 1"
-            )
-    share = sum(c.reserved_share for c in classes)
-    if share > 1.0:
-        errors.append(
-            f"[admission.classes] reserved_share adds up to {share:g}: the shares must total at most 1"
-        )
-    return errors
 
 
 class GateEvents(Protocol):

@@ -1,14 +1,63 @@
-"""How a table's typed field documents and checks itself: every field carries its doc and bounds
-(``_f`` in ``load.py``), and a value is checked against them with an error that names the key, the
-value and the fix (STYLE.md practice 7)."""
+"""How a config table's key describes and checks itself: a ``Key`` holds its name, kind, inclusive
+bounds, doc and (for a name) its choices, and checks a value with an error that names the table, the
+key, the value and the fix (STYLE.md practice 7). The checks themselves are ``policies/common.py``'s
+``check_*``, the ones constructor parameters pass; a ``Key`` adds the table and its doc.
+
+The dataclass tables of ``load.py`` declare their keys as fields (``doc_field``, read back as a
+``Key`` by ``field_key``); ``[admission.classes.NAME]`` (``classes_table.py``) and ``[slo]``
+(``slo_table.py``) declare theirs as ``Key``s. An unknown key's fix is ``suggest``'s."""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import math
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import Any
+
+from policies.base import PolicyError
+from policies.common import check_choice, check_float, check_int, check_str
+
+
+@dataclass(frozen=True)
+class Key:
+    """One key of a config table."""
+
+    name: str
+    kind: type[int] | type[float] | type[str]
+    """What a value must be; a TOML integer is a float too (``2`` for ``2.0``)."""
+    lo: float | None = None
+    """Lowest value (inclusive); None: unbounded."""
+    hi: float | None = None
+    """Highest value (inclusive); None: unbounded."""
+    doc: str = ""
+    """What the key means: the reference's text (``reference.py``), and the end of every error."""
+    choices: tuple[str, ...] = ()
+    """For a ``str`` key that names one of a few things: those names."""
+
+    def check(self, where: str, value: object) -> list[str]:
+        """``value`` for this key of table ``where`` (``control``, ``admission.classes.chat``): its
+        type, finiteness, bounds or choices; the errors, as "[where] key = value: problem; fix. doc"."""
+        try:
+            self._checked(value)
+        except PolicyError as exc:
+            return [f"[{where}] {exc}. {self.doc}"]
+        return []
+
+    def typed(self, value: Any) -> Any:
+        """A value that passed ``check`` as the table holds it: a TOML integer as a float for a float key."""
+        return float(value) if self.kind is float else value
+
+    def _checked(self, value: object) -> object:
+        lo = -math.inf if self.lo is None else self.lo
+        hi = math.inf if self.hi is None else self.hi
+        if self.choices:
+            return check_choice(self.name, value, self.choices)
+        if self.kind is float:
+            return check_float(self.name, value, lo, hi)
+        if self.kind is int:
+            return check_int(self.name, value, lo, hi)
+        return check_str(self.name, value)
 
 
 def doc_field(default: Any, doc: str, lo: float | None = None, hi: float | None = None) -> Any:
@@ -16,28 +65,19 @@ def doc_field(default: Any, doc: str, lo: float | None = None, hi: float | None 
     return field(default=default, metadata={"doc": doc, "lo": lo, "hi": hi})
 
 
+_TYPES: dict[str, type[int] | type[float] | type[str]] = {"int": int, "float": float, "str": str}
+
+
+def field_key(f: dataclasses.Field[Any]) -> Key:
+    """The ``Key`` a ``doc_field`` describes (its type from the annotation)."""
+    kind = _TYPES[str(f.type).removesuffix(" | None")]  # TOML has no None: a file sets a value or nothing
+    return Key(f.name, kind, f.metadata["lo"], f.metadata["hi"], f.metadata["doc"])
+
+
 def suggest(key: str, known: list[str]) -> str:
     """The fix for an unknown key: the nearest known one, else the list."""
     close = difflib.get_close_matches(key, known, n=1)
     return f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(sorted(known))}"
-
-
-_TYPES: dict[str, type] = {"int": int, "float": float, "str": str}
-
-
-def check_value(table: str, f: dataclasses.Field[Any], value: Any) -> list[str]:
-    """``value`` for field ``f`` of ``[table]``: its type and bounds."""
-    want = _TYPES[str(f.type).removesuffix(" | None")]  # TOML has no None: a file sets a value or nothing
-    where = f"[{table}] {f.name} = {value!r}"
-    ok = isinstance(value, want) or (want is float and isinstance(value, int))
-    if not ok or isinstance(value, bool):
-        return [f"{where}: must be {want.__name__}. {f.metadata['doc']}"]
-    lo, hi = f.metadata["lo"], f.metadata["hi"]
-    if isinstance(value, float) and not math.isfinite(value):  # NaN is neither below nor above a bound
-        return [f"{where}: not a finite number; use a value in [{lo}, {hi}]. {f.metadata['doc']}"]
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        return [f"{where}: out of range; use a value in [{lo}, {hi}]. {f.metadata['doc']}"]
-    return []
 
 
 def non_finite_errors(table: str, values: dict[str, Any]) -> list[str]:

@@ -1,8 +1,8 @@
 """config.toml -> frozen dataclasses, validated once (STYLE.md practice 7).
 
-One dataclass per table. Every field documents itself (``doc``) and its bounds; errors name the key,
-the value and the fix. ``load_config`` collects every error before raising, so an operator fixes the
-file in one pass.
+One dataclass per table. Every field documents itself (``doc``) and its bounds, read back as a ``Key``
+(``fields.py``) that checks a value; errors name the key, the value and the fix. ``load_config``
+collects every error before raising, so an operator fixes the file in one pass.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from controller.admission.classes import (
     PRIORITY_MIN,
     PriorityBounds,
     PriorityClass,
-    parse_classes,
 )
 from controller.config.checks import (
     cross_table_errors,
@@ -29,9 +28,9 @@ from controller.config.checks import (
     policy_errors,
     server_option_errors,
 )
-from controller.config.fields import check_value as _check_value
+from controller.config.classes_table import parse_classes
 from controller.config.fields import doc_field as _f
-from controller.config.fields import non_finite_errors
+from controller.config.fields import field_key, non_finite_errors
 from controller.config.fields import suggest as _suggest
 from controller.config.secrets import redact, scrub
 from controller.config.slo_table import SloTargets, cost_profile_errors, describe_slo, parse_slo
@@ -151,7 +150,7 @@ class AdmissionConfig:
     )
     classes: tuple[PriorityClass, ...] = field(
         default=DEFAULT_CLASSES,
-        metadata={"doc": "[admission.classes.NAME]: priority classes (see controller/admission/classes.py)."},
+        metadata={"doc": "[admission.classes.NAME]: priority classes (controller/config/classes_table.py)."},
     )
 
     @property
@@ -333,7 +332,7 @@ _DICT_FIELDS = {"vllm", "params", "classes"}
 
 def _build_table(name: str, raw: dict[str, Any], errors: list[str]) -> Any:
     cls = _TABLES[name]
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in _DICT_FIELDS}
+    keys = {f.name: field_key(f) for f in dataclasses.fields(cls) if f.name not in _DICT_FIELDS}
     kwargs: dict[str, Any] = {}
     free: dict[str, Any] = {}
     for key, value in raw.items():
@@ -344,15 +343,15 @@ def _build_table(name: str, raw: dict[str, Any], errors: list[str]) -> Any:
                 errors.append("[control] params must be a table: write [control.params]")
         elif name == "admission" and key == "classes":
             kwargs["classes"] = parse_classes(value, errors)
-        elif key in fields:
-            problems = _check_value(name, fields[key], value)
+        elif key in keys:
+            problems = keys[key].check(name, value)
             errors.extend(problems)
             if not problems:
-                kwargs[key] = float(value) if str(fields[key].type).startswith("float") else value
+                kwargs[key] = keys[key].typed(value)
         elif name == "server":
             free[key] = value  # a vLLM front-end option, checked against vLLM's parser below
         else:
-            errors.append(f"[{name}] unknown key '{key}': {_suggest(key, list(fields))}")
+            errors.append(f"[{name}] unknown key '{key}': {_suggest(key, list(keys))}")
     if name == "server":
         kwargs["vllm"] = free
     return cls(**kwargs)

@@ -15,20 +15,29 @@ file keeps its 5 s / 60 s deadlines beside its 5 s TTFT bound. A deadline below 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
 from controller.admission.classes import PriorityClass
+from controller.config.fields import Key, suggest
 from policies.slo_targets import SloBound, SloTargets
 
 __all__ = ["SloTargets", "cost_profile_errors", "describe_slo", "parse_slo", "wait_bounds"]
 
-KEYS: dict[str, tuple[float, float, str]] = {
-    "ttft_s": (0.001, 86_400, "longest time to first token of a good request, queueing included"),
-    "tpot_s": (0.0001, 60, "longest mean time per output token of a good request"),
+KEYS: dict[str, Key] = {
+    key.name: key
+    for key in (
+        Key(
+            "ttft_s",
+            float,
+            0.001,
+            86_400,
+            "Longest time to first token of a good request, queueing included, in seconds.",
+        ),
+        Key("tpot_s", float, 0.0001, 60, "Longest mean time per output token of a good request, in seconds."),
+    )
 }
-"""``[slo]`` keys: bounds (inclusive) and what each means."""
+"""``[slo]`` keys, both required."""
 
 
 def parse_slo(raw: Any, classes: Sequence[PriorityClass], errors: list[str]) -> SloTargets | None:
@@ -42,22 +51,17 @@ def parse_slo(raw: Any, classes: Sequence[PriorityClass], errors: list[str]) -> 
     values: dict[str, float] = {}
     for key, value in raw.items():
         if key not in KEYS:
-            errors.append(f"[slo] unknown key '{key}': known keys: {', '.join(KEYS)}")
+            errors.append(f"[slo] unknown key '{key}': {suggest(key, list(KEYS))}")
             continue
-        lo, hi, doc = KEYS[key]
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            errors.append(f"[slo] {key} = {value!r}: must be a number of seconds ({doc})")
-        elif not math.isfinite(value):
-            errors.append(f"[slo] {key} = {value!r}: not a finite number; use one in [{lo}, {hi}] ({doc})")
-        elif not lo <= value <= hi:
-            errors.append(f"[slo] {key} = {value!r}: out of range; use a value in [{lo}, {hi}] ({doc})")
-        else:
-            values[key] = float(value)
-    for key, (_, _, doc) in KEYS.items():
-        if key not in raw:
+        problems = KEYS[key].check("slo", value)
+        errors.extend(problems)
+        if not problems:
+            values[key] = KEYS[key].typed(value)
+    for key in KEYS.values():
+        if key.name not in raw:
             errors.append(
-                f"[slo] {key} is missing: a request is good when both ttft_s and tpot_s hold; "
-                f"set it in seconds ({doc})"
+                f"[slo] {key.name} is missing: a request is good when both ttft_s and tpot_s hold; "
+                f"set it. {key.doc}"
             )
     if len(values) < len(KEYS):
         return None

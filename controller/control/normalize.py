@@ -25,6 +25,7 @@ from controller.control.knobs import (
     cap_bounds,
 )
 from policies.base import Decision, Observation
+from policies.common import check_float, check_int, check_step
 
 Move = tuple[str, int, int, str]
 """(knob, old, new, reason); knob is a ``Knob``'s name (``control/knobs.py``)."""
@@ -83,6 +84,8 @@ class Normalizer:
     is a fraction of the value in force (0.5 = 50 %, at least 1), a whole number >= 1 is absolute.
     ``stabilization_s`` 0.0: the scale-down window in seconds.
     ``urgent_reasons`` ("kv_critical", "preemptions"): reasons exempt from stages 2-5.
+    A bad parameter raises ``PolicyError`` (a ValueError) from ``policies/common.py``'s checks, the
+    ones every policy's parameters pass.
 
     States: per knob the recommendations inside the stabilisation window, and the direction and time
     of its last move.
@@ -101,16 +104,14 @@ class Normalizer:
         stabilization_s: float = 0.0,
         urgent_reasons: Iterable[str] = URGENT_REASONS,
     ) -> None:
-        if isinstance(limit_max, bool) or not isinstance(limit_max, int) or limit_max < 1:
-            raise ValueError(f"limit_max = {limit_max!r}: must be an integer >= 1")
-        self.limit_max = limit_max
-        self.limit_min = _check_floor("limit_min", limit_min, limit_max)
-        self.cap_min = _check_floor("cap_min", cap_min, None)
-        self.tolerance = _check_number("tolerance", tolerance)
-        self.reverse_after_s = _check_number("reverse_after_s", reverse_after_s)
-        self.max_step_up = _check_step("max_step_up", max_step_up)
-        self.max_step_down = _check_step("max_step_down", max_step_down)
-        self.stabilization_s = _check_number("stabilization_s", stabilization_s)
+        self.limit_max = check_int("limit_max", limit_max, 1)
+        self.limit_min = check_int("limit_min", limit_min, 1, limit_max)  # a floor under its ceiling
+        self.cap_min = check_int("cap_min", cap_min, 1)
+        self.tolerance = check_float("tolerance", tolerance, 0.0)
+        self.reverse_after_s = check_float("reverse_after_s", reverse_after_s, 0.0)
+        self.max_step_up = check_step("max_step_up", max_step_up)
+        self.max_step_down = check_step("max_step_down", max_step_down)
+        self.stabilization_s = check_float("stabilization_s", stabilization_s, 0.0)
         self.urgent_reasons = frozenset(urgent_reasons)
         self._recommendations: dict[str, deque[tuple[float, int]]] = {knob.name: deque() for knob in KNOBS}
         self._last_move: dict[str, tuple[int, float]] = {}
@@ -231,24 +232,3 @@ def _step(limit: float, current: int) -> int | None:
     if limit == 0:
         return None
     return max(1, math.ceil(current * limit)) if limit < 1 else int(limit)
-
-
-def _check_number(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-        raise ValueError(f"{name} = {value!r}: must be a number >= 0")
-    return float(value)
-
-
-def _check_floor(name: str, value: object, ceiling: int | None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} = {value!r}: must be an integer >= 1")
-    if ceiling is not None and value > ceiling:
-        raise ValueError(f"{name} = {value!r}: above the ceiling {ceiling}; lower it")
-    return value
-
-
-def _check_step(name: str, value: object) -> float:
-    step = _check_number(name, value)
-    if step >= 1 and step != int(step):
-        raise ValueError(f"{name} = {value!r}: use a whole number of requests, or a fraction below 1")
-    return step

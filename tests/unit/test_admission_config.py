@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from controller.admission.classes import DEFAULT_CLASSES, PriorityClass, parse_classes
+from controller.admission.classes import DEFAULT_CLASSES, PriorityClass
+from controller.config.classes_table import parse_classes
 from controller.config.load import ConfigError, load_config
 from controller.lifecycle.daemon import Daemon
 from tests.helpers import write_config

@@ -304,7 +304,7 @@ def test_unknown_policy_lists_the_registered_names() -> None:
         ({"preset": "nope"}, ["[control] policy = 'static'", "preset = 'nope'", "interactive"]),
         (
             {"max_num_active_seqs": 0},
-            ["[control] policy = 'static'", "max_num_active_seqs = 0: must be an integer >= 1"],
+            ["[control] policy = 'static'", "max_num_active_seqs = 0: out of range; use a value >= 1"],
         ),
         ({"bogus": 1}, ["[control.params] for policy 'static'", "'bogus'"]),
     ],

@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from controller.admission.classes import _KEYS as CLASS_KEYS
 from controller.config import reference
+from controller.config.classes_table import KEYS as CLASS_KEYS
 from controller.config.load import _DICT_FIELDS, _TABLES
 from controller.config.slo_table import KEYS as SLO_KEYS
 

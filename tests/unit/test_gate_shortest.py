@@ -8,9 +8,10 @@ import asyncio
 
 import pytest
 
-from controller.admission.classes import PriorityClass, parse_classes
+from controller.admission.classes import PriorityClass
 from controller.admission.gate import AdmissionGate, GateRejected, Slot
 from controller.clock import FakeClock
+from controller.config.classes_table import parse_classes
 from tests.helpers import settle
 
 SHORTEST = PriorityClass("interactive", max_priority=0, max_queue=100, queue_deadline_s=2.0, order="shortest")
@@ -131,8 +132,8 @@ def test_the_class_table_reads_the_order_and_names_the_choices() -> None:
     assert classes[0].shortest_first
     parse_classes({"chat": {"order": "longest"}}, errors)
     assert errors == [
-        "[admission.classes.chat] order = 'longest': must be one of 'arrival', 'shortest' "
-        "(who of the class's waiters goes first: arrival, or the shortest prompt)"
+        "[admission.classes.chat] order = 'longest': must be one of 'arrival', 'shortest'. "
+        "Who of the class's waiters goes first: arrival, or the shortest prompt."
     ]
     errors.clear()
     parse_classes({"chat": {"ordr": "shortest"}}, errors)

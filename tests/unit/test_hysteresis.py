@@ -152,15 +152,15 @@ def test_idle_restore_returns_the_cap_to_the_ceiling_after_idle_restore_s() -> N
     [
         ({"low": 0.9, "high": 0.8}, "need low < high <= critical"),
         ({"critical": 0.9}, "need low < high <= critical"),
-        ({"high": 1.5}, "high = 1.5: must be >= 0.0 and <= 1.0"),
-        ({"low": "a lot"}, "low = 'a lot': must be a number"),
-        ({"kv_source": "p99"}, "kv_source = 'p99': use one of 'mean', 'latest', 'max'"),
+        ({"high": 1.5}, "high = 1.5: out of range; use a value in [0.0, 1.0]"),
+        ({"low": "a lot"}, "low = 'a lot': must be float"),
+        ({"kv_source": "p99"}, "kv_source = 'p99': must be one of 'mean', 'latest', 'max'"),
         ({"gpu_low": 0.9, "gpu_high": 0.8}, "need gpu_low < gpu_high"),
-        ({"step": 0}, "step = 0: must be >= 1"),
-        ({"step": True}, "step = True: must be an integer"),
-        ({"cut_factor": 1.0}, "cut_factor = 1.0: must be > 0.0 and <= 0.99"),
-        ({"min_cap": 65}, "min_cap = 65: must be >= 1 and <= 64"),
-        ({"stale_after_s": 0}, "stale_after_s = 0: must be > 0.0"),
+        ({"step": 0}, "step = 0: out of range; use a value >= 1"),
+        ({"step": True}, "step = True: must be int"),
+        ({"cut_factor": 1.0}, "cut_factor = 1.0: out of range; use a value in (0.0, 0.99]"),
+        ({"min_cap": 65}, "min_cap = 65: out of range; use a value in [1, 64]"),
+        ({"stale_after_s": 0}, "stale_after_s = 0: out of range; use a value > 0.0"),
     ],
 )
 def test_bad_params(params: dict[str, Any], message: str) -> None:

@@ -198,14 +198,17 @@ def test_params() -> None:
 @pytest.mark.parametrize(
     ("params", "message"),
     [
-        ({"limit_max": 0}, "limit_max = 0: must be an integer >= 1"),
-        ({"limit_max": 10, "tolerance": -0.1}, "tolerance = -0.1: must be a number >= 0"),
-        ({"limit_max": 10, "max_step_up": 2.5}, "max_step_up = 2.5: use a whole number"),
-        ({"limit_max": 10, "max_step_down": True}, "max_step_down = True: must be a number >= 0"),
-        ({"limit_max": 10, "stabilization_s": "30s"}, "stabilization_s = '30s': must be a number >= 0"),
-        ({"limit_max": 10, "reverse_after_s": -1}, "reverse_after_s = -1: must be a number >= 0"),
-        ({"limit_max": 10, "cap_min": 0}, "cap_min = 0: must be an integer >= 1"),
-        ({"limit_max": 10, "limit_min": 11}, "limit_min = 11: above the ceiling 10"),
+        ({"limit_max": 0}, "limit_max = 0: out of range; use a value >= 1"),
+        ({"limit_max": 10, "tolerance": -0.1}, "tolerance = -0.1: out of range; use a value >= 0.0"),
+        (
+            {"limit_max": 10, "max_step_up": 2.5},
+            "max_step_up = 2.5: not a whole number; use a whole number, or a fraction below 1",
+        ),
+        ({"limit_max": 10, "max_step_down": True}, "max_step_down = True: must be float"),
+        ({"limit_max": 10, "stabilization_s": "30s"}, "stabilization_s = '30s': must be float"),
+        ({"limit_max": 10, "reverse_after_s": -1}, "reverse_after_s = -1: out of range; use a value >= 0.0"),
+        ({"limit_max": 10, "cap_min": 0}, "cap_min = 0: out of range; use a value >= 1"),
+        ({"limit_max": 10, "limit_min": 11}, "limit_min = 11: out of range; use a value in [1, 10]"),
     ],
 )
 def test_bad_params(params: dict[str, Any], message: str) -> None:

@@ -208,14 +208,14 @@ def test_params() -> None:
 @pytest.mark.parametrize(
     ("params", "message"),
     [
-        ({"target": "ttft_p50"}, "target = 'ttft_p50': use one of 'kv_usage', 'ttft_p99', 'itl_p99'"),
+        ({"target": "ttft_p50"}, "target = 'ttft_p50': must be one of 'kv_usage', 'ttft_p99', 'itl_p99'"),
         ({"target": "ttft_p99", "setpoint": None}, "target = 'ttft_p99' needs a setpoint (seconds)"),
-        ({"setpoint": 1.5}, "setpoint = 1.5: must be > 0.0 and <= 1.0"),
-        ({"setpoint": 0}, "setpoint = 0: must be > 0.0"),
-        ({"kp": -1}, "kp = -1: must be >= 0.0"),
-        ({"deadband": 1.0}, "deadband = 1.0: must be >= 0.0 and <= 0.99"),
-        ({"min_cap": 0}, "min_cap = 0: must be >= 1 and <= 65"),
-        ({"limit_headroom": -1}, "limit_headroom = -1: must be >= 0"),
+        ({"setpoint": 1.5}, "setpoint = 1.5: out of range; use a value in (0.0, 1.0]"),
+        ({"setpoint": 0}, "setpoint = 0: out of range; use a value in (0.0, 1.0]"),
+        ({"kp": -1}, "kp = -1: out of range; use a value >= 0.0"),
+        ({"deadband": 1.0}, "deadband = 1.0: out of range; use a value in [0.0, 0.99]"),
+        ({"min_cap": 0}, "min_cap = 0: out of range; use a value in [1, 65]"),
+        ({"limit_headroom": -1}, "limit_headroom = -1: out of range; use a value >= 0"),
     ],
 )
 def test_bad_params(params: dict[str, Any], message: str) -> None:

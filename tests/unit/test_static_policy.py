@@ -13,6 +13,7 @@ from tests.helpers import idle_obs
 
 MAX_NUM_SEQS = 64
 INITIAL_LIMIT = 100
+PRESET_NAMES = "'interactive', 'throughput', 'mixed', 'small'"
 
 
 def observation(**overrides: Any) -> Observation:
@@ -102,16 +103,16 @@ def test_presets_table() -> None:
 @pytest.mark.parametrize(
     ("params", "message"),
     [
-        ({"preset": "nope"}, "preset = 'nope': use one of interactive, throughput, mixed, small"),
-        ({"preset": 5}, "preset = 5: use one of interactive, throughput, mixed, small"),
-        ({"preset": ["small"]}, "preset = ['small']: use one of interactive, throughput, mixed, small"),
-        ({"max_num_active_seqs": 0}, "max_num_active_seqs = 0: must be an integer >= 1"),
-        ({"max_num_active_seqs": -4}, "max_num_active_seqs = -4: must be an integer >= 1"),
-        ({"max_num_active_seqs": "32"}, "max_num_active_seqs = '32': must be an integer >= 1"),
-        ({"max_num_active_seqs": True}, "max_num_active_seqs = True: must be an integer >= 1"),
-        ({"admission_limit": 1.5}, "admission_limit = 1.5: must be an integer >= 1"),
-        ({"max_num_scheduled_tokens": 0}, "max_num_scheduled_tokens = 0: must be an integer >= 1"),
-        ({"preset": "small", "admission_limit": 0}, "admission_limit = 0: must be an integer >= 1"),
+        ({"preset": "nope"}, f"preset = 'nope': must be one of {PRESET_NAMES}"),
+        ({"preset": 5}, f"preset = 5: must be one of {PRESET_NAMES}"),
+        ({"preset": ["small"]}, f"preset = ['small']: must be one of {PRESET_NAMES}"),
+        ({"max_num_active_seqs": 0}, "max_num_active_seqs = 0: out of range; use a value >= 1"),
+        ({"max_num_active_seqs": -4}, "max_num_active_seqs = -4: out of range; use a value >= 1"),
+        ({"max_num_active_seqs": "32"}, "max_num_active_seqs = '32': must be int"),
+        ({"max_num_active_seqs": True}, "max_num_active_seqs = True: must be int"),
+        ({"admission_limit": 1.5}, "admission_limit = 1.5: must be int"),
+        ({"max_num_scheduled_tokens": 0}, "max_num_scheduled_tokens = 0: out of range; use a value >= 1"),
+        ({"preset": "small", "admission_limit": 0}, "admission_limit = 0: out of range; use a value >= 1"),
         (
             {"bogus": 1},
             "[control.params] for policy 'static': unknown parameter 'bogus': its parameters: "
