@@ -285,6 +285,22 @@ async def engine_limits(
     return limits, 1000
 
 
+ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "scheduling_policy")
+"""The profile's ``[engine]`` settings a daemon's config file sets (``--config``'s daemon runs with them)."""
+
+
+def config_limits(config: Path, flags: dict[str, Any]) -> dict[str, Any]:
+    """The engine limits to record for our daemon started with ``config``: what its ``[engine]`` sets,
+    under the command line's ``flags`` (a flag given wins). Without this the profile recorded the
+    flags' defaults (``max_num_seqs`` 256, ``fcfs``) for a daemon that ran 64 under ``priority``,
+    and the calibration measured decode batches the daemon's cap never runs."""
+    engine = load_base_config(config)["engine"]
+    return {
+        **{k: engine[k] for k in ENGINE_KEYS if k in engine},
+        **{k: v for k, v in flags.items() if v is not None},
+    }
+
+
 @contextmanager
 def our_daemon(config: Path, workdir: Path) -> Iterator[Launched]:
     """Our daemon with ``config``'s tables (its own ``[control]``, params included) on free ports,

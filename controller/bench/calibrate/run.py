@@ -71,6 +71,7 @@ from controller.bench.calibrate.measure import (
     CalibrationPlan,
     LoadPhase,
     Measurements,
+    config_limits,
     engine_limits,
     measure,
     our_daemon,
@@ -320,6 +321,7 @@ def main(args: argparse.Namespace) -> int:
         if args.config is None:
             profile = calibrate(args.url, args.metrics_url, args.out, name, plan, overrides, described)
         else:
+            overrides = config_limits(args.config, overrides)
             with our_daemon(args.config, args.out.parent / f"{args.out.stem}-logs") as server:
                 url, metrics = server.base_url, server.metrics_url
                 profile = calibrate(url, metrics, args.out, name, plan, overrides, described)
