@@ -16,6 +16,7 @@ online fit learns one (recursive least squares over the engine's steps) and hand
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -59,6 +60,17 @@ class StepCoefficients:
     def vector(self) -> tuple[float, float, float, float]:
         """The four coefficients in ``TERMS`` order: a fit's parameter vector (``StepCostModel``)."""
         return self.a_s, self.b_s_per_prefill_token, self.c_s_per_decode_seq, self.d_s_per_kv_token
+
+    @classmethod
+    def of(cls, values: Iterable[Any]) -> StepCoefficients:
+        """``vector``'s inverse: the four in ``TERMS`` order, each as a float (a fit's numpy values)."""
+        a, b, c, d = (float(v) for v in values)
+        return cls(a, b, c, d)
+
+    @classmethod
+    def from_terms(cls, terms: Mapping[str, Any]) -> StepCoefficients:
+        """``coefficients``' inverse: the four by term name (a profile's ``[cost]``, a state file's)."""
+        return cls.of(terms[term] for term in TERMS)
 
 
 def knee_batch(a_s: float, per_seq_s: float, share: float) -> int:

@@ -86,7 +86,7 @@ class FitCheck:
         if len(y) < 4:
             return None
         coefficients, *_ = np.linalg.lstsq(x / y[:, None], np.ones(len(y)), rcond=None)
-        return StepCoefficients(*(float(v) for v in coefficients))
+        return StepCoefficients.of(coefficients)
 
     def report(self, live: StepCoefficients) -> dict[str, Any]:
         """For /state: the steps seen since the start, and the start, live and best fits' median

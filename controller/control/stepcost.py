@@ -283,7 +283,7 @@ class StepCostModel:
     @property
     def coefficients(self) -> StepCoefficients:
         """The fit now, in the twin's and the policies' vocabulary."""
-        return StepCoefficients(*(float(v) for v in self._theta / SCALES))
+        return StepCoefficients.of(self._theta / SCALES)
 
     def predict_step(self, prefill_tokens: int, decode_seqs: int, kv_tokens: int) -> float:
         """The fit's step time for these features (``StepCoefficients.step_s``)."""

@@ -29,7 +29,7 @@ from controller.control.stepcost import CostPrior, StepCostModel
 from controller.control.warmfit import PRIOR_SAMPLES, plan, seed_from_warm_up
 from controller.engine.runtime import warmup
 from controller.engine.runtime.host import EngineHost
-from policies.cost import TERMS, StepCoefficients
+from policies.cost import StepCoefficients
 
 log = structlog.get_logger(__name__)
 
@@ -73,7 +73,7 @@ def read_state(path: Path, key: dict[str, Any]) -> StepCoefficients | None:
         data = json.loads(path.read_text())
         if data.get("version") != STATE_FILE_VERSION or data.get("key") != key:
             return None
-        return StepCoefficients(*(float(data["coefficients"][term]) for term in TERMS))
+        return StepCoefficients.from_terms(data["coefficients"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

@@ -240,7 +240,7 @@ def parse_profile(text: str, where: str) -> Profile:
     variance = parse_variance(data.get("variance", {}), where)
     return Profile(
         name=str(data.get("name", Path(where).stem)),
-        cost=StepCoefficients(*(coef[term] for term in TERMS)),
+        cost=StepCoefficients.from_terms(coef),
         engine=engine,
         description=str(data.get("description", "")),
         hardware=str(data.get("hardware", "")),
