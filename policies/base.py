@@ -94,6 +94,10 @@ class Observation:
     """Prompt tokens per output token the requests started lately asked for (``max_tokens``): the
     load's prefill mix before the engine's steps measure it, every prompt token counted (an upper
     bound: the prefix cache's hits are not known here). None before any request said both."""
+    tpot_shares: tuple[tuple[int, float], ...] = ()
+    """(``served_total`` when it was served, its TPOT over its class's ``[slo]`` TPOT bound) of the
+    last requests served with a TPOT (``control/outcomes.OutcomeLedger.tpot_shares``): how near the
+    bound their pace ran. Empty without ``[slo]``."""
     cost: CostEstimate | None = None
     """The online step-cost model's fit (``controller/control/stepcost.py``); None where none runs.
     A policy steering by it holds its knobs while ``cost.ready`` is False and says ``cost.reason``."""

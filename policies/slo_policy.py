@@ -28,6 +28,11 @@ MISS_TEST_P = 0.1
 requests for minutes."""
 
 
+TRIM_FLOOR = 0.95
+"""The most a look's pace trims the margin by: a TPOT p90 is a noisy figure of 10-50 requests, and a
+miss (``margin_down``) is the evidence for a larger cut."""
+
+
 def beyond_chance(missed: int, seen: int, share: float) -> bool:
     """Whether ``missed`` of ``seen`` is more than a true ``share`` gives with probability
     ``MISS_TEST_P`` (the binomial upper tail)."""
@@ -54,7 +59,9 @@ class SloPolicy(Policy):
        ``min_prefill_tokens``, or fewer where they would take more than half of ``tau - a``
        (``floor((tau - a) / 2b)``, at least 1: a CPU, where a token of prefill costs milliseconds).
     3. batch cap ``min(N_tpot, N_kv)``: ``N_tpot = floor((tau - a - b*R) / (c + d*k))``,
-       the largest batch whose decode step (with the prefill reserve) is within ``tau``;
+       the largest batch whose decode step (with the prefill reserve) is within ``tau`` (``margin``
+       1.0: a decode step past the TPOT bound cannot give a mean within it; below that, what runs
+       is the mean margin's to bound, step 4);
        ``N_kv = floor(kv_target * D / kv_usage)``, what the cache holds without preemption. The KV of
        one sequence is estimated from the observation as its mean share of the cache,
        ``kv_usage / D`` (the latest step's usage over the latest running count), so no cache size is
@@ -95,7 +102,11 @@ class SloPolicy(Policy):
     end before the next count starts: they ran under the old margin (or the cap alone), and judging
     the new one by them moves it twice for one cause. A too careful margin shows as refusals and
     queued misses (the limit holds the queue in the gate); a bold one as misses in the engine, which
-    good requests then pay for in TPOT.
+    good requests then pay for in TPOT. A count of misses says only that none passed the bound, not
+    how near it they ran: at a look where ``margin_min_samples`` or more of those served said a TPOT
+    (``Observation.tpot_shares``, as a share of their class's bound) and no cut is due, a p90 above
+    ``tpot_target`` trims the margin by ``max(TRIM_FLOOR, tpot_target / p90)``, and a raise that
+    would carry it past (``p90 * margin_up > tpot_target``) holds.
 
     The policy asks for targets; the normalize stage (``controller/control/normalize.py``) clamps them
     (``[control] max_num_active_seqs_min``, ``limit_min``), drops moves within ``tolerance`` of the
@@ -103,13 +114,13 @@ class SloPolicy(Policy):
     here are noisy, so the policy names its own defaults for the first two (``normalize_defaults``:
     tolerance 0.1, a reversal held 30 s), which ``[control]`` overrides.
 
-    Parameters (defaults): ``margin`` 0.9; ``budget_margin`` 0.9 (``margin`` of the token budget's
+    Parameters (defaults): ``margin`` 1.0; ``budget_margin`` 0.9 (``margin`` of the token budget's
     step); ``kv_target`` 0.9; ``kv_min_running`` 4; ``min_prefill_tokens`` 64; ``headroom`` 0.1;
     ``min_headroom`` 2; ``stale_after_s`` 5.0; ``knee_share`` 0.05; ``mean_margin`` 0.7,
     ``mean_margin_min`` 0.2, ``mean_margin_max`` 1.0, ``margin_samples`` 50, ``margin_look_s`` 10.0,
-    ``margin_min_samples`` 10, ``miss_low`` 0.01,
-    ``miss_high`` 0.03, ``margin_up`` 1.05, ``margin_down`` 0.8. ``slo`` is passed by the builder from
-    ``[slo]`` (not a ``[control.params]`` key).
+    ``margin_min_samples`` 10, ``miss_low`` 0.01, ``miss_high`` 0.03, ``margin_up`` 1.05,
+    ``margin_down`` 0.8, ``tpot_target`` 0.9. ``slo`` is passed by the builder from ``[slo]`` (not a
+    ``[control.params]`` key).
 
     States: the learned mean margin, the served and missed counts at its last look, and whether it
     bounded the concurrency since.
@@ -122,7 +133,7 @@ class SloPolicy(Policy):
         "margin mean_margin budget_margin kv_target kv_min_running min_prefill_tokens "
         "headroom min_headroom stale_after_s knee_share "
         "mean_margin_min mean_margin_max margin_samples margin_look_s margin_min_samples "
-        "miss_low miss_high margin_up margin_down".split()
+        "miss_low miss_high margin_up margin_down tpot_target".split()
     )
 
     def __init__(
@@ -131,7 +142,7 @@ class SloPolicy(Policy):
         max_num_seqs: int,
         initial_limit: int,
         slo: SloTargets | None = None,
-        margin: float = 0.9,
+        margin: float = 1.0,
         mean_margin: float = 0.7,
         budget_margin: float = 0.9,
         kv_target: float = 0.9,
@@ -150,6 +161,7 @@ class SloPolicy(Policy):
         miss_high: float = 0.03,
         margin_up: float = 1.05,
         margin_down: float = 0.8,
+        tpot_target: float = 0.9,
     ) -> None:
         self.max_num_seqs, self.slo = max_num_seqs, slo
         self.margin = check_float("margin", margin, 0.0, 10.0, lo_open=True)
@@ -176,6 +188,7 @@ class SloPolicy(Policy):
         self.miss_high = check_float("miss_high", miss_high, self.miss_low, 1.0)
         self.margin_up = check_float("margin_up", margin_up, 1.0, 10.0)
         self.margin_down = check_float("margin_down", margin_down, 0.0, 1.0, lo_open=True)
+        self.tpot_target = check_float("tpot_target", tpot_target, 0.0, 1.0, lo_open=True)
         self.margin_live = self.mean_margin
         """The learned mean margin, what ``_concurrency`` plans with."""
         self._mark: tuple[int, int, int] | None = None
@@ -314,17 +327,37 @@ class SloPolicy(Policy):
             move, said = 1, said + (f" < {self.miss_low:.0%}" if share < self.miss_low else lost)
         else:
             said += f" within [{self.miss_low:.0%}, {self.miss_high:.0%}] but for chance, {shed} refused"
+        paced, trim = self._paced(obs.tpot_shares, self._mark[0]), None
+        if move >= 0 and paced is not None and paced * self.margin_up > self.tpot_target:
+            # the served requests' pace says what the count of misses does not: how near the bound
+            # they ran. A raise that would carry the look's p90 past tpot_target holds; past it the
+            # margin trims by the share it overshot (SmolLM2 at 12 req/s: 18 running took the p90 to
+            # 0.97 of 80 ms and served fewer than 16 at 0.88, with no miss counted)
+            said += f", TPOT p90 {paced:.2f} of its bound"
+            if paced <= self.tpot_target:
+                move, said = 0, f"{said} x {self.margin_up:g} > {self.tpot_target:g}"
+            else:
+                move, trim = -1, max(TRIM_FLOOR, self.tpot_target / paced)
+                said = f"{said} > {self.tpot_target:g}"
         if move and not self._margin_bound:  # the cap or the KV bound what ran: not the margin's doing
             said += ", it did not bound runs"
         elif move > 0:
             new, said = min(self.mean_margin_max, m * self.margin_up), f"{said}, it bounded runs"
         elif move < 0:
-            new = max(self.mean_margin_min, m * self.margin_down)
+            new = max(self.mean_margin_min, m * (trim or self.margin_down))
         self.margin_live = new
         self._mark, self._margin_bound, self._mark_t = (served, missed, refused), False, obs.now_mono
         if new != m:
             self._settle_until = served + obs.in_flight
         return f"margin {m:.2f} -> {new:.2f}: {said}" if new != m else f"margin {m:.2f}: {said}"
+
+    def _paced(self, shares: tuple[tuple[int, float], ...], since: int) -> float | None:
+        """The 90th percentile of the TPOT, as a share of its bound, of the requests served after
+        ``since`` (a look's); None where fewer than ``margin_min_samples`` said one."""
+        look = sorted(x for i, x in shares if i > since)
+        if len(look) < self.margin_min_samples:
+            return None
+        return look[math.ceil(0.9 * len(look)) - 1]
 
     def _reserve(self, cost: CostEstimate, tau: float) -> int:
         """Prefill tokens every step keeps room for: ``min_prefill_tokens``, or on hardware where they

@@ -43,6 +43,8 @@ class OutcomeTotals(Protocol):
 
     def asked_prefill_per_decode(self) -> float | None: ...
 
+    def tpot_shares(self) -> tuple[tuple[int, float], ...]: ...
+
 
 class StatsWindow(Protocol):
     def snapshot(self) -> EngineStats: ...
@@ -125,6 +127,7 @@ def build_observation(
         refused_total=outcomes.refused_total if outcomes else 0,
         answer_tokens=outcomes.answer_tokens() if outcomes else None,
         asked_prefill_per_decode=outcomes.asked_prefill_per_decode() if outcomes else None,
+        tpot_shares=outcomes.tpot_shares() if outcomes else (),
     )
 
 

@@ -60,6 +60,9 @@ twin's H200 code phase, answers of 9 tokens and fewer, missed its TPOT bound 132
 ASKED_RECENT = 32
 """The requests started lately whose ``max_tokens`` bound ``answer_tokens``: a few seconds of a busy
 engine (in the twin's H200 phases, from chat to code, 32 gave 11.77 good req/s, 64 gave 11.74)."""
+TPOT_SHARES = 256
+"""Served requests whose TPOT, as a share of their class's bound, ``tpot_shares`` keeps: a look of
+the slo policy's margin reads those served since its last (50 at most, or ten seconds' worth)."""
 MAX_STARTED = 65_536
 """Requests remembered between ``started`` and their end; past it the oldest are forgotten (a request
 vLLM never reports finished must not grow the ledger without bound)."""
@@ -133,6 +136,9 @@ class OutcomeLedger:
         self.queued_missed_total = 0
         """Of ``missed_total``, TTFT misses that spent most of their TTFT before the engine (in the
         gate's queue): a shortfall of capacity, as a refusal is, not of the engine's pace."""
+        self._tpot_shares: deque[tuple[int, float]] = deque(maxlen=TPOT_SHARES)
+        """(``served_total`` when it was served, its TPOT over its class's TPOT bound) of the last
+        requests served with a TPOT (two tokens or more) under ``[slo]``."""
         self._answers: deque[int] = deque(maxlen=ANSWER_SAMPLES)
         """Output tokens of the last requests served (``answer_tokens``)."""
         self._asked: deque[int] = deque(maxlen=ANSWER_SAMPLES)
@@ -212,6 +218,8 @@ class OutcomeLedger:
             # never cutting the margin, the limit of all the others (the third review's finding 4)
             steering = outcome if entry.own_ttft_s is None else served_outcome(ttft_s, tpot_s, cls_bound)
             self.served_total += 1
+            if tpot_s is not None and cls_bound is not None and cls_bound.tpot_s > 0:
+                self._tpot_shares.append((self.served_total, tpot_s / cls_bound.tpot_s))
             self.missed_total += steering != "good"
             self.queued_missed_total += steering == "ttft_missed" and entry.before_engine_s > engine_ttft_s
         self.ended(entry.cls, outcome)
@@ -233,6 +241,12 @@ class OutcomeLedger:
             return bound
         served = percentile(list(self._answers), ANSWER_QUANTILE, "nearest_rank")
         return min((x for x in (served, bound) if x is not None), default=None)
+
+    def tpot_shares(self) -> tuple[tuple[int, float], ...]:
+        """(``served_total`` when served, TPOT over its class's bound) of the last ``TPOT_SHARES``
+        requests served with a TPOT: how near the bound the served requests' pace ran, which the slo
+        policy raises its margin by (a count of misses says only that none passed it)."""
+        return tuple(self._tpot_shares)
 
     def asked_prefill_per_decode(self) -> float | None:
         """Prompt tokens per output token the last requests started asked for (their sums): the

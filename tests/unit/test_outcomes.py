@@ -252,6 +252,8 @@ def test_each_observation_carries_the_served_missed_and_refused_totals(tmp_path:
     events.rejected("batch", "engine_unavailable")  # a 503: not a refusal the margin could avoid
     seen = parts.observer.observe()
     assert (seen.served_total, seen.missed_total, seen.refused_total) == (2, 1, 1)
+    # and each one's pace as a share of its class's TPOT bound, by when it was served
+    assert seen.tpot_shares == (pytest.approx((1, 0.2)), pytest.approx((2, 4.0)))
 
 
 def test_the_daemons_gate_counts_its_refusals_in_the_ledger_and_the_metrics(tmp_path: Path) -> None:
@@ -318,3 +320,17 @@ def test_the_asked_mix_counts_every_prompt_token_over_max_tokens() -> None:
     ledger.started("b", "batch", before_engine_s=0.0, max_tokens=150, prompt_tokens=100)
     ledger.started("c", "batch", before_engine_s=0.0, prompt_tokens=9000)  # no max_tokens: not counted
     assert ledger.asked_prefill_per_decode() == 3.0  # 600 / 200
+
+
+def test_the_tpot_shares_are_each_served_requests_pace_over_its_classs_bound() -> None:
+    slo: list[SloTargets | None] = [SLO]
+    ledger, _ = _ledger(FakeClock(), lambda: slo[0])
+    for rid, cls, tpot in (("a", "interactive", 0.04), ("b", "batch", 0.04), ("c", "batch", None)):
+        ledger.started(rid, cls, before_engine_s=0.0)
+        ledger.served(rid, engine_ttft_s=0.1, tpot_s=tpot)
+    # interactive's bound is 50 ms, batch's 100 ms; a one-token answer has no TPOT and no share
+    assert ledger.tpot_shares() == (pytest.approx((1, 0.8)), pytest.approx((2, 0.4)))
+    slo[0] = None  # without [slo] there is no bound to share
+    ledger.started("d", "batch", before_engine_s=0.0)
+    ledger.served("d", engine_ttft_s=0.1, tpot_s=0.04)
+    assert len(ledger.tpot_shares()) == 2

@@ -29,8 +29,11 @@ def cost(**overrides: Any) -> CostEstimate:
 
 
 def policy(**params: Any) -> SloPolicy:
-    """The policy with ``mean_margin`` 0.5 unless given: the figures below are worked from it."""
-    built = build_policy("slo", {"mean_margin": 0.5} | params, max_num_seqs=256, initial_limit=50, slo=SLO)
+    """The policy with ``mean_margin`` 0.5 and ``margin`` 0.9 (the cap's step within 45 ms) unless
+    given: the figures below are worked from them."""
+    built = build_policy(
+        "slo", {"mean_margin": 0.5, "margin": 0.9} | params, max_num_seqs=256, initial_limit=50, slo=SLO
+    )
     assert isinstance(built, SloPolicy)
     return built
 
@@ -75,26 +78,28 @@ def test_without_kv_pressure_the_decode_step_sizes_the_cap() -> None:
     wide = SloPolicy(max_num_seqs=512, initial_limit=50, slo=SLO).decide(
         loaded(kv_usage=0.01, batch_cap=128), 1.0
     )
-    assert wide.batch_cap == 271
-    assert "cap 271: decode step with 64 prefill tokens 45 ms <= 45 ms" in wide.reason
+    # by default the cap's step may take the whole TPOT bound (a decode step past it cannot make a
+    # mean within it): floor((50 - 5.1 - 1.92) ms / 0.14 ms) = 307
+    assert wide.batch_cap == 307
+    assert "cap 307: decode step with 64 prefill tokens 50 ms <= 50 ms" in wide.reason
 
 
 def test_where_prefill_costs_milliseconds_a_token_the_reserve_shrinks_to_fit_the_step() -> None:
     """SmolLM2 in float32 on a 2-core CPU (the first cpu-smollm2 fit): 64 prefill tokens would take
-    513 ms, twice the whole 225 ms step bound; the reserve is what fills half of tau - a."""
+    513 ms, twice the whole 250 ms TPOT bound; the reserve is what fills half of tau - a."""
     cpu = cost(a_s=0.0738, b_s_per_prefill_token=0.008, c_s_per_decode_seq=0.0075,
                d_s_per_kv_token=1.2e-5, kv_tokens_per_seq=60.0, prefill_per_decode=None)  # fmt: skip
     slow = SloTargets(SloBound(5.0, 0.25), (("interactive", SloBound(5.0, 0.25)),))
     p = SloPolicy(max_num_seqs=64, initial_limit=8, slo=slow)
     d = p.decide(loaded(cost=cpu, running=2, in_flight=2, kv_usage=0.01, batch_cap=64,
                         max_num_seqs=64, admission_limit=8), 100.0)  # fmt: skip
-    # tau = 225 ms; reserve floor(0.5 * (225 - 73.8) / 8) = 9 tokens;
-    # cap floor((225 - 73.8 - 72) ms / (7.5 + 0.72) ms) = 9
-    assert d.batch_cap == 9
-    assert "cap 9: decode step with 9 prefill tokens 220 ms <= 225 ms" in d.reason
-    # budget: decodes 73.8 + 2 * 8.22 = 90.2 ms; chunk floor((225 - 90.2) / 8) = 16 -> 2 + 16,
-    # at least the cap plus the reserve: 9 + 9
-    assert d.token_budget == 18
+    # the cap's tau = 250 ms (margin 1.0); reserve floor(0.5 * (250 - 73.8) / 8) = 11 tokens;
+    # cap floor((250 - 73.8 - 88) ms / (7.5 + 0.72) ms) = 10
+    assert d.batch_cap == 10
+    assert "cap 10: decode step with 11 prefill tokens 244 ms <= 250 ms" in d.reason
+    # budget (tau 225 ms, budget_margin 0.9): decodes 73.8 + 2 * 8.22 = 90.2 ms; chunk
+    # floor((225 - 90.2) / 8) = 16 -> 2 + 16, at least the cap plus the reserve: 10 + 11
+    assert d.token_budget == 21
 
 
 def test_the_budget_never_falls_below_the_batch_it_serves() -> None:
@@ -304,6 +309,48 @@ def test_misses_while_the_margin_did_not_bound_runs_leave_it_and_its_first_bind_
     assert "margin 0.50: 3 admitted before its move to end" in d.reason and p.margin_live == 0.5
     d = p.decide(loaded(served_total=132, missed_total=15), 5.0)  # counted from the last tick before
     assert "margin 0.50 -> 0.53: 0 of 53 served missed < 1%, it bounded runs" in d.reason
+
+
+def paced(first: int, shares: list[float]) -> tuple[tuple[int, float], ...]:
+    """Served requests' TPOT over their bound, the first served as number ``first``."""
+    return tuple((first + i, x) for i, x in enumerate(shares))
+
+
+def test_the_served_requests_pace_holds_a_raise_and_trims_the_margin_past_tpot_target() -> None:
+    """No miss counted says only that none passed the bound; the look's TPOT p90 says how near it
+    ran. A raise (x1.05) that would carry it past ``tpot_target`` (0.9) holds; past it the margin
+    trims by the share it overshot, at most x0.95."""
+    p = policy(margin_samples=20)
+    p.decide(loaded(served_total=100), 1.0)
+    # 20 served from 101, none missed, at 0.805-0.90 of the bound: p90 (the 18th) 0.89, x1.05 > 0.9
+    near = paced(101, [0.80 + 0.005 * i for i in range(1, 21)])
+    d = p.decide(loaded(served_total=120, tpot_shares=near), 2.0)
+    assert "margin 0.50: 0 of 20 served missed < 1%, TPOT p90 0.89 of its bound x 1.05 > 0.9;" in d.reason
+    assert p.margin_live == 0.5
+    # the next 20 at 0.99: a trim of max(0.95, 0.9 / 0.99)
+    d = p.decide(loaded(served_total=140, tpot_shares=near + paced(121, [0.99] * 20)), 3.0)
+    assert "margin 0.50 -> 0.47: 0 of 20 served missed < 1%, TPOT p90 0.99 of its bound > 0.9" in d.reason
+    assert p.margin_live == pytest.approx(0.475)
+    # the 22 in flight at the move end (at 162); of the next 20, at 0.93: x(0.9 / 0.93)
+    p.decide(loaded(served_total=161), 4.0)
+    d = p.decide(loaded(served_total=181, tpot_shares=paced(162, [0.93] * 20)), 5.0)
+    assert p.margin_live == pytest.approx(0.475 * 0.9 / 0.93)
+    # at 0.80 a raise stays within it (0.84): x1.05, as where no pace is known
+    p.decide(loaded(served_total=202), 6.0)
+    d = p.decide(loaded(served_total=222, tpot_shares=paced(203, [0.80] * 20)), 7.0)
+    assert "TPOT p90 0.80 of its bound" not in d.reason
+    assert p.margin_live == pytest.approx(0.475 * 0.9 / 0.93 * 1.05)
+    # fewer than margin_min_samples (10) said a TPOT (one-token answers): the count alone decides
+    p.decide(loaded(served_total=243), 8.0)
+    p.decide(loaded(served_total=263, tpot_shares=paced(244, [0.99] * 9)), 9.0)
+    assert p.margin_live == pytest.approx(0.475 * 0.9 / 0.93 * 1.05**2)
+
+
+def test_a_miss_beyond_chance_cuts_the_margin_whatever_the_pace() -> None:
+    p = policy(margin_samples=50)
+    p.decide(loaded(), 1.0)
+    d = p.decide(loaded(served_total=50, missed_total=4, tpot_shares=paced(1, [0.5] * 50)), 2.0)
+    assert "margin 0.50 -> 0.40: 4 of 50 served missed > 3% beyond chance" in d.reason
 
 
 def test_the_mean_margin_starts_at_0_7() -> None:
