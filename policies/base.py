@@ -155,6 +155,12 @@ class Policy(ABC):
         """Internal terms (error, integral, baseline, ...) exported as gauges."""
         return {}
 
+    def learned(self) -> list[dict[str, Any]]:
+        """What the policy learnt from served requests lately, newest last, each with its reason
+        (the ``slo`` policy's margin looks), for /state and the log: a lesson that moves no knob
+        appears nowhere else. Empty for a policy that learns nothing."""
+        return []
+
     knee_share: float | None = None
     """The policy's throughput knee, where it steers to one (the ``slo`` policy without ``[slo]``):
     the capacity meter (``controller/control/capacity.py``) sizes the batch at it; None: none."""

@@ -13,6 +13,7 @@ concurrency, no more throughput"), with KV preemption avoided and the whole per-
 from __future__ import annotations
 
 import math
+from collections import deque
 from types import MappingProxyType
 from typing import Any
 
@@ -26,6 +27,10 @@ MISS_TEST_P = 0.1
 """The margin is cut only where its look's misses would come at most this often from a true share of
 ``miss_high``: a cut (x0.8) undoes four raises (x1.05), so one on a chance cluster of misses costs
 requests for minutes."""
+
+
+LOOKS_KEPT = 16
+"""The margin's looks ``learned`` keeps: at a look every 10-15 s, the last three to four minutes."""
 
 
 TRIM_FLOOR = 0.95
@@ -202,6 +207,8 @@ class SloPolicy(Policy):
         self._settle_until = 0
         """After a move, the served total at which the requests then in flight have ended: the
         next look counts only requests admitted under the new margin."""
+        self._looks: deque[dict[str, Any]] = deque(maxlen=LOOKS_KEPT)
+        """The margin's last looks, newest last (``learned``)."""
         self._terms: dict[str, float] = {}
         self._shared: tuple[float, int] = (2.0, 1)
         """The last budget's short answer (tokens) and the chunks it shares (``_budget``)."""
@@ -349,7 +356,20 @@ class SloPolicy(Policy):
         self._mark, self._margin_bound, self._mark_t = (served, missed, refused), False, obs.now_mono
         if new != m:
             self._settle_until = served + obs.in_flight
-        return f"margin {m:.2f} -> {new:.2f}: {said}" if new != m else f"margin {m:.2f}: {said}"
+        said = f"margin {m:.2f} -> {new:.2f}: {said}" if new != m else f"margin {m:.2f}: {said}"
+        self._looks.append(
+            {
+                "t_mono": obs.now_mono,
+                "margin": m,
+                "new": new,
+                "served": seen,
+                "missed": miss,
+                "refused": shed,
+                "tpot_p90_share": paced,
+                "reason": said,
+            }
+        )
+        return said
 
     def _paced(self, shares: tuple[tuple[int, float], ...], since: int) -> float | None:
         """The 90th percentile of the TPOT, as a share of its bound, of the requests served after
@@ -454,6 +474,13 @@ class SloPolicy(Policy):
     def mean_step_share(self) -> float:
         """Of the TPOT bound, what a mean step may take now: the learned mean margin."""
         return self.margin_live
+
+    def learned(self) -> list[dict[str, Any]]:
+        """The mean margin's last looks, newest last: when, the margin before and after, the
+        requests served, missed and refused (or late in the gate's queue) since the look before,
+        their TPOT p90 as a share of the bound (None: too few said one) and the reason. A look that
+        holds leaves no knob change, so without these the decision log would not say why."""
+        return list(self._looks)
 
     def terms(self) -> dict[str, float]:
         """The step bound, the KV per sequence, the three sizes and the learned mean margin of the

@@ -115,6 +115,7 @@ def state(d: StatusParts) -> dict[str, Any]:
             "name": d.config.control.policy,
             "params": d.loop.policy.params(),
             "terms": d.loop.policy.terms(),
+            "learned": d.loop.policy.learned(),
             "last_reason": d.loop.last_reason,
             "normalize": d.loop.normalizer.params(),
             "last_outcome": d.loop.normalizer.last_outcome,

@@ -82,6 +82,8 @@ class ControlLoop:
         (``loop.steps.subscribe``)."""
         self.history: deque[Change] = deque(maxlen=history)
         self.last_reason = "not_started"
+        self._last_learned: dict[str, Any] | None = None
+        """The policy's lesson last logged (``_log_learned``)."""
         self._lock = asyncio.Lock()
         self.clock = clock
         """Times the ticks (not the observation's ``now_mono``: the twin's engine may own that)."""
@@ -118,6 +120,7 @@ class ControlLoop:
         obs = self._observe()
         decision = self.policy.decide(obs, obs.now_mono)
         self.last_reason = decision.reason
+        self._log_learned()
         changes = await self._apply(self.normalizer.normalize(decision, obs, obs.now_mono), obs)
         in_force = {ADMISSION_LIMIT.name: obs.admission_limit, BATCH_CAP.name: obs.batch_cap}
         in_force.update({c.knob: c.new for c in changes})
@@ -125,6 +128,14 @@ class ControlLoop:
         for notify in self._subscribers:
             notify(obs, changes)
         return changes
+
+    def _log_learned(self) -> None:
+        """Log the policy's newest lesson once (a margin look that holds moves no knob, so
+        ``knob_changed`` would not carry its reason)."""
+        learned = self.policy.learned()
+        if learned and learned[-1] is not self._last_learned:
+            self._last_learned = learned[-1]
+            log.info("policy_learned", policy=self.policy.name, **learned[-1])
 
     def _skipped(self) -> None:
         self.skipped_total += 1

@@ -261,3 +261,35 @@ async def test_subscribers_see_each_tick_after_apply() -> None:
         (1000.0, [("admission_limit", 50)], [("admission_limit", 100, 50, "kv_high", 1000.0)]),
         (1001.0, [("admission_limit", 50)], []),  # a tick without changes is still seen
     ]
+
+
+class LearningPolicy(ScriptedPolicy):
+    """Holds every tick; a tick in ``lessons`` adds a lesson to ``learned``."""
+
+    def __init__(self, ticks: int, lessons: dict[int, str]) -> None:
+        super().__init__([Decision(None, None, "hold")] * ticks)
+        self.lessons, self._learned = lessons, []  # type: list[dict[str, Any]]
+
+    def decide(self, obs: Observation, now_mono: float) -> Decision:
+        if len(self.seen) in self.lessons:
+            self._learned.append({"reason": self.lessons[len(self.seen)]})
+        return super().decide(obs, now_mono)
+
+    def learned(self) -> list[dict[str, Any]]:
+        return list(self._learned)
+
+
+async def test_each_lesson_of_the_policy_is_logged_once_though_no_knob_moves() -> None:
+    """A margin look that holds moves no knob: ``policy_learned`` carries its reason, once."""
+    from structlog.testing import capture_logs
+
+    clock = FakeClock(start=1000.0)
+    loop, _ = make_loop(
+        LearningPolicy(4, {1: "margin 0.70: 0 of 50", 3: "margin 0.70 -> 0.74"}), FakeSystem(clock)
+    )
+    with capture_logs() as logs:
+        for _ in range(4):
+            assert await loop.tick() == []
+            clock.advance(1.0)
+    said = [(e["policy"], e["reason"]) for e in logs if e["event"] == "policy_learned"]
+    assert said == [("scripted", "margin 0.70: 0 of 50"), ("scripted", "margin 0.70 -> 0.74")]

@@ -9,7 +9,7 @@ import pytest
 from controller.admin.metrics import reason_label
 from policies.base import BUILT_INS, PolicyError, build_policy
 from policies.cost import CostEstimate
-from policies.slo_policy import SloPolicy, beyond_chance
+from policies.slo_policy import LOOKS_KEPT, SloPolicy, beyond_chance
 from policies.slo_targets import SloBound, SloTargets
 from tests.helpers import obs
 
@@ -405,3 +405,30 @@ def test_on_a_slow_engine_the_margin_is_judged_every_margin_look_s_from_ten_serv
     p.decide(loaded(now_mono=0.0), 0.0)
     d = p.decide(loaded(now_mono=30.0, served_total=9), 30.0)
     assert "9 of 50 served to judge it" in d.reason  # fewer than margin_min_samples: no look
+
+
+def test_every_look_of_the_margin_is_kept_with_its_counts_and_reason_moved_or_not() -> None:
+    """A look that holds moves no knob, so only ``learned`` says why the margin stayed: the last
+    ``LOOKS_KEPT`` looks, newest last, with the counts since the look before."""
+    p = policy(margin_samples=20)
+    p.decide(loaded(served_total=100), 1.0)
+    assert p.learned() == []  # counting, no look yet
+    near = paced(101, [0.80 + 0.005 * i for i in range(1, 21)])
+    p.decide(loaded(served_total=120, refused_total=3, tpot_shares=near, now_mono=2.0), 2.0)
+    hold = "margin 0.50: 0 of 20 served missed < 1%, TPOT p90 0.89 of its bound x 1.05 > 0.9"
+    assert p.learned() == [
+        {"t_mono": 2.0, "margin": 0.5, "new": 0.5, "served": 20, "missed": 0, "refused": 3,
+         "tpot_p90_share": pytest.approx(0.89), "reason": hold},
+    ]  # fmt: skip
+    p.decide(loaded(served_total=145, missed_total=4), 3.0)  # 4 of 25: a cut
+    look = p.learned()[-1]
+    assert (look["margin"], look["new"], look["served"], look["missed"]) == (0.5, pytest.approx(0.4), 25, 4)
+    assert look["tpot_p90_share"] is None and look["reason"].startswith("margin 0.50 -> 0.40: 4 of 25")
+    served, missed = 145 + 22, 4
+    p.decide(loaded(served_total=served - 1, missed_total=missed), 4.0)  # the 22 in flight at the cut end
+    for n in range(LOOKS_KEPT + 3):  # 1 of 20 each (5 %, within chance of 3 %): holds, look after look
+        served, missed = served + 20, missed + 1
+        p.decide(loaded(served_total=served, missed_total=missed, now_mono=5.0 + n), 5.0 + n)
+    assert len(p.learned()) == LOOKS_KEPT  # the oldest dropped
+    assert [x["t_mono"] for x in p.learned()[-2:]] == [5.0 + LOOKS_KEPT + 1, 5.0 + LOOKS_KEPT + 2]
+    assert all(x["new"] == x["margin"] == pytest.approx(0.4) for x in p.learned())
