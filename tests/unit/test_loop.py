@@ -268,7 +268,8 @@ class LearningPolicy(ScriptedPolicy):
 
     def __init__(self, ticks: int, lessons: dict[int, str]) -> None:
         super().__init__([Decision(None, None, "hold")] * ticks)
-        self.lessons, self._learned = lessons, []  # type: list[dict[str, Any]]
+        self.lessons = lessons
+        self._learned: list[dict[str, Any]] = []
 
     def decide(self, obs: Observation, now_mono: float) -> Decision:
         if len(self.seen) in self.lessons:
