@@ -3,8 +3,15 @@ simulate --grid`` runs the ``slo`` policy, vLLM's defaults and a 27-point static
 limit x token budget x queue deadline) on the same requests and SLO; this prints one table of the
 ``slo`` policy against the best grid point of each load, and writes it as ``OUT/matrix.md``.
 
-Usage: ``python tools/knee_matrix.py OUT [--only NAME ...] [--jobs N]``; the daemon's own
-``vllm-autopilot`` on PATH runs each load (``--cli`` names another, e.g. an older checkout's)."""
+Usage: ``python tools/knee_matrix.py OUT [--only NAME ...] [--jobs N] [--seeds 0 1 2]``; the daemon's
+own ``vllm-autopilot`` on PATH runs each load (``--cli`` names another, e.g. an older checkout's).
+
+With more than one seed (the twin's front-end and step-time draws), each seed's grid goes to
+``OUT/seedN/`` and a second table, ``OUT/seeds.md``, sets ``slo`` against two baselines on every seed:
+the best point of that seed's grid (chosen after the fact, per load and per seed: an oracle no fixed
+setting is), and the one point of the grid an operator would hand-set for the hardware, the point
+whose worst ratio to the best over that profile's loads at the first seed is highest, kept for every
+load and seed (``fixed_point``)."""
 
 from __future__ import annotations
 
@@ -14,6 +21,7 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 T = "traces/azure_llm_2023"
 CPU = "--profile cpu-smollm2-avx512 --slo-ttft 2 --slo-tpot 0.08"
@@ -74,6 +82,53 @@ def row(name: str, grid: dict[str, object]) -> str:
     )
 
 
+def ratio_to_best(grid: dict[str, Any], config: str) -> float:
+    """``config``'s good requests a second over the best static point's of one grid."""
+    runs = {r["config"]: r["goodput_rps"] for r in grid["runs"]}
+    top = runs[str(grid["best"])]
+    return float(runs[config] / top) if top else 1.0
+
+
+def fixed_point(grids: dict[str, dict[str, Any]]) -> str:
+    """Of the static points every grid shares, the one whose worst ratio to each grid's best is the
+    highest: the single setting an operator who knew every load would pick (ties: the first)."""
+    points = [
+        str(r["config"]) for r in next(iter(grids.values()))["runs"] if r["config"].startswith("static ")
+    ]
+    shared = [p for p in points if all(p in {r["config"] for r in g["runs"]} for g in grids.values())]
+    if not shared:
+        raise ValueError("the grids share no static point: run them with the same --grid")
+    return max(shared, key=lambda p: min(ratio_to_best(g, p) for g in grids.values()))
+
+
+def seeds_table(grids: dict[tuple[str, int], dict[str, Any]]) -> list[str]:
+    """Per load and seed: ``slo``, the seed's best point and the profile's fixed point
+    (``fixed_point`` over the first seed's grids of the loads of that profile), with the ratios."""
+    seeds = sorted({s for _, s in grids})
+    names = list(dict.fromkeys(n for n, _ in grids))
+    family = {n: n.split("-")[0] for n in names}  # cpu-..., h200-...: one hand-set point per profile
+    fixed = {
+        f: fixed_point({n: grids[(n, seeds[0])] for n in names if family[n] == f})
+        for f in dict.fromkeys(family.values())
+    }
+    lines = [
+        "| load | seed | `slo` | best point of the seed | `slo` / best | fixed point | `slo` / fixed |",
+        "| --- | ---: | ---: | --- | ---: | --- | ---: |",
+    ]
+    for n in names:
+        point = fixed[family[n]]
+        for s in seeds:
+            g = grids[(n, s)]
+            runs = {r["config"]: r["goodput_rps"] for r in g["runs"]}
+            best, slo = str(g["best"]), runs["slo"]
+            lines.append(
+                f"| {n} | {s} | {slo:.2f} | {best.removeprefix('static ')}: {runs[best]:.2f} | "
+                f"{slo / runs[best]:.3f}x | {point.removeprefix('static ')}: {runs[point]:.2f} | "
+                f"{slo / runs[point]:.3f}x |"
+            )
+    return lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path)
@@ -82,8 +137,21 @@ def main() -> int:
     here = Path(sys.executable).parent / "vllm-autopilot"  # the venv this runs in
     ap.add_argument("--cli", default=str(here), help="the command that runs simulate")
     ap.add_argument("--extra", default="", help="more simulate options for every load, e.g. --param K=V")
+    ap.add_argument("--seeds", type=int, nargs="*", default=None, help="twin seeds (several: OUT/seedN)")
     args = ap.parse_args()
     names = args.only or list(LOADS)
+    if args.seeds and len(args.seeds) > 1:
+        grids = {
+            (n, s): run(n, args.out / f"seed{s}", args.cli, args.jobs, f"{args.extra} --seed {s}")
+            for n in names
+            for s in args.seeds
+        }
+        table = seeds_table(grids)
+        (args.out / "seeds.md").write_text("\n".join(table) + "\n")
+        print("\n".join(table))
+        return 0
+    if args.seeds:
+        args.extra = f"{args.extra} --seed {args.seeds[0]}"
     lines = [
         "| load | vLLM defaults | best static point | `slo` | `slo` / best | admitted good | must show |",
         "| --- | ---: | --- | ---: | ---: | ---: | --- |",
