@@ -80,7 +80,8 @@ class AdmissionGate:
         self._seq = itertools.count()
         self._rate = CompletionRate(clock)
         self.after_slot = AfterSlot(clock, lambda: self.ttft)  # the client tells it each first token
-        self.ttft_check = TtftCheck(clock)  # and each admitted request's measured TTFT against its prediction
+        # and each admitted request's measured TTFT against its prediction, with the lag as it is now
+        self.ttft_check = TtftCheck(clock, lag=self.after_slot.seconds)
         self._deadlines = Deadlines(clock, self._expire, max_restart_wait_s, self.after_slot.queue_deadline_s)
         self.admitted_total = self.rejected_total = self.completed_total = self.timed_out_total = 0
         self.arrivals_total = self.retries_total = 0
@@ -254,6 +255,11 @@ class AdmissionGate:
             return None
         rate = self.service_rate()
         return own_s + (position / rate if position > 0 and rate else 0.0)
+
+    def lag_s(self) -> float:
+        """The after-slot lag a prediction reads now (``ttft.AfterSlot.seconds``): the TTFT check
+        sets each residual against the lag of its prediction (``ttft.TtftCheck``)."""
+        return self.after_slot.seconds()
 
     def _check_own_bound(self, q: ClassQueue, n: int, bound: float, own_s: float) -> None:
         """A request that names its own TTFT bound and finds a free slot is refused where what it

@@ -60,6 +60,8 @@ class Gate(Protocol):
 
     def release(self, slot: Slot) -> None: ...
 
+    def lag_s(self) -> float: ...
+
     def cancel_pending(self, priority: int, count: int = 1) -> None: ...
 
     def take_retry(self, request_id: str | None) -> bool: ...
@@ -80,6 +82,8 @@ class Call:
     predicted_ttft_s: float | None = None
     """The TTFT the gate predicted for it, from ``arrived_mono``, where a TTFT bound held it: its
     first token is measured against it (``ttft.TtftCheck``)."""
+    predicted_lag_s: float = 0.0
+    """Of ``predicted_ttft_s``, the after-slot lag (``ttft.AfterSlot.seconds``) it held."""
     arrived_mono: float | None = None
     """When its request reached the server (with ``predicted_ttft_s``)."""
     places: int = 0
@@ -176,6 +180,7 @@ class Admission:
         call = Call(priority, n, prompt_tokens, places=n)
         if predicted is not None:  # measured against it at its first token
             call.predicted_ttft_s, call.arrived_mono = predicted, self.arrived_mono
+            call.predicted_lag_s = self._gate.lag_s()  # what the prediction just read
         self._calls.append(call)
         return call
 

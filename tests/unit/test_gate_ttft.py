@@ -378,3 +378,31 @@ def test_a_correction_ages_out_so_a_congestion_it_measured_cannot_outlive_itself
     clock.advance(20.1)  # nothing admitted since (the check refused all): the samples age out
     assert check.correction_s("interactive") == 0.0
     assert check.state()["interactive"]["samples"] == 0
+
+
+async def test_a_residual_is_set_against_the_prediction_with_the_lag_as_it_is_now() -> None:
+    """SmolLM2, the moderate phase-changing load of docs/results/slo-steering.md: a code burst's
+    first requests missed by what the after-slot lag had not yet learned; once it had, the gate
+    refused on 2.0 s of lag plus 4.7 s of correction measured from the same burst (35 requests in
+    4 s, against a 5 s bound) while the requests it admitted met it. Each residual now counts
+    against its prediction as made now: the lag it held replaced by the lag of today."""
+    gate, clock = await gate_at_rate(10.0)
+    gate.configure(ttft=TtftBounds({"interactive": 5.0}, Prefill()))
+    first = gate.enter(clock(), None, "a").admit(0, prompt_tokens=1000)
+    assert first.predicted_lag_s == 0.0 and first.predicted_ttft_s == pytest.approx(0.2)  # 0.1 + 0.1
+    for _ in range(10):  # the burst's first requests: 2 s past what was predicted with no lag
+        gate.ttft_check.record("interactive", 0.5, 2.5, lag_s=0.0)
+    assert gate.ttft_check.correction_s("interactive") == pytest.approx(2.0)
+    for _ in range(20):  # the after-slot lag learns the burst: 1.5 s beyond a 0.1 s prefill
+        gate.after_slot.first_token(1.6, 1000)
+    assert gate.lag_s() == pytest.approx(1.5)
+    assert gate.ttft_check.correction_s("interactive") == pytest.approx(0.5)  # 2.0 - 1.5, not 2.0 more
+    assert gate.ttft_check.state()["interactive"]["predicted_p50_s"] == pytest.approx(2.0)
+    second = gate.enter(clock(), None, "b").admit(0, prompt_tokens=1000)
+    assert second.predicted_lag_s == pytest.approx(1.5)  # what its prediction held
+    assert second.predicted_ttft_s == pytest.approx(0.2 + 0.1 + 1.5)  # two ahead, prefill, lag
+    gate.ttft_check.record("interactive", second.predicted_ttft_s, 1.8, lag_s=second.predicted_lag_s)
+    clock.advance(10.1)  # the lag's 10 s window forgets the burst; the check's 20 s does not
+    assert gate.lag_s() == 0.0
+    # predicted now without the lag, the burst's requests missed by 2.0 s again: the p90 of the 11
+    assert gate.ttft_check.correction_s("interactive") == pytest.approx(2.0)
