@@ -82,20 +82,23 @@ def row(name: str, grid: dict[str, object]) -> str:
     )
 
 
+def goodputs(grid: dict[str, Any]) -> dict[str, float]:
+    """Good requests a second of each configuration of one grid, by its name."""
+    return {str(r["config"]): float(r["goodput_rps"]) for r in grid["runs"]}
+
+
 def ratio_to_best(grid: dict[str, Any], config: str) -> float:
     """``config``'s good requests a second over the best static point's of one grid."""
-    runs = {r["config"]: r["goodput_rps"] for r in grid["runs"]}
+    runs = goodputs(grid)
     top = runs[str(grid["best"])]
-    return float(runs[config] / top) if top else 1.0
+    return runs[config] / top if top else 1.0
 
 
 def fixed_point(grids: dict[str, dict[str, Any]]) -> str:
     """Of the static points every grid shares, the one whose worst ratio to each grid's best is the
     highest: the single setting an operator who knew every load would pick (ties: the first)."""
-    points = [
-        str(r["config"]) for r in next(iter(grids.values()))["runs"] if r["config"].startswith("static ")
-    ]
-    shared = [p for p in points if all(p in {r["config"] for r in g["runs"]} for g in grids.values())]
+    points = [p for p in goodputs(next(iter(grids.values()))) if p.startswith("static ")]
+    shared = [p for p in points if all(p in goodputs(g) for g in grids.values())]
     if not shared:
         raise ValueError("the grids share no static point: run them with the same --grid")
     return max(shared, key=lambda p: min(ratio_to_best(g, p) for g in grids.values()))
@@ -119,7 +122,7 @@ def seeds_table(grids: dict[tuple[str, int], dict[str, Any]]) -> list[str]:
         point = fixed[family[n]]
         for s in seeds:
             g = grids[(n, s)]
-            runs = {r["config"]: r["goodput_rps"] for r in g["runs"]}
+            runs = goodputs(g)
             best, slo = str(g["best"]), runs["slo"]
             lines.append(
                 f"| {n} | {s} | {slo:.2f} | {best.removeprefix('static ')}: {runs[best]:.2f} | "
