@@ -142,6 +142,7 @@ def state(d: StatusParts) -> dict[str, Any]:
             "completion_rate_per_s": d.gate.completion_rate(),
             "service_rate_per_s": d.gate.service_rate(),
             "after_slot_s": d.gate.after_slot.seconds(),
+            "backlog_s": d.gate.ttft.backlog_s(),
             "ttft_check": d.gate.ttft_check.state(),
         },
         "engine_stats": dataclasses.asdict(d.window.snapshot()),

@@ -30,9 +30,13 @@ from controller.percentile import percentile
 
 
 class PrefillEstimator(Protocol):
-    """Seconds the engine takes to prefill a prompt of ``prompt_tokens`` (0 when it cannot tell)."""
+    """Seconds the engine takes to prefill a prompt of ``prompt_tokens``, and the prompts it holds
+    that have had no first token, which a new request's first token waits behind (0 when it cannot
+    tell)."""
 
     def prefill_s(self, prompt_tokens: int) -> float: ...
+
+    def backlog_s(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,13 @@ class TtftBounds:
         if asked_s is None or bound is None:
             return spec.queue_deadline_s
         return min(spec.queue_deadline_s, bound * self.wait_share)
+
+    def backlog_s(self) -> float:
+        """The engine's prefill backlog: what a request's first token waits behind once it has a
+        slot, besides its own prefill; 0 without an estimator or without bounds."""
+        if self.prefill is None or not self.bounds:
+            return 0.0
+        return max(0.0, self.prefill.backlog_s())
 
     @property
     def uses_prompt_length(self) -> bool:
@@ -168,14 +179,18 @@ class AfterSlot:
         self, prompt_tokens: int | None, arrived_mono: float | None = None, bounded: bool = False
     ) -> float:
         """What a request's TTFT holds besides its wait in the queue: its prefill, and under a bound
-        (the classes', or the request's own: ``bounded``) ``seconds()`` and the time since it
-        reached the server (``arrived_mono``, where known: the front end's parsing, templating and
-        tokenizing, seconds on a loaded CPU)."""
+        (the classes', or the request's own: ``bounded``) ``seconds()``, the engine's prefill
+        backlog (``TtftBounds.backlog_s``) and the time since it reached the server
+        (``arrived_mono``, where known: the front end's parsing, templating and tokenizing,
+        seconds on a loaded CPU)."""
         ttft = self._bounds()
         if not ttft.bounds and not bounded:
             return ttft.prefill_s(prompt_tokens)
-        spent = 0.0 if arrived_mono is None else max(0.0, self._clock() - arrived_mono)
-        return ttft.prefill_s(prompt_tokens) + self.seconds() + spent
+        return ttft.prefill_s(prompt_tokens) + self.seconds() + self.spent_s(arrived_mono) + ttft.backlog_s()
+
+    def spent_s(self, arrived_mono: float | None) -> float:
+        """Seconds since a request reached the server (0 where not known)."""
+        return 0.0 if arrived_mono is None else max(0.0, self._clock() - arrived_mono)
 
     def deadline_from(
         self, spec: PriorityClass, now: float, arrived_mono: float | None, asked_s: float | None = None

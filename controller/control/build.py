@@ -134,8 +134,13 @@ class ControlCore(Generic[E]):
         self.gate = AdmissionGate(a.limit, a.max_queue, a.classes, a.aging_s, clock=clock, events=events)
         model = StepCostModel()  # seeded by ``apply``
         self.cost = CostReader(
-            model, clock, lambda: built.token_budget, lambda: window.finished_mix().cached_share
+            model,
+            clock,
+            lambda: built.token_budget,
+            lambda: window.finished_mix().cached_share,
+            self.outcomes.awaiting_first_token,
         )
+        steps.watch(self.outcomes.on_steps)  # at once: the gate's backlog term reads it
         first = self._prepare(tables, None)
         self.capacity = CapacityMeter(window, self.gate, self, history=capacity_history)
         self.observer = Observer(window, self.gate, built, gpu, host, model, self.outcomes)

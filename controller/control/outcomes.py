@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +44,7 @@ from controller.admission.classes import GateEvents, NoEvents
 from controller.admission.errors import OWN_BOUND
 from controller.admission.ttft import MIN_OWN_TTFT_S
 from controller.clock import Clock, monotonic
+from controller.control.steps import EngineStep
 from controller.percentile import percentile
 from policies.slo_targets import SloBound, SloTargets
 
@@ -106,6 +107,13 @@ class _Started:
     """Seconds from entering the engine to the first token, as the engine client saw it arrive."""
     own_ttft_s: float | None = None
     """Its own TTFT bound (a gateway's header), which tightens its class's; None: none asked."""
+    prompt_tokens: int = 0
+    """Its prompt's tokens (0: not known)."""
+    entered_mono: float = 0.0
+    """When it entered the engine (the ledger's clock)."""
+    prefilled: bool = False
+    """Its first token came: told by its client (``first_token``), or counted in an engine step's
+    first tokens (``on_steps``: the oldest waiting first)."""
 
 
 class OutcomeLedger:
@@ -122,6 +130,8 @@ class OutcomeLedger:
         self._slo = slo
         """``[slo]`` in force, read at each judgement (the control core's: ``ControlCore.slo``)."""
         self._started: dict[str, _Started] = {}
+        self._last_first_mono = -math.inf
+        """When the engine last gave a request its first token (``awaiting_first_token``)."""
         self._ended: deque[tuple[float, str, str]] = deque()
         """(time, class, outcome) of each request ended inside the window."""
         self.unmatched = 0
@@ -170,7 +180,14 @@ class OutcomeLedger:
             if prompt_tokens is not None and prompt_tokens > 0:
                 self._asked_mix.append((prompt_tokens, max_tokens))
         self._started.pop(request_id, None)  # a reused id: the latest attempt is the one that ends
-        self._started[request_id] = _Started(cls, max(0.0, before_engine_s), max(1, n), own_ttft_s=ttft_s)
+        self._started[request_id] = _Started(
+            cls,
+            max(0.0, before_engine_s),
+            max(1, n),
+            own_ttft_s=ttft_s,
+            prompt_tokens=max(0, prompt_tokens or 0),
+            entered_mono=self._clock(),
+        )
         while len(self._started) > MAX_STARTED:
             self._started.pop(next(iter(self._started)))
 
@@ -183,6 +200,39 @@ class OutcomeLedger:
         entry = self._started.get(request_id)
         if entry is not None and entry.first_token_s is None:
             entry.first_token_s = max(0.0, engine_ttft_s)
+            entry.prefilled, self._last_first_mono = True, self._clock()
+
+    def on_steps(self, steps: Sequence[EngineStep]) -> None:
+        """Engine steps (the step feed's, as they come): in each, as many of the requests without a first
+        token as the step gave first tokens to (vLLM's ``time_to_first_tokens_iter``) have one now,
+        the oldest first. vLLM's scheduler serves its queue in order, so the oldest are the ones,
+        and this holds where a client does not stream, whose first output is its last: the engine
+        client learns its first token only at its end (``first_token``), while its prompt's
+        prefill is long done. A client that streams names its own (``first_token``); where one of
+        the two named another request, the backlog loses that request's prompt (the careful side for
+        the service: fewer refusals, as before the backlog was counted)."""
+        left = sum(len(step.stats.ttft_s) for step in steps if step.stats is not None)
+        if left <= 0:
+            return
+        self._last_first_mono = self._clock()
+        for entry in self._started.values():
+            if left <= 0:
+                break
+            if not entry.prefilled:
+                entry.prefilled, left = True, left - 1
+
+    def awaiting_first_token(self) -> tuple[float, tuple[tuple[float, int], ...]]:
+        """The prefill backlog a new request's first token waits behind
+        (``stepcost.CostReader.backlog_s``): seconds since the engine's last first token (``inf``
+        before any), and (seconds since it entered the engine, prompt tokens) of each request in
+        the engine that has had no first token, oldest first. Requests whose prompt length is not
+        known are left out."""
+        now = self._clock()
+        return now - self._last_first_mono, tuple(
+            (now - e.entered_mono, e.prompt_tokens)
+            for e in self._started.values()
+            if not e.prefilled and e.prompt_tokens
+        )
 
     def served(
         self,

@@ -68,6 +68,8 @@ class SimRequest:
     arrival_t: float
     """When the engine received it (virtual seconds): vLLM's ``arrival_time``."""
     on_finish: Callable[[SimRequest], None] | None = None
+    on_first_token: Callable[[SimRequest], None] | None = None
+    """Called at the end of the step that gave its first token (the twin's streaming output)."""
     segments: tuple[tuple[int, int], ...] = ()
     """The prompt's shared pieces (segment id, tokens), for the prefix cache (``RequestSpec.segments``)."""
     num_computed_tokens: int = 0
@@ -327,6 +329,8 @@ class SimEngine:
             if req.first_token_t is None:
                 req.first_token_t = t_end
                 ttft.append(t_end - req.arrival_t)
+                if req.on_first_token is not None:
+                    req.on_first_token(req)
             elif req.last_token_t is not None:
                 itl.append(t_end - req.last_token_t)
             req.last_token_t = t_end

@@ -67,3 +67,26 @@ def test_a_prompt_too_long_is_vllms_400_after_the_preflight() -> None:
     (record,) = _records(sim, _at_once(1, prompt_tokens=PROFILE.engine.max_model_len))
     assert (record.status, record.http_status) == ("failed", 400)
     assert sim.gate.stats().arrivals_total == 0 and sim.outcomes.served_total == 0
+
+
+def test_the_twin_streams_its_first_token_to_the_engine_client(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As ``vllm bench serve``'s requests stream, the twin's give an output at their first token: the
+    engine client tells the ledger (and the gate's TTFT check) then, not when the answer is done.
+    With one output at the end, the TTFT check learned each residual 3-6 s late on the CPU profile."""
+    sim = _twin(limit=4)
+    told: list[tuple[str, float]] = []
+    ledger_first_token = sim.outcomes.first_token
+
+    def first_token(request_id: str, engine_ttft_s: float) -> None:
+        told.append((request_id, sim.clock()))
+        ledger_first_token(request_id, engine_ttft_s)
+
+    monkeypatch.setattr(sim.outcomes, "first_token", first_token)
+    specs = [RequestSpec(0, 0.0, 200, 200), RequestSpec(1, 0.0, 200, 1)]
+    long, one = _records(sim, specs)
+    assert long.ttft_s is not None and long.e2e_s is not None and one.ttft_s is not None
+    when = dict(told)
+    assert set(when) == {"0", "1"}  # once each: a one-token answer's first output is its last
+    assert when["0"] == pytest.approx(long.ttft_s) and long.ttft_s < long.e2e_s / 10
+    assert when["1"] == pytest.approx(one.ttft_s)
+    assert sim.outcomes.awaiting_first_token()[1] == ()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,10 +33,16 @@ BATCH = PriorityClass("batch", min_priority=1, max_queue=100, queue_deadline_s=6
 
 
 class Prefill:
-    """1 ms per 10 prompt tokens."""
+    """1 ms per 10 prompt tokens, behind ``backlog`` seconds of the engine's prefill."""
+
+    def __init__(self, backlog: float = 0.0) -> None:
+        self.backlog = backlog
 
     def prefill_s(self, prompt_tokens: int) -> float:
         return prompt_tokens * 1e-4
+
+    def backlog_s(self) -> float:
+        return self.backlog
 
 
 async def gate_at_rate(per_s: float) -> tuple[AdmissionGate, FakeClock]:
@@ -154,6 +161,56 @@ def test_beside_decoding_streams_a_prompt_is_predicted_in_budget_sized_chunks() 
     model.update([EngineStep.measured(0.1, 100, 0, 100, 0.874)])  # nothing decodes: the prompt alone
     a, b, c, _ = model.coefficients.vector()
     assert reader.prefill_s(100) == pytest.approx(a + 100 * b)
+
+
+def test_the_backlog_is_what_is_left_of_the_awaiting_prompts_at_the_budgets_pace() -> None:
+    """The prompts without a first token form the engine's queue: each takes ``P / (T - D)`` steps of
+    ``a + c * D`` beside the decodes and ``b * P`` (the prefix cache's share taken off), and starts
+    when it entered the engine or when the one before it finished, the first when the engine last
+    gave a first token. What is left of the last one's finish is the backlog."""
+    model = StepCostModel(prior=CostPrior(StepCoefficients(0.023, 0.0012, 0.001, 0.0), name="cpu"))
+    awaiting: list[tuple[float, int]] = []
+    since_first = [math.inf]
+    reader = CostReader(model, lambda: 0.0, lambda: 36, lambda: 0.5, lambda: (since_first[0], awaiting))
+    model.update([EngineStep.measured(0.0, 0, 4, 400, 0.027)])  # four streams decode
+    a, b, c, _ = model.coefficients.vector()
+    per_token = 0.5 * (b + (a + 4 * c) / 32)  # half the prompt from the cache, 32 tokens a step
+    assert reader.backlog_s() == 0.0  # nothing awaits
+    awaiting[:] = [(0.2, 818), (0.1, 818)]  # two just entered: both whole
+    assert reader.backlog_s() == pytest.approx(-0.2 + 1636 * per_token)
+    since_first[0] = 0.1  # the engine gave a first token after the first entered: it started then
+    assert reader.backlog_s() == pytest.approx(-0.1 + 1636 * per_token)
+    since_first[0] = math.inf
+    awaiting[:] = [(9.0, 818), (0.1, 818)]  # the first is long done: the second starts on entry
+    assert reader.backlog_s() == pytest.approx(-0.1 + 818 * per_token)
+    awaiting[:] = [(9.0, 818)]
+    assert reader.backlog_s() == 0.0
+    unfit = CostReader(StepCostModel(), lambda: 0.0, awaiting=lambda: (0.0, [(0.0, 818)]))
+    assert unfit.backlog_s() == 0.0  # no fit: no guess refuses anyone
+
+
+async def test_a_free_slot_is_refused_where_the_engines_backlog_passes_the_bound() -> None:
+    """Two 818-token prompts prefilling at a small budget: a request admitted behind them to a free
+    slot would miss its bound for certain. Only the model's terms refuse it there (the time since it
+    arrived, the backlog and its prefill); without a backlog a free slot admits, whatever the lag."""
+    clock = FakeClock()
+    gate = AdmissionGate(10, 100, (ROOMY, BATCH), clock=clock)
+    prefill = Prefill(backlog=1.5)
+    gate.configure(ttft=TtftBounds({"interactive": 2.0, "batch": 60.0}, prefill, wait_share=0.8))
+    gate.check_admission(0, prompt_tokens=2000, arrived_mono=clock())  # 1.5 + 0.2 s <= 2 s
+    clock.advance(0.4)
+    with pytest.raises(GateRejected) as exc:  # arrived 0.4 s ago: 0.4 + 1.5 + 0.2 s > 2 s
+        gate.check_admission(0, prompt_tokens=2000, arrived_mono=clock() - 0.4)
+    assert (exc.value.status, exc.value.reason) == (429, "expected_wait")
+    behind = "its first token needs 2.10s (1.50s behind the prompts the engine is prefilling)"
+    assert behind in exc.value.message
+    assert "past the interactive TTFT bound of 2s" in exc.value.message
+    gate.check_admission(1, prompt_tokens=2000, arrived_mono=clock() - 0.4)  # batch: 60 s bound
+    prefill.backlog = 0.0
+    for _ in range(30):  # a lag far past the bound refuses nobody a free slot waits for
+        gate.after_slot.first_token(5.0, 10)
+    gate.check_admission(0, prompt_tokens=2000, arrived_mono=clock() - 0.4)
+    assert gate.stats().pending == 3
 
 
 async def test_the_daemon_bounds_its_gate_under_slo_and_a_reload_lifts_it(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from controller.control.outcomes import (
     refusal_outcome,
     served_outcome,
 )
-from controller.control.steps import StepFeed
+from controller.control.steps import EngineStep, StepFeed, StepStats
 from policies.slo_targets import SloBound, SloTargets
 from tests.helpers import write_config
 
@@ -92,6 +92,39 @@ def test_the_first_token_the_engine_client_saw_judges_the_ttft() -> None:
     ledger.first_token("never-started", 0.1)  # not a request of ours: nothing to judge
     assert counted == [("interactive", "good"), ("interactive", "ttft_missed")]
     assert (ledger.served_total, ledger.missed_total) == (2, 1)
+
+
+def _firsts(t: float, n: int) -> EngineStep:
+    """A step in which ``n`` requests got their first token (the stat logger's record)."""
+    return EngineStep(t, stats=StepStats(4, 0, 0.1, 0, 4, (0.2,) * n, (), 0))
+
+
+def test_the_prompts_awaiting_their_first_token_are_the_backlog_oldest_first() -> None:
+    """The engine's steps say how many requests got a first token, not which: the oldest do (vLLM
+    serves its queue in order), which holds where a client does not stream and the engine client
+    learns its first token only at its end; a streaming client names its own."""
+    clock = FakeClock()
+    ledger, _ = _ledger(clock)
+    assert ledger.awaiting_first_token() == (math.inf, ())
+    ledger.started("a", "interactive", before_engine_s=0.5, prompt_tokens=100)
+    clock.advance(1.0)
+    ledger.started("b", "interactive", before_engine_s=0.0, prompt_tokens=200)
+    clock.advance(0.25)
+    ledger.started("c", "interactive", before_engine_s=0.2, prompt_tokens=300)
+    ledger.started("d", "interactive", before_engine_s=0.0)  # no prompt length known: not counted
+    clock.advance(0.25)
+    assert ledger.awaiting_first_token() == (math.inf, ((1.5, 100), (0.5, 200), (0.25, 300)))
+    ledger.on_steps([_firsts(1.5, 1)])  # one first token: the oldest's
+    clock.advance(0.5)
+    assert ledger.awaiting_first_token() == (0.5, ((1.0, 200), (0.75, 300)))
+    ledger.first_token("c", 0.4)  # c's client streams: its own
+    assert ledger.awaiting_first_token() == (0.0, ((1.0, 200),))
+    ledger.on_steps([EngineStep.measured(2.0, 50, 4, 400, 0.01), _firsts(2.0, 3)])  # more than wait
+    assert ledger.awaiting_first_token() == (0.0, ())
+    ledger.started("e", "interactive", before_engine_s=0.0, prompt_tokens=400)
+    ledger.served("a", engine_ttft_s=0.3, tpot_s=0.01)
+    clock.advance(0.5)
+    assert ledger.awaiting_first_token() == (0.5, ((0.5, 400),))
 
 
 @pytest.mark.parametrize(

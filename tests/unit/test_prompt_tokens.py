@@ -22,6 +22,9 @@ class SlowPrefill:
     def prefill_s(self, prompt_tokens: int) -> float:
         return 0.1 * prompt_tokens
 
+    def backlog_s(self) -> float:
+        return 0.0
+
 
 def client_of(gate: AdmissionGate) -> GovernedEngineClient:
     llm = SimpleNamespace(model_config=SimpleNamespace(is_encoder_decoder=False))
