@@ -200,7 +200,9 @@ class OutcomeLedger:
         entry = self._started.get(request_id)
         if entry is not None and entry.first_token_s is None:
             entry.first_token_s = max(0.0, engine_ttft_s)
-            entry.prefilled, self._last_first_mono = True, self._clock()
+            entry.prefilled = True
+            # when it came, not when told: a client that does not stream is told at its end
+            self._last_first_mono = max(self._last_first_mono, entry.entered_mono + entry.first_token_s)
 
     def on_steps(self, steps: Sequence[EngineStep]) -> None:
         """Engine steps (the step feed's, as they come): in each, as many of the requests without a first

@@ -117,8 +117,10 @@ def test_the_prompts_awaiting_their_first_token_are_the_backlog_oldest_first() -
     ledger.on_steps([_firsts(1.5, 1)])  # one first token: the oldest's
     clock.advance(0.5)
     assert ledger.awaiting_first_token() == (0.5, ((1.0, 200), (0.75, 300)))
-    ledger.first_token("c", 0.4)  # c's client streams: its own
-    assert ledger.awaiting_first_token() == (0.0, ((1.0, 200),))
+    ledger.first_token("a", 0.25)  # a's client does not stream: told at its end, 1.75 s ago
+    assert ledger.awaiting_first_token() == (0.5, ((1.0, 200), (0.75, 300)))
+    ledger.first_token("c", 0.5)  # c's client streams: its own, which came 0.25 s ago
+    assert ledger.awaiting_first_token() == (0.25, ((1.0, 200),))
     ledger.on_steps([EngineStep.measured(2.0, 50, 4, 400, 0.01), _firsts(2.0, 3)])  # more than wait
     assert ledger.awaiting_first_token() == (0.0, ())
     ledger.started("e", "interactive", before_engine_s=0.0, prompt_tokens=400)
