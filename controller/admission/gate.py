@@ -243,15 +243,16 @@ class AdmissionGate:
         self._expire_pending()
         position, own = self._position(q, n, priority, prompt_tokens)
         bounded = ttft_bound_s is not None
-        own_s = None if ttft_done else self.after_slot.own_s(prompt_tokens, arrived_mono, bounded)
+        backlog = 0.0 if ttft_done else self.ttft.backlog_s()  # once a check: it walks the ledger
+        own_s = None if ttft_done else self.after_slot.own_s(prompt_tokens, arrived_mono, bounded, backlog)
         bound = self.ttft.bound_s(q.spec.name, ttft_bound_s)
         if position > 0:  # only an expected wait reads the correction (a sort of its samples)
             correction = 0.0 if bound is None else self.ttft_check.correction_s(q.spec.name, bound)
             self._check_wait(q, position, own, n, own_s, ttft_bound_s, early, correction)
         elif ttft_bound_s is not None and own_s is not None and bound is not None:
             self._check_own_bound(q, n, bound, own_s)
-        elif own_s is not None and bound is not None and not early:
-            self._check_backlog(q, n, bound, prompt_tokens, arrived_mono)
+        elif own_s is not None and bound is not None and not early and backlog > 0:
+            self._check_backlog(q, n, bound, own_s - self.after_slot.seconds(), backlog)
         q.pending.extend([self._clock()] * places)
         if bound is None or own_s is None or later_call:
             return None
@@ -272,19 +273,14 @@ class AdmissionGate:
             why = f"its first token needs {own_s:.2f}s, past its own TTFT bound of {bound:g}s"
             self._refuse(q, n, OWN_BOUND, 0, why)
 
-    def _check_backlog(
-        self, q: ClassQueue, n: int, bound: float, prompt_tokens: int | None, arrived_mono: float | None
-    ) -> None:
-        """A request that finds a slot free is refused where the time since it arrived, the
-        engine's prefill backlog and its own prefill alone pass its TTFT bound: served, it would
-        miss it for certain, and its prefill would delay every request behind it. The step-cost
-        model's terms only: the learned after-slot lag and the TTFT check's correction do not refuse
-        a request a free slot waits for (with them, the twin's H200 shared-prefix load at 40 req/s
-        refused for 25 s while the engine stood idle)."""
-        backlog = self.ttft.backlog_s()
-        if backlog <= 0:
-            return
-        sure = self.after_slot.spent_s(arrived_mono) + backlog + self.ttft.prefill_s(prompt_tokens)
+    def _check_backlog(self, q: ClassQueue, n: int, bound: float, sure: float, backlog: float) -> None:
+        """A request that finds a slot free behind a prefill ``backlog`` is refused where ``sure``,
+        the time since it arrived, the backlog and its own prefill (its predicted TTFT less the
+        learned after-slot lag), passes its TTFT bound: served, it would miss it for certain, and
+        its prefill would delay every request behind it. The step-cost model's terms only: the
+        learned lag and the TTFT check's correction do not refuse a request a free slot waits for
+        (with them, the twin's H200 shared-prefix load at 40 req/s refused for 25 s while the engine
+        stood idle)."""
         if sure > bound:
             why = (
                 f"its first token needs {sure:.2f}s ({backlog:.2f}s behind the prompts the engine is"

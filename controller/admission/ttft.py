@@ -176,21 +176,22 @@ class AfterSlot:
         return self._quantile
 
     def own_s(
-        self, prompt_tokens: int | None, arrived_mono: float | None = None, bounded: bool = False
+        self,
+        prompt_tokens: int | None,
+        arrived_mono: float | None = None,
+        bounded: bool = False,
+        backlog_s: float = 0.0,
     ) -> float:
         """What a request's TTFT holds besides its wait in the queue: its prefill, and under a bound
         (the classes', or the request's own: ``bounded``) ``seconds()``, the engine's prefill
-        backlog (``TtftBounds.backlog_s``) and the time since it reached the server
-        (``arrived_mono``, where known: the front end's parsing, templating and tokenizing,
-        seconds on a loaded CPU)."""
+        backlog (``backlog_s``: the gate reads ``TtftBounds.backlog_s`` once a check) and the time
+        since it reached the server (``arrived_mono``, where known: the front end's parsing,
+        templating and tokenizing, seconds on a loaded CPU)."""
         ttft = self._bounds()
         if not ttft.bounds and not bounded:
             return ttft.prefill_s(prompt_tokens)
-        return ttft.prefill_s(prompt_tokens) + self.seconds() + self.spent_s(arrived_mono) + ttft.backlog_s()
-
-    def spent_s(self, arrived_mono: float | None) -> float:
-        """Seconds since a request reached the server (0 where not known)."""
-        return 0.0 if arrived_mono is None else max(0.0, self._clock() - arrived_mono)
+        spent = 0.0 if arrived_mono is None else max(0.0, self._clock() - arrived_mono)
+        return ttft.prefill_s(prompt_tokens) + self.seconds() + spent + backlog_s
 
     def deadline_from(
         self, spec: PriorityClass, now: float, arrived_mono: float | None, asked_s: float | None = None
