@@ -252,7 +252,8 @@ class AdmissionGate:
         elif ttft_bound_s is not None and own_s is not None and bound is not None:
             self._check_own_bound(q, n, bound, own_s)
         elif own_s is not None and bound is not None and not early and backlog > 0:
-            self._check_backlog(q, n, bound, own_s - self.after_slot.seconds(), backlog)
+            sure = self.after_slot.sure_s(prompt_tokens, arrived_mono, backlog)
+            self._check_backlog(q, n, bound, sure, backlog)
         q.pending.extend([self._clock()] * places)
         if bound is None or own_s is None or later_call:
             return None

@@ -267,6 +267,23 @@ def test_the_engines_queue_counts_at_its_median_the_rest_at_the_high_quantile() 
     assert gate.after_slot._samples[-1][1:] == (0.0, 0.2)
 
 
+def test_the_engines_queue_and_its_backlog_are_one_wait_counted_once() -> None:
+    """A request enters the engine's queue behind the prompts it has yet to prefill: the learned
+    median queue and the backlog are the same seconds, and the prediction holds the larger."""
+    clock = FakeClock()
+    gate = AdmissionGate(4, 100, (ROOMY,), clock=clock)
+    gate.configure(ttft=TtftBounds({"interactive": 5.0}, Prefill(), wait_share=0.8))
+    for _ in range(20):  # 0.1 s of prefill, 0.2 s beyond it, 0.5 s of it in the engine's queue
+        gate.after_slot.first_token(0.8, 1000, engine_queue_s=0.5)
+    assert gate.after_slot.seconds() == pytest.approx(0.2 + 0.5)
+    after = gate.after_slot
+    assert after.own_s(1000, backlog_s=0.0) == pytest.approx(0.1 + 0.2 + 0.5)  # the median alone
+    assert after.own_s(1000, backlog_s=0.3) == pytest.approx(0.1 + 0.2 + 0.5)  # within the median
+    assert after.own_s(1000, backlog_s=1.5) == pytest.approx(0.1 + 0.2 + 1.5)  # the backlog, once
+    clock.advance(0.4)  # the model's part alone: the time since it arrived, the backlog, its prefill
+    assert after.sure_s(1000, clock() - 0.4, 1.5) == pytest.approx(0.4 + 1.5 + 0.1)
+
+
 def test_the_engine_queue_is_read_off_vllms_request_stats() -> None:
     assert engine_queue_s(SimpleNamespace(queued_ts=100.0, scheduled_ts=103.9)) == pytest.approx(3.9)
     assert engine_queue_s(SimpleNamespace(queued_ts=0.0, scheduled_ts=103.9)) == 0.0  # stats off
