@@ -407,6 +407,30 @@ def test_on_a_slow_engine_the_margin_is_judged_every_margin_look_s_from_ten_serv
     assert "9 of 50 served to judge it" in d.reason  # fewer than margin_min_samples: no look
 
 
+def test_the_first_look_cuts_the_margin_only_on_a_full_count() -> None:
+    """The first requests meet a cold prefix cache and a cost model still fitting: 2 of 15 missed
+    at a timely first look is counted on to ``margin_samples``, not a cut; a later look's is."""
+    p = policy(margin_samples=50)
+    p.decide(loaded(now_mono=0.0), 0.0)
+    d = p.decide(loaded(now_mono=10.0, served_total=15, missed_total=2), 10.0)
+    assert "margin 0.50: 2 of 15 served missed at the start, counted on to 50" in d.reason
+    assert p.margin_live == 0.5 and p.learned() == []
+    d = p.decide(loaded(now_mono=20.0, served_total=50, missed_total=2, refused_total=9), 20.0)
+    # 2 of 50 (4 %) is within chance at 3 %: the margin holds
+    assert "margin 0.50: 2 of 50 served missed within [1%, 3%] but for chance, 9 refused" in d.reason
+    assert p.margin_live == 0.5 and len(p.learned()) == 1
+    p = policy(margin_samples=50)
+    p.decide(loaded(now_mono=0.0), 0.0)
+    d = p.decide(loaded(now_mono=10.0, served_total=50, missed_total=4), 10.0)
+    assert "margin 0.50 -> 0.40: 4 of 50 served missed > 3% beyond chance" in d.reason  # a full count
+    p = policy(margin_samples=50)
+    p.decide(loaded(now_mono=0.0), 0.0)
+    p.decide(loaded(now_mono=10.0, served_total=12), 10.0)  # the first look: a raise
+    p.decide(loaded(now_mono=10.0, served_total=33), 10.0)  # those in flight at the move end (34)
+    d = p.decide(loaded(now_mono=20.0, served_total=48, missed_total=2), 20.0)
+    assert "margin 0.53 -> 0.42: 2 of 15 served missed > 3% beyond chance" in d.reason
+
+
 def test_every_look_of_the_margin_is_kept_with_its_counts_and_reason_moved_or_not() -> None:
     """A look that holds moves no knob, so only ``learned`` says why the margin stayed: the last
     ``LOOKS_KEPT`` looks, newest last, with the counts since the look before."""
