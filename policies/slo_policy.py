@@ -326,7 +326,8 @@ class SloPolicy(Policy):
         if seen < self.margin_samples and not timely:
             return f"margin {m:.2f}: {seen} of {self.margin_samples} served to judge it"
         share, said = miss / seen, f"{miss} of {seen} served missed"
-        if not self._looks and seen < self.margin_samples and beyond_chance(miss, seen, self.miss_high):
+        too_many = beyond_chance(miss, seen, self.miss_high)
+        if too_many and not self._looks and seen < self.margin_samples:
             # the first requests meet a cold prefix cache and a cost model still fitting: a cut on
             # a short count of them is a cut on the start (the twin's SmolLM2 shared prefix at 6
             # req/s, seed 0: 2 of 15 missed, 0.70 -> 0.56, and a minute at +5 % a look to climb
@@ -334,7 +335,7 @@ class SloPolicy(Policy):
             # the engine's load B cut the same way on 2 of 13)
             return f"margin {m:.2f}: {said} at the start, counted on to {self.margin_samples}"
         new, move = m, 0
-        if beyond_chance(miss, seen, self.miss_high):
+        if too_many:
             move, said = -1, f"{said} > {self.miss_high:.0%} beyond chance"
         elif share < self.miss_low or (shed > miss and share <= self.miss_high):
             # a refusal loses a request as surely as a miss does: while the gate refuses more than

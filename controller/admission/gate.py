@@ -276,8 +276,8 @@ class AdmissionGate:
 
     def _check_backlog(self, q: ClassQueue, n: int, bound: float, sure: float, backlog: float) -> None:
         """A request that finds a slot free behind a prefill ``backlog`` is refused where ``sure``,
-        the time since it arrived, the backlog and its own prefill (its predicted TTFT less the
-        learned after-slot lag), passes its TTFT bound: served, it would miss it for certain, and
+        the time since it arrived, the backlog and its own prefill (``AfterSlot.sure_s``: no learned
+        lag), passes its TTFT bound: served, it would miss it for certain, and
         its prefill would delay every request behind it. The step-cost model's terms only: the
         learned lag and the TTFT check's correction do not refuse a request a free slot waits for
         (with them, the twin's H200 shared-prefix load at 40 req/s refused for 25 s while the engine
