@@ -438,18 +438,8 @@ class SloPolicy(Policy):
         per-step chunk where answers are long and the batch small (a CPU, where a per-step budget of
         30 tokens prefilled a 500-token prompt over 17 steps and its TTFT missed), the per-step bound
         where every step of the answer carries one. Before answers are
-        known ``L`` is 2: the per-step bound; before any request has asked (and none is in flight)
-        there is nothing to plan for, and the budget stays the engine's ``max_num_batched_tokens``.
-        How much prefill the engine runs over a request's life, its mean step, is the concurrency's
-        to bound (``_concurrency``)."""
-        if obs.answer_tokens is None and obs.in_flight == 0:
-            # an idle daemon's per-step bound (41 tokens, SmolLM2 on a CPU) met its first requests,
-            # and the rate limit took five ticks to double it to their plan: vLLM bench's warm-up
-            # prefilled cold 528-token prompts 41-328 tokens a step, missed its TTFT and so cut the
-            # margin's first look. The first request asks its max_tokens: the next tick plans.
-            self._shared = (2.0, 1)
-            top = obs.max_num_batched_tokens
-            return top, f"budget {top}: max_num_batched_tokens, no request asked or in flight yet"
+        known ``L`` is 2: the per-step bound. How much prefill the engine runs over a request's life,
+        its mean step, is the concurrency's to bound (``_concurrency``)."""
         d = obs.running
         decode_s = cost.a_s + (cost.c_s_per_decode_seq + cost.d_s_per_kv_token * k) * d
         b = cost.b_s_per_prefill_token

@@ -392,22 +392,6 @@ def test_before_any_answer_is_known_the_budget_holds_the_step_alone_within_the_b
     assert policy().decide(loaded(answer_tokens=1.0), 100.0).token_budget == 1256  # one token: no TPOT
 
 
-def test_an_idle_daemon_keeps_the_engines_budget_until_a_request_asks() -> None:
-    """Nothing asked, nothing in flight: no answer to plan a chunk for. The per-step bound there
-    took an idle daemon's budget down to 41 tokens, and the rate limit then needed five ticks to
-    open it for the first requests' cold prompts."""
-    idle = loaded(running=0, in_flight=0, answer_tokens=None)
-    d = policy().decide(idle, 100.0)
-    assert d.token_budget == 8192  # the engine's max_num_batched_tokens
-    assert "budget 8192: max_num_batched_tokens, no request asked or in flight yet" in d.reason
-    # the first request in flight, its max_tokens not known: the per-step bound, as before
-    # (tau 45 ms, decodes 5.1 ms: floor(39.9 ms / 30 us) = 1330)
-    assert policy().decide(loaded(running=0, in_flight=1, answer_tokens=None), 100.0).token_budget == 1330
-    # once a request asked, idle or not, the plan: 200-token answers share chunks past the engine's
-    assert policy().decide(loaded(running=0, in_flight=0, answer_tokens=200.0), 100.0).token_budget == 8192
-    assert policy().decide(loaded(running=0, in_flight=0, answer_tokens=5.0), 100.0).token_budget == 5320
-
-
 def test_on_a_slow_engine_the_margin_is_judged_every_margin_look_s_from_ten_served() -> None:
     """A CPU serves a request or two a second: 50 served took most of a one-minute run, and the
     margin never moved in it. The binomial test judges ten as fairly, so a look comes every 10 s."""
