@@ -18,7 +18,7 @@ from types import MappingProxyType
 from typing import Any
 
 from policies.base import Decision, Observation, Policy, PolicyError
-from policies.common import check_float, check_int, is_stale
+from policies.common import check_float, check_int, is_stale, kv_batch
 from policies.cost import CostEstimate, knee_batch
 from policies.knobs import cap_bounds
 from policies.slo_targets import SloTargets
@@ -70,8 +70,9 @@ class SloPolicy(Policy):
        ``N_kv = floor(kv_target * D / kv_usage)``, what the cache holds without preemption. The KV of
        one sequence is estimated from the observation as its mean share of the cache,
        ``kv_usage / D`` (the latest step's usage over the latest running count), so no cache size is
-       needed; with fewer than ``kv_min_running`` requests running the share is too noisy and only
-       ``N_tpot`` applies.
+       needed; with fewer than ``kv_min_running`` requests running the share is too noisy, and with
+       the cache under half of ``kv_target`` it over-reads a shared prefix's blocks
+       (``policies.common.kv_batch``): there only ``N_tpot`` applies.
     4. admission limit: just above what the engine runs, so that the queue forms in the gate, where it
        is ordered by class and shed against the TTFT bound, not in the engine's waiting queue.
        ``waiting = in_flight - D`` (requests inside the engine not yet running), ``h = max(min_headroom,
@@ -274,11 +275,7 @@ class SloPolicy(Policy):
         else:
             n = knee_batch(cost.a_s, per_seq, g)
             why = f"cap {n}: knee, {1 - g:.0%} of peak at step {_ms(cost.a_s)} + {per_seq * 1e3:.2f} ms/seq"
-        d = obs.running
-        if d >= self.kv_min_running and obs.kv_usage > 0:
-            n_kv = math.floor(self.kv_target * d / obs.kv_usage)
-            if n_kv < n:
-                n, why = n_kv, f"cap {n_kv}: KV {obs.kv_usage:.2f} at {d} running > {self.kv_target:g}"
+        n, why = self._kv_cap(obs, n, why)
         cap = cap_bounds(self.max_num_seqs).clamp(n)
         budget = obs.max_num_batched_tokens
         limit, limit_why = self._limit(obs, cap, cut=False)
@@ -296,12 +293,15 @@ class SloPolicy(Policy):
         n = self.max_num_seqs if per_seq <= 0 else max(0, math.floor(room / per_seq))
         step = _ms(cost.a_s + per_seq * n + cost.b_s_per_prefill_token * reserve)
         cap, why = n, f"cap {n}: decode step with {reserve} prefill tokens {step} <= {_ms(tau)}"
-        d = obs.running
-        if d >= self.kv_min_running and obs.kv_usage > 0:
-            n = math.floor(self.kv_target * d / obs.kv_usage)
-            if n < cap:
-                cap, why = n, f"cap {n}: KV {obs.kv_usage:.2f} at {d} running > {self.kv_target:g}"
+        cap, why = self._kv_cap(obs, cap, why)
         return cap_bounds(self.max_num_seqs).clamp(cap), why
+
+    def _kv_cap(self, obs: Observation, cap: int, why: str) -> tuple[int, str]:
+        """``cap``, or what the KV cache holds where that is less (``policies.common.kv_batch``)."""
+        n = kv_batch(obs.running, obs.kv_usage, self.kv_target, self.kv_min_running)
+        if n is None or n >= cap:
+            return cap, why
+        return n, f"cap {n}: KV {obs.kv_usage:.2f} at {obs.running} running > {self.kv_target:g}"
 
     def _learn_margin(self, obs: Observation) -> str:
         """Steer ``margin_live`` by the share of the requests served since its last look that missed

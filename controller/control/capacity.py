@@ -41,8 +41,9 @@ batch that the SLO and the memory allow::
   ``mean_margin``, learned from 0.7: the requests whose steps run longer than the mean must meet the
   bound too, and it is the batch that policy lets run), else 1.0 (the bound itself).
 * ``D_kv = floor(running / kv_usage)``: the batch whose KV fills the cache at the current sequences'
-  mean share of it (no cache size needed); with fewer than ``kv_min_running`` sequences running the
-  share is too noisy and only the TPOT bound and ``max_num_seqs`` apply.
+  mean share of it (no cache size needed); with fewer than ``kv_min_running`` sequences running, or
+  the cache under half full (a shared prefix's blocks over-read: ``policies.common.kv_batch``), only
+  the TPOT bound and ``max_num_seqs`` apply.
 * ``offered_rps``: requests arriving at the gate per second over the telemetry window: admitted,
   refused, timed out in the queue, and still queued (``GateStats`` totals, differenced between ticks).
   Not the admitted rate: that cannot pass what the engine takes, so it would read about 1 under any
@@ -82,6 +83,7 @@ from typing import Any, Protocol
 from controller.admission.queues import GateStats
 from controller.control.telemetry import FinishedMix
 from policies.base import Observation, Policy
+from policies.common import kv_batch
 from policies.cost import CostEstimate, knee_batch
 from policies.slo_targets import SloTargets
 
@@ -269,9 +271,8 @@ class CapacityMeter:
             return Capacity(idle, None, reason=why, **figures)
         share = 1.0 if self.policy is None else self.policy.mean_step_share  # learned: read each tick
         bound_s = None if slo is None else share * slo.tightest.tpot_s
-        kv = obs.running >= self.kv_min_running and obs.kv_usage > 0
-        kv_batch = math.floor(obs.running / obs.kv_usage) if kv else None
-        fit = fit_capacity(cost, bound_s, mix, kv_batch, obs.max_num_seqs, self.knee_share)
+        kv = kv_batch(obs.running, obs.kv_usage, 1.0, self.kv_min_running)
+        fit = fit_capacity(cost, bound_s, mix, kv, obs.max_num_seqs, self.knee_share)
         if isinstance(fit, str):
             return Capacity(idle, None, reason=fit, step_bound_s=bound_s, **figures)
         figures.update(asdict(fit), step_bound_s=bound_s)

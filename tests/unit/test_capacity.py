@@ -170,6 +170,20 @@ def test_without_slo_the_slo_policy_counts_capacity_at_its_throughput_knee() -> 
     assert meter.last.saturation == pytest.approx(2 / meter.last.capacity_rps)
 
 
+@pytest.mark.parametrize(("kv_usage", "batch", "bound"), [(0.3, 18, "tpot"), (0.5, 8, "kv")])
+def test_the_kv_bounds_the_capacity_once_half_full(kv_usage: float, batch: int, bound: str) -> None:
+    """4 running: at KV 0.3 (a shared prefix's blocks are held once, the mean share over-reads them)
+    the TPOT bound's 18 stands; at 0.5 the cache holds floor(4 / 0.5) = 8."""
+    clock = FakeClock(100.0)
+    meter, gate, window = _meter(clock)
+    for _ in range(2):
+        gate.arrive(2)
+        _finish(window, clock(), 3)
+        meter.on_tick(obs(now_mono=clock(), running=4, kv_usage=kv_usage, cost=COST), [])
+        clock.advance(1.0)
+    assert (meter.last.reason, meter.last.batch, meter.last.bound) == ("ok", batch, bound)
+
+
 def test_the_slo_policy_plans_the_mean_step_to_its_mean_margin() -> None:
     policy = SloPolicy(max_num_seqs=64, initial_limit=8, slo=SLO, mean_margin=0.5)
     static = StaticPolicy(max_num_seqs=64, initial_limit=8)

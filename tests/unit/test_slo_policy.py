@@ -53,12 +53,14 @@ def test_each_knob_is_sized_from_the_model_and_the_tpot_bound() -> None:
     # budget: tau = 0.9 * 50 ms = 45 ms; decodes 5.1 + 20 * (0.1 + 0.04) ms = 7.9 ms;
     #   chunk floor((45 - 7.9) ms / 30 us) = 1236 -> 20 + 1236
     assert d.token_budget == 1256
-    # cap: decode step floor((45 - 5.1 - 64 * 0.03) ms / 0.14 ms) = 271; KV: floor(0.9 * 20 / 0.1) = 180
-    assert d.batch_cap == 180
+    # cap: decode step floor((45 - 5.1 - 64 * 0.03) ms / 0.14 ms) = 271, at most max_num_seqs; KV 0.1
+    # is under half of kv_target 0.9: no KV bound (test_a_shared_prefix_...)
+    assert d.batch_cap == 256
     # runs: mean step floor((25 - 5.1) ms / (0.14 + 2 * 0.03) ms) = 99; limit 99 + ceil(0.1 * 99)
     assert d.admission_limit == 109
     assert d.reason == (
-        "slo[budget 1256: step 45 ms at 20 decodes, bound 45 ms; cap 180: KV 0.10 at 20 running > 0.9; "
+        "slo[budget 1256: step 45 ms at 20 decodes, bound 45 ms; cap 271: decode step with 64 prefill "
+        "tokens 45 ms <= 45 ms; "
         "runs 99: mean step 25 ms at 2.0 prefill/decode <= 25 ms; margin 0.50: 0 of 50 served to judge it; "
         "limit 109: 10 above]"
     )
@@ -154,10 +156,34 @@ def test_without_an_slo_requests_waiting_in_the_engine_do_not_cut_the_limit() ->
 
 
 def test_without_an_slo_the_kv_cache_bounds_the_knee() -> None:
-    d = SloPolicy(max_num_seqs=256, initial_limit=50).decide(loaded(), 0.0)
-    # knee ceil(5.1 * 0.95 / (0.05 * 0.2)) = 485; KV floor(0.9 * 20 / 0.1) = 180
-    assert d.batch_cap == 180
-    assert "cap 180: KV 0.10 at 20 running > 0.9" in d.reason
+    d = SloPolicy(max_num_seqs=256, initial_limit=50).decide(loaded(kv_usage=0.5), 0.0)
+    # knee ceil(5.1 * 0.95 / (0.05 * 0.2)) = 485; KV floor(0.9 * 20 / 0.5) = 36
+    assert d.batch_cap == 36
+    assert "cap 36: KV 0.50 at 20 running > 0.9" in d.reason
+
+
+def test_under_slo_the_kv_cache_bounds_the_cap() -> None:
+    d = policy().decide(loaded(kv_usage=0.6), 100.0)
+    # decode step 271 (test above); KV floor(0.9 * 20 / 0.6) = 30
+    assert d.batch_cap == 30
+    assert "cap 30: KV 0.60 at 20 running > 0.9" in d.reason
+
+
+def test_a_shared_prefix_does_not_read_as_a_full_cache() -> None:
+    """The load of the drop-in's flapping (CPU box, prefix_repetition: four 480-token system prompts):
+    KV 0.22 at 4 running read a cap of floor(0.9 * 4 / 0.22) = 16 while the knee's was 58, and the
+    cap and limit swung between the two every few seconds; 15 running held 0.47 of that cache. Under
+    half of kv_target the mean share over-reads the shared blocks: the KV bounds nothing there."""
+    knee = SloPolicy(max_num_seqs=256, initial_limit=50)
+    shared = knee.decide(loaded(running=4, in_flight=4, kv_usage=0.22), 0.0)
+    assert shared.batch_cap == 256  # the knee's 485, at most max_num_seqs: no KV bound
+    assert "KV" not in shared.reason
+    # at half of kv_target the straight line reaches twice the batch: it bounds from there
+    half = knee.decide(loaded(running=4, in_flight=4, kv_usage=0.45), 0.0)
+    assert half.batch_cap == 8
+    assert "cap 8: KV 0.45 at 4 running > 0.9" in half.reason
+    under_slo = policy().decide(loaded(running=4, in_flight=4, kv_usage=0.22), 100.0)
+    assert "KV" not in under_slo.reason
 
 
 def test_without_an_slo_it_holds_until_the_model_is_ready() -> None:
