@@ -126,8 +126,8 @@ def kv_batch(running: int, kv_usage: float, target: float, min_running: int) -> 
     blocks once, however many read them (vLLM's ``kv_cache_usage`` counts a block once), so the mean
     share falls as the batch grows and the straight line from a nearly empty cache reads a fraction
     of what it holds: measured on the CPU box (four 480-token system prompts), 0.22 at 4 running
-    read 16 where 15 running held 0.47 (28), and the daemon's cap and limit flapped between 16-23 and
-    the knee's 58 every few seconds, queueing requests in the gate the engine had room for.
+    read 16 where 15 running held 0.47 (a cap of 28), and the daemon's cap and limit flapped between
+    16-23 and the knee's 58 every few seconds, queueing requests in the gate the engine had room for.
     From half of ``target`` on, the line reaches at most twice the batch running, and each tick reads
     the share again as the batch grows, so the bound closes on what the cache holds; below it vLLM's
     own block check (a prompt is admitted only with its blocks free) is the guard, as in ``vllm
