@@ -123,8 +123,9 @@ async def prefill_beside_streams(
     ``streams`` of them first (one per engine, as the load-balancing client spreads them), and one
     more for each try whose prompt landed on an engine with none (the balancer reads the engines'
     counts as they last reported them, so two streams sent at once can share an engine). Each try
-    opens its streams afresh: a stream of an earlier try can end in the middle of the prompt's
-    prefill (make test saw chunks of 63, 63, 63 and then the rest, 411, alone)."""
+    opens its streams afresh, and a try counts only where every chunk of the prompt shared its step
+    with a decode: a stream can end in the middle of the prompt's prefill (make test and CI saw
+    chunks of 63, 63, 63 and then the rest, 411, alone, in a step with nothing to decode)."""
     for attempt in range(4):
         async with contextlib.AsyncExitStack() as stack:
             for _ in range(streams + attempt):
@@ -135,8 +136,8 @@ async def prefill_beside_streams(
                 assert r.status == 200, await r.text()
                 tokens = int((await r.json())["usage"]["prompt_tokens"])
             steps = [c for _, c in costs(await d.parts.host.drain_steps())]
-        if any(st.prefill_tokens and st.decode_seqs for st in steps):
-            break  # it shared a step with a stream: beside one
+        if all(st.decode_seqs for st in steps if st.prefill_tokens):
+            break  # each of its chunks shared a step with a stream: beside one throughout
     return tokens, steps
 
 
