@@ -265,6 +265,12 @@ class AdmissionGate:
         sets each residual against the lag of its prediction (``ttft.TtftCheck``)."""
         return self.after_slot.seconds()
 
+    def uncached_tokens(self, prompt_tokens: int | None) -> int | None:
+        """Of a prompt of ``prompt_tokens``, what a prediction now expects the engine to prefill
+        (``ttft.TtftBounds.uncached_tokens``): the TTFT check sets the request's own cache hits
+        against it."""
+        return self.ttft.uncached_tokens(prompt_tokens)
+
     def _check_own_bound(self, q: ClassQueue, n: int, bound: float, own_s: float) -> None:
         """A request that names its own TTFT bound and finds a free slot is refused where what it
         needs besides a wait (``own_s``: its prefill, the after-slot lag, the time since it arrived)

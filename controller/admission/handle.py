@@ -62,6 +62,8 @@ class Gate(Protocol):
 
     def lag_s(self) -> float: ...
 
+    def uncached_tokens(self, prompt_tokens: int | None) -> int | None: ...
+
     def cancel_pending(self, priority: int, count: int = 1) -> None: ...
 
     def take_retry(self, request_id: str | None) -> bool: ...
@@ -86,6 +88,9 @@ class Call:
     """Of ``predicted_ttft_s``, the after-slot lag (``ttft.AfterSlot.seconds``) it held."""
     arrived_mono: float | None = None
     """When its request reached the server (with ``predicted_ttft_s``)."""
+    assumed_uncached: int | None = None
+    """Of its prompt, the tokens ``predicted_ttft_s`` expected the engine to prefill (the rest from
+    the prefix cache: ``ttft.TtftBounds.uncached_tokens``)."""
     places: int = 0
     """Pending places it holds in its class, one per sequence: taken when it queues
     (``Admission.acquire``), given back at the request's end where it never did (``Admission.close``)."""
@@ -181,6 +186,7 @@ class Admission:
         if predicted is not None:  # measured against it at its first token
             call.predicted_ttft_s, call.arrived_mono = predicted, self.arrived_mono
             call.predicted_lag_s = self._gate.lag_s()  # what the prediction just read
+            call.assumed_uncached = self._gate.uncached_tokens(prompt_tokens)
         self._calls.append(call)
         return call
 

@@ -34,7 +34,9 @@ class PrefillEstimator(Protocol):
     that have had no first token, which a new request's first token waits behind (0 when it cannot
     tell)."""
 
-    def prefill_s(self, prompt_tokens: int) -> float: ...
+    def prefill_s(self, prompt_tokens: int, uncached: int | None = None) -> float: ...
+
+    def uncached_tokens(self, prompt_tokens: int) -> int: ...
 
     def backlog_s(self) -> float: ...
 
@@ -90,12 +92,28 @@ class TtftBounds:
         """Whether a request's prompt length changes its check (only with a prefill estimator)."""
         return self.prefill is not None
 
-    def prefill_s(self, prompt_tokens: int | None) -> float:
-        """The request's own prefill; 0 without an estimator or a known prompt length (the daemon
-        reads it off the input vLLM rendered: ``engine/frontend/client.py``)."""
+    def prefill_s(self, prompt_tokens: int | None, uncached: int | None = None) -> float:
+        """The request's own prefill (of its ``uncached`` tokens where known: the estimator's
+        expectation otherwise); 0 without an estimator or a known prompt length (the daemon reads it
+        off the input vLLM rendered: ``engine/frontend/client.py``)."""
         if self.prefill is None or not prompt_tokens:
             return 0.0
-        return max(0.0, self.prefill.prefill_s(prompt_tokens))
+        return max(0.0, self.prefill.prefill_s(prompt_tokens, uncached))
+
+    def uncached_tokens(self, prompt_tokens: int | None) -> int | None:
+        """The tokens of the prompt the estimator expects the engine to prefill (None without one)."""
+        if self.prefill is None or not prompt_tokens:
+            return None
+        return self.prefill.uncached_tokens(prompt_tokens)
+
+    def cache_miss_s(self, prompt_tokens: int | None, assumed: int | None, cached: int | None) -> float:
+        """What a request's prefill took beyond (or short of) its prediction because the prefix
+        cache served ``cached`` of its ``prompt_tokens`` where the prediction ``assumed`` it would
+        prefill that many: both prefills as the estimator costs them now; 0 where either is unknown."""
+        if assumed is None or cached is None or not prompt_tokens:
+            return 0.0
+        actual = max(1, prompt_tokens - cached)
+        return self.prefill_s(prompt_tokens, actual) - self.prefill_s(prompt_tokens, assumed)
 
 
 MIN_OWN_TTFT_S = 0.1
@@ -253,7 +271,14 @@ class TtftCheck:
     is replaced by the lag now. A burst's first requests miss by what the lag had not yet learned;
     once it has, the same seconds stand in every prediction, and the correction counted them a
     second time (SmolLM2, the moderate phase-changing load: 2.0 s of lag plus 4.7 s of correction
-    against a 5 s bound refused 35 requests in 4 s while those it admitted met it)."""
+    against a 5 s bound refused 35 requests in 4 s while those it admitted met it).
+
+    So is the prefill of what the request's own prefix-cache hits (vLLM's ``num_cached_tokens``,
+    known at its first token) left to compute in place of what the prediction assumed from the
+    cache's recent share (``cache_s``: ``TtftBounds.cache_miss_s``). The check corrects the
+    prediction's bias, which a request's luck with the cache is not: at a run's start the cold
+    prefixes' residuals (0.5-0.7 s on the twin's SmolLM2 shared-prefix loads, 4 prefixes of 480
+    tokens) refused for 10-20 s requests the engine served at 0.2-0.3 s."""
 
     def __init__(
         self,
@@ -272,11 +297,15 @@ class TtftCheck:
         """Per class, (when, predicted less the lag it held, measured TTFT seconds) of its last
         admitted requests."""
 
-    def record(self, cls: str, predicted_s: float, measured_s: float, lag_s: float = 0.0) -> None:
+    def record(
+        self, cls: str, predicted_s: float, measured_s: float, lag_s: float = 0.0, cache_s: float = 0.0
+    ) -> None:
         """A request of ``cls`` admitted with ``predicted_s``, of which ``lag_s`` was the after-slot
-        lag then, got its first token ``measured_s`` after it reached the server."""
+        lag then, got its first token ``measured_s`` after it reached the server; ``cache_s``: what
+        its own prefix-cache hits made its prefill take beyond the prediction's
+        (``TtftBounds.cache_miss_s``), taken out of the residual."""
         seen = self._by_class.setdefault(cls, deque(maxlen=self.window))
-        seen.append((self._clock(), predicted_s - lag_s, measured_s))
+        seen.append((self._clock(), predicted_s - lag_s + cache_s, measured_s))
 
     def _recent(self, cls: str) -> list[tuple[float, float]]:
         """(predicted as now, with the lag now; measured) of ``cls``'s samples in the window."""

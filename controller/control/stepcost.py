@@ -399,16 +399,21 @@ class CostReader:
             self._share = (now, self._cached_share() or 0.0)
         return self._share[1]
 
-    def prefill_s(self, prompt_tokens: int) -> float:
+    def uncached_tokens(self, prompt_tokens: int) -> int:
+        """The tokens of a prompt of ``prompt_tokens`` the engine is expected to prefill: less the
+        share the prefix cache served recent prompts (a request's own hits are known only once it
+        ran), at least one."""
+        return max(1, math.ceil(prompt_tokens * (1.0 - self.cached_share())))
+
+    def prefill_s(self, prompt_tokens: int, uncached: int | None = None) -> float:
         """The gate's prefill term (``admission/ttft.PrefillEstimator``): one step of the prompt alone,
         ``a + b * P``; while ``D`` streams decode (the latest step's), the engine gives the prompt
         chunks of ``T - D`` tokens of the budget ``T`` beside them, each step paying ``a + c * D``:
-        ``ceil(P / (T - D)) * (a + c * D) + b * P``, with ``P`` the prompt's tokens less the share
-        the prefix cache served recent prompts (a request's own hits are known only once it ran).
-        0 until the fit is trusted (no guess refuses anyone)."""
+        ``ceil(P / (T - D)) * (a + c * D) + b * P``, with ``P`` the prompt's ``uncached`` tokens
+        (``uncached_tokens`` where not given). 0 until the fit is trusted (no guess refuses anyone)."""
         if self.model.samples < self.model.min_samples:
             return 0.0
-        prompt_tokens = max(1, math.ceil(prompt_tokens * (1.0 - self.cached_share())))
+        prompt_tokens = max(1, self.uncached_tokens(prompt_tokens) if uncached is None else uncached)
         d = self.model.last_decode_seqs
         if self._budget is None or d <= 0:
             return max(0.0, self.model.predict_step(prompt_tokens, 0, 0))

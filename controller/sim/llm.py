@@ -80,6 +80,8 @@ class SimOutput:
     request_id: str
     metrics: SimStats
     finished: bool = True
+    num_cached_tokens: int | None = None
+    """Of its prompt, the tokens the prefix cache served (its first sequence's, as vLLM reports it)."""
 
 
 @dataclass(frozen=True)
@@ -177,10 +179,10 @@ class SimLLM:
             ends.append(end)
         await first
         if not all(end.done() for end in ends):  # a one-token answer: its first output is its last
-            yield SimOutput(request_id, _stats(prompt["arrival_time"], now, seqs), finished=False)
+            yield SimOutput(request_id, _stats(prompt["arrival_time"], now, seqs), False, _cached(seqs))
         for end in ends:  # each awaited in turn: a gather would add an event-loop round
             await end
-        yield SimOutput(request_id, _stats(prompt["arrival_time"], now, seqs))
+        yield SimOutput(request_id, _stats(prompt["arrival_time"], now, seqs), True, _cached(seqs))
 
     def step_ended(self, step: EngineStep, done: list[SimRequest]) -> None:
         """vLLM's output handler after a step: the finished sequences' outputs to their requests,
@@ -190,6 +192,12 @@ class SimLLM:
             req.on_finish(req)
         self.steps.publish([step])
         report_finished(self.outcomes, [Finished.of(self._ids.pop(req), req) for req in done])
+
+
+def _cached(seqs: list[SimRequest]) -> int | None:
+    """vLLM's ``RequestOutput.num_cached_tokens``: its first sequence's hit (None before it ran)."""
+    hit = seqs[0].num_cached_tokens
+    return hit if hit >= 0 else None
 
 
 def _stats(rendered: float, added: float, seqs: list[SimRequest]) -> SimStats:

@@ -22,6 +22,7 @@ from controller.control.build import ttft_for
 from controller.control.outcomes import OutcomeLedger
 from controller.control.stepcost import CostPrior, CostReader, StepCostModel
 from controller.control.steps import EngineStep
+from controller.engine.frontend import context
 from controller.engine.frontend.client import GovernedEngineClient, engine_queue_s
 from policies.base import build_policy
 from policies.cost import StepCoefficients
@@ -38,8 +39,11 @@ class Prefill:
     def __init__(self, backlog: float = 0.0) -> None:
         self.backlog = backlog
 
-    def prefill_s(self, prompt_tokens: int) -> float:
-        return prompt_tokens * 1e-4
+    def prefill_s(self, prompt_tokens: int, uncached: int | None = None) -> float:
+        return (prompt_tokens if uncached is None else uncached) * 1e-4
+
+    def uncached_tokens(self, prompt_tokens: int) -> int:
+        return prompt_tokens
 
     def backlog_s(self) -> float:
         return self.backlog
@@ -315,6 +319,37 @@ async def test_the_time_after_the_slot_joins_the_prediction_and_cuts_the_queue_d
     assert exc.value.reason == "deadline" and "deadline of 0.7s" in exc.value.message
 
 
+class HalfCached:
+    """1 ms a prompt token computed; half of each prompt expected from the prefix cache."""
+
+    def prefill_s(self, prompt_tokens: int, uncached: int | None = None) -> float:
+        return 1e-3 * (self.uncached_tokens(prompt_tokens) if uncached is None else uncached)
+
+    def uncached_tokens(self, prompt_tokens: int) -> int:
+        return prompt_tokens // 2
+
+    def backlog_s(self) -> float:
+        return 0.0
+
+
+def test_a_cache_miss_is_the_prefill_of_the_tokens_the_cache_did_not_serve_beyond_those_assumed() -> None:
+    ttft = TtftBounds({"interactive": 2.0}, HalfCached())
+    assert ttft.uncached_tokens(1000) == 500 and ttft.uncached_tokens(None) is None
+    assert ttft.cache_miss_s(1000, assumed=500, cached=0) == pytest.approx(0.5)  # a cold prefix
+    assert ttft.cache_miss_s(1000, assumed=500, cached=900) == pytest.approx(-0.4)  # warmer than assumed
+    assert ttft.cache_miss_s(1000, assumed=500, cached=1000) == pytest.approx(-0.499)  # one token computes
+    assert ttft.cache_miss_s(1000, assumed=500, cached=None) == 0.0  # vLLM did not say
+    assert NO_BOUNDS.cache_miss_s(1000, assumed=None, cached=0) == 0.0  # no estimator, nothing assumed
+
+
+def test_a_residual_leaves_out_the_cache_miss_it_is_recorded_with() -> None:
+    check = TtftCheck(FakeClock())
+    for _ in range(10):  # cold prefixes: 0.5 s of prefill beyond a prediction that assumed hits
+        check.record("interactive", 0.5, 1.1, cache_s=0.5)
+    assert check.correction_s("interactive") == pytest.approx(0.1)  # not 0.6
+    assert check.state()["interactive"]["predicted_p50_s"] == pytest.approx(1.0)
+
+
 class Outputs:
     """An engine whose every request yields ``outputs``."""
 
@@ -347,6 +382,42 @@ async def test_the_engine_client_tells_the_gate_each_first_token_from_vllms_own_
     async for _ in client.generate("hi", None, "r"):
         pass
     assert host.outcomes._started["r"].first_token_s == 0.25
+
+
+async def test_the_ttft_check_learns_no_bias_from_the_prefix_caches_cold_start() -> None:
+    """The issue "Past the knee", the twin's shared-prefix loads: the first requests of a run meet
+    a cold prefix cache while the prediction, as the cache's share of recent prompts rises, assumes
+    their hits. Their residuals (0.5-0.7 s at 4 prefixes of 480 tokens) made the correction refuse,
+    for 10-20 s, requests the engine served at 0.2-0.3 s. vLLM says each request's own hits on its
+    first output (``RequestOutput.num_cached_tokens``): the residual counts against the prediction
+    with them."""
+    clock, wall = FakeClock(), FakeClock(5000.0)
+    gate = AdmissionGate(4, 100, (ROOMY,), clock=clock)
+    gate.configure(ttft=TtftBounds({"interactive": 5.0}, HalfCached()))
+    measured = []
+    for cached in (0, 900, None):  # cold, warmer than assumed, not said
+        first = SimpleNamespace(
+            finished=False,
+            num_cached_tokens=cached,
+            metrics=SimpleNamespace(arrival_time=wall(), first_token_latency=0.9),
+        )
+        engine = Outputs(first, SimpleNamespace(finished=True, metrics=None))
+        engine.model_config = SimpleNamespace(is_encoder_decoder=False)  # type: ignore[attr-defined]
+        client = GovernedEngineClient(FakeHost(engine), gate, lambda: None, wall=wall)  # type: ignore[arg-type]
+        request = context.RequestContext(arrived_mono=clock())
+        admission = gate.enter(request.arrived_mono, None, None)
+        tokens = context.current.set(request), context.admission.set(admission)
+        try:
+            async for _ in client.generate({"type": "token", "prompt_token_ids": [0] * 1000}, None, "r"):
+                pass
+        finally:
+            context.current.reset(tokens[0])
+            context.admission.reset(tokens[1])
+        assert admission.calls[0].predicted_ttft_s == pytest.approx(0.5)  # 500 of 1000 tokens at 1 ms
+        assert admission.calls[0].assumed_uncached == 500
+        measured.append([(p, m) for p, m in gate.ttft_check._recent("interactive")][-1])
+    # against 0.5 s predicted: 1.0 s with the cold prompt's 1000 tokens, 0.1 s with 900 cached
+    assert measured == [pytest.approx((1.0, 0.9)), pytest.approx((0.1, 0.9)), pytest.approx((0.5, 0.9))]
 
 
 async def test_the_engines_ttft_counts_from_the_call_not_from_vllms_render() -> None:

@@ -60,3 +60,14 @@ def test_a_fully_cached_prompt_still_computes_a_token() -> None:
     assert CostReader(m, clock, cached_share=lambda: 1.0).prefill_s(500) == pytest.approx(
         CostReader(m, clock).prefill_s(1)
     )
+
+
+def test_a_requests_own_uncached_tokens_stand_in_for_the_share_where_known() -> None:
+    """The TTFT check sets a residual against the prefill of the tokens the cache left the request
+    (vLLM's ``num_cached_tokens``), not the recent share (``admission/ttft.TtftBounds.cache_miss_s``)."""
+    clock = FakeClock(0.0)
+    m = model()
+    reader, plain = CostReader(m, clock, cached_share=lambda: 0.75), CostReader(m, clock)
+    assert reader.uncached_tokens(1000) == 250 and plain.uncached_tokens(1000) == 1000
+    assert reader.prefill_s(1000, uncached=1000) == pytest.approx(plain.prefill_s(1000))
+    assert reader.prefill_s(1000, uncached=0) == pytest.approx(plain.prefill_s(1))  # one token computes

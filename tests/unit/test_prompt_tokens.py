@@ -19,8 +19,11 @@ from tests.helpers import FakeHost
 
 
 class SlowPrefill:
-    def prefill_s(self, prompt_tokens: int) -> float:
-        return 0.1 * prompt_tokens
+    def prefill_s(self, prompt_tokens: int, uncached: int | None = None) -> float:
+        return 0.1 * (prompt_tokens if uncached is None else uncached)
+
+    def uncached_tokens(self, prompt_tokens: int) -> int:
+        return prompt_tokens
 
     def backlog_s(self) -> float:
         return 0.0

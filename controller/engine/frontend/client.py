@@ -408,7 +408,10 @@ class GovernedEngineClient(EngineClient):
         self._gate.after_slot.first_token(seconds, call.prompt_tokens, engine_queue_s(metrics))
         if call.predicted_ttft_s is not None and call.arrived_mono is not None:
             measured = slot.granted_mono - call.arrived_mono + seconds
-            self._gate.ttft_check.record(slot.cls, call.predicted_ttft_s, measured, call.predicted_lag_s)
+            cached = getattr(output, "num_cached_tokens", None)
+            cache_s = self._gate.ttft.cache_miss_s(call.prompt_tokens, call.assumed_uncached, cached)
+            check = self._gate.ttft_check
+            check.record(slot.cls, call.predicted_ttft_s, measured, call.predicted_lag_s, cache_s)
         outcomes = self._host.outcomes
         if outcomes is not None:
             outcomes.first_token(request_id, seconds)
