@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from controller.config.load import load_config
+from controller.engine.frontend.client import GovernedEngineClient
 from controller.lifecycle.daemon import Daemon
-from tests.helpers import http_session, stream_completion, url, write_config
+from tests.helpers import http_session, running_daemon, stream_completion, url, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio]
 
@@ -109,3 +111,28 @@ async def test_a_wait_in_the_gate_counts_once_in_the_judged_ttft(tmp_path: Path,
     judged = waited + sink.first_tokens[waited_id]
     # what the ledger judges is what the client saw (its TTFT less the HTTP round trips), not the wait twice
     assert judged <= second["ttft_s"] + 0.2, (judged, second["ttft_s"], waited)
+
+
+async def test_the_first_streamed_output_says_the_requests_own_prefix_cache_hits(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The TTFT check sets each residual against the prefill of the tokens the request's own
+    prefix-cache hits left (``admission/ttft.TtftCheck``), read off the first output the engine
+    client sees (``RequestOutput.num_cached_tokens``, from vLLM's scheduler at the request's first
+    scheduling). The same long prompt twice, streamed: none cached, then most of it."""
+    seen: list[int | None] = []
+    first_token = GovernedEngineClient._first_token
+
+    def spy(self: GovernedEngineClient, output: Any, *args: Any) -> None:
+        seen.append(getattr(output, "num_cached_tokens", None))
+        first_token(self, output, *args)
+
+    monkeypatch.setattr(GovernedEngineClient, "_first_token", spy)
+    config = write_config(tmp_path / "config.toml", engine={"enable_prefix_caching": True})
+    prompt = "the engine serves requests from a shared system prompt " * 60
+    async with running_daemon(config) as d, http_session() as s:
+        for _ in range(2):
+            answer = await stream_completion(s, url(d, ""), TOKENS, prompt=prompt)
+            assert answer["status"] == 200, answer
+    assert len(seen) == 2 and seen[0] == 0, seen
+    assert isinstance(seen[1], int) and seen[1] >= 1024, seen  # its full blocks of ~1,560 tokens
