@@ -34,16 +34,17 @@ BATCH = PriorityClass("batch", min_priority=1, max_queue=100, queue_deadline_s=6
 
 
 class Prefill:
-    """1 ms per 10 prompt tokens, behind ``backlog`` seconds of the engine's prefill."""
+    """``per_token`` seconds a prompt token computed (1 ms per 10 by default), ``cached`` of each
+    prompt expected from the prefix cache, behind ``backlog`` seconds of the engine's prefill."""
 
-    def __init__(self, backlog: float = 0.0) -> None:
-        self.backlog = backlog
+    def __init__(self, backlog: float = 0.0, per_token: float = 1e-4, cached: float = 0.0) -> None:
+        self.backlog, self.per_token, self.cached = backlog, per_token, cached
 
     def prefill_s(self, prompt_tokens: int, uncached: int | None = None) -> float:
-        return (prompt_tokens if uncached is None else uncached) * 1e-4
+        return self.per_token * (self.uncached_tokens(prompt_tokens) if uncached is None else uncached)
 
     def uncached_tokens(self, prompt_tokens: int) -> int:
-        return prompt_tokens
+        return round(prompt_tokens * (1.0 - self.cached))
 
     def backlog_s(self) -> float:
         return self.backlog
@@ -319,21 +320,12 @@ async def test_the_time_after_the_slot_joins_the_prediction_and_cuts_the_queue_d
     assert exc.value.reason == "deadline" and "deadline of 0.7s" in exc.value.message
 
 
-class HalfCached:
-    """1 ms a prompt token computed; half of each prompt expected from the prefix cache."""
-
-    def prefill_s(self, prompt_tokens: int, uncached: int | None = None) -> float:
-        return 1e-3 * (self.uncached_tokens(prompt_tokens) if uncached is None else uncached)
-
-    def uncached_tokens(self, prompt_tokens: int) -> int:
-        return prompt_tokens // 2
-
-    def backlog_s(self) -> float:
-        return 0.0
+HALF_CACHED = Prefill(per_token=1e-3, cached=0.5)
+"""1 ms a prompt token computed; half of each prompt expected from the prefix cache."""
 
 
 def test_a_cache_miss_is_the_prefill_of_the_tokens_the_cache_did_not_serve_beyond_those_assumed() -> None:
-    ttft = TtftBounds({"interactive": 2.0}, HalfCached())
+    ttft = TtftBounds({"interactive": 2.0}, HALF_CACHED)
     assert ttft.uncached_tokens(1000) == 500 and ttft.uncached_tokens(None) is None
     assert ttft.cache_miss_s(1000, assumed=500, cached=0) == pytest.approx(0.5)  # a cold prefix
     assert ttft.cache_miss_s(1000, assumed=500, cached=900) == pytest.approx(-0.4)  # warmer than assumed
@@ -393,7 +385,7 @@ async def test_the_ttft_check_learns_no_bias_from_the_prefix_caches_cold_start()
     with them."""
     clock, wall = FakeClock(), FakeClock(5000.0)
     gate = AdmissionGate(4, 100, (ROOMY,), clock=clock)
-    gate.configure(ttft=TtftBounds({"interactive": 5.0}, HalfCached()))
+    gate.configure(ttft=TtftBounds({"interactive": 5.0}, HALF_CACHED))
     measured = []
     for cached in (0, 900, None):  # cold, warmer than assumed, not said
         first = SimpleNamespace(
